@@ -1,0 +1,29 @@
+"""The KV cache: one preallocated pool of slots per layer, addressed by slot = block * block_size + offset."""
+
+import torch
+
+from model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # [layers, slots, kv_heads, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    @classmethod
+    def num_blocks_for(cls, memory_bytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return memory_bytes // cls.bytes_per_block(config, block_size, dtype)

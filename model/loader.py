@@ -1,0 +1,143 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into the Transformer.
+
+The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
+time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory.
+"""
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from model.config import ModelConfig
+from model.transformer import Transformer, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+# Our parameter name -> (checkpoint names, transform). Transforms: "cat" joins along dim 0 (fused q/k/v and
+# gate/up), "t" transposes GPT-2's Conv1D weights, "" copies. Patterns see `{i}` as the layer index.
+LLAMA_MAP = {
+    "embed.weight": (["model.embed_tokens.weight"], ""),
+    "norm.weight": (["model.norm.weight"], ""),
+    "lm_head.weight": (["lm_head.weight"], ""),
+    "layers.{i}.norm1.weight": (["model.layers.{i}.input_layernorm.weight"], ""),
+    "layers.{i}.norm2.weight": (["model.layers.{i}.post_attention_layernorm.weight"], ""),
+    "layers.{i}.attn.qkv.weight": ([f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"], "cat"),
+    "layers.{i}.attn.qkv.bias": ([f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"], "cat"),
+    "layers.{i}.attn.o.weight": (["model.layers.{i}.self_attn.o_proj.weight"], ""),
+    "layers.{i}.attn.o.bias": (["model.layers.{i}.self_attn.o_proj.bias"], ""),
+    "layers.{i}.mlp.up.weight": (["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"], "cat"),
+    "layers.{i}.mlp.down.weight": (["model.layers.{i}.mlp.down_proj.weight"], ""),
+}
+GPT2_MAP = {
+    "embed.weight": (["wte.weight"], ""),
+    "pos_embed.weight": (["wpe.weight"], ""),
+    "norm.weight": (["ln_f.weight"], ""),
+    "norm.bias": (["ln_f.bias"], ""),
+    "layers.{i}.norm1.weight": (["h.{i}.ln_1.weight"], ""),
+    "layers.{i}.norm1.bias": (["h.{i}.ln_1.bias"], ""),
+    "layers.{i}.norm2.weight": (["h.{i}.ln_2.weight"], ""),
+    "layers.{i}.norm2.bias": (["h.{i}.ln_2.bias"], ""),
+    "layers.{i}.attn.qkv.weight": (["h.{i}.attn.c_attn.weight"], "t"),
+    "layers.{i}.attn.qkv.bias": (["h.{i}.attn.c_attn.bias"], ""),
+    "layers.{i}.attn.o.weight": (["h.{i}.attn.c_proj.weight"], "t"),
+    "layers.{i}.attn.o.bias": (["h.{i}.attn.c_proj.bias"], ""),
+    "layers.{i}.mlp.up.weight": (["h.{i}.mlp.c_fc.weight"], "t"),
+    "layers.{i}.mlp.up.bias": (["h.{i}.mlp.c_fc.bias"], ""),
+    "layers.{i}.mlp.down.weight": (["h.{i}.mlp.c_proj.weight"], "t"),
+    "layers.{i}.mlp.down.bias": (["h.{i}.mlp.c_proj.bias"], ""),
+}
+
+
+class Checkpoint:
+    """Lazy access to the tensors of one or more safetensors files, by name."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise WeightLoadError(f"no *.safetensors files in {path}")
+            self.files = {}
+            for f in files:
+                with safe_open(f, framework="pt") as sf:
+                    self.files.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
+        self._open: dict[Path, object] = {}
+
+    def resolve(self, name: str) -> str | None:
+        """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`."""
+        for candidate in (name, "transformer." + name):
+            if candidate in self.files:
+                return candidate
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.files[name]
+        if f not in self._open:
+            self._open[f] = safe_open(f, framework="pt")
+        return self._open[f].get_tensor(name)
+
+
+def _source_names(name_map: dict, param: str) -> tuple[list[str], str] | None:
+    m = re.match(r"layers\.(\d+)\.(.*)", param)
+    key = f"layers.{{i}}.{m.group(2)}" if m else param
+    if key not in name_map:
+        return None
+    names, transform = name_map[key]
+    return [n.replace("{i}", m.group(1)) if m else n for n in names], transform
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[Transformer, ModelConfig]:
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    ckpt = Checkpoint(path)
+    name_map = GPT2_MAP if config.architecture == "gpt2" else LLAMA_MAP
+    for param_name, param in list(model.named_parameters()):
+        sources = _source_names(name_map, param_name)
+        if sources is None:
+            raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
+        names, transform = sources
+        parts = []
+        for n in names:
+            stored = ckpt.resolve(n)
+            if stored is None:
+                raise WeightLoadError(f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})")
+            t = ckpt.get(stored)
+            parts.append(t.t() if transform == "t" else t)
+        tensor = torch.cat(parts) if transform == "cat" else parts[0]
+        if tensor.shape != param.shape:
+            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts, strict=True))
+            raise WeightLoadError(
+                f"shape mismatch for {param_name}: expected {tuple(param.shape)}, checkpoint has {shapes}"
+            )
+        _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
+        del parts, tensor
+    if config.positions == "rope":
+        model.inv_freq = rope_inv_freq(config).to(device)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise WeightLoadError(f"parameters not loaded: {', '.join(still_meta)}")
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))

@@ -1,0 +1,141 @@
+"""One decoder-only transformer for every supported architecture (llama, mistral, qwen2, gpt2).
+
+Variation is a few config switches: RMSNorm or LayerNorm, SwiGLU or GELU MLP, RoPE or learned positions,
+biases. Tokens arrive flat ([T]): a step's prefill chunks and decodes go through the same code, K/V are
+read and written through the slots in AttentionMetadata.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import AttentionMetadata, paged_attention
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] rotary frequencies, with Llama 3 scaling when the config asks for it."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = config.rope_scaling_dict
+    if not s:
+        return inv_freq.float()
+    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = old_len / s["low_freq_factor"]
+    high_wavelen = old_len / s["high_freq_factor"]
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    blended = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(medium, blended, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] in Hugging Face's half-split layout; cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Norm(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.eps = config.norm_eps
+        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.norm == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o = nn.Linear(q_size, config.hidden_size, bias=config.out_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o(out.view(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        n_up = 2 * config.intermediate_size if self.swiglu else config.intermediate_size
+        self.up = nn.Linear(config.hidden_size, n_up, bias=config.out_bias)  # swiglu: [gate; up] fused
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.out_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(h, approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm1, self.attn = Norm(config), Attention(config)
+        self.norm2, self.mlp = Norm(config), MLP(config)
+
+    def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embed = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size) if config.positions == "learned" else None
+        )
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = Norm(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        if config.positions == "rope":
+            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        x = self.embed(input_ids)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
+            rope = (freqs.cos().to(x.dtype)[:, None], freqs.sin().to(x.dtype)[:, None])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, *kv_cache.layer(i), meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

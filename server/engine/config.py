@@ -1,0 +1,18 @@
+"""EngineConfig: the knobs of batching and of the KV cache, built by the CLI."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences in one step, at most
+    max_num_batched_tokens: int = 512  # tokens (decodes + prefill chunks) in one step, at most
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = the device's default
+    gpu_memory_utilization: float = 0.9  # share of GPU memory kvserve may use (when kv_cache_memory is None)
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None = the model's context, capped to what the cache holds
+    batch_invariant: bool = False  # float32: pad batches so a row's numbers never depend on its batch
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    enforce_eager: bool = False  # CUDA: no graphs

@@ -1,0 +1,152 @@
+"""Per-request records shared by the scheduler, the model runner, the engine and the API layer."""
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client gone, shutdown, or an error
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 (or -1) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None = off; N = the chosen token's logprob plus the top N
+    prompt_logprobs: bool = False  # also the logprob of each prompt token (completions' echo)
+    include_stop_str_in_output: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the offending field; the API maps it to a 400."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be a finite number")
+        if self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            bad("stop", "strings must not be empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            bad("seed", "must fit in 64 bits")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top N (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output tokens whose K/V are in the cache; catches up with num_tokens
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # timestamps (time.monotonic) for metrics
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """time.monotonic() stamps of one request, sent with its final output."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finish: float | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta for one request: what is new since the previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the text delta, UTF-8 safe, stop strings never included
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, in total
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first output only; the first is None
+    error: str | None = None  # set when the engine had to abort the request on an internal error
+    times: RequestTimes | None = None  # on the final output only

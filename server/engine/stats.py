@@ -1,0 +1,17 @@
+"""Plain snapshots of engine state for the metrics layer (which alone knows Prometheus)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by live requests (cached free blocks count as free)
+    # cumulative counters since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_prompt_tokens: int = 0  # prompt tokens of requests admitted (counted once per request)
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0

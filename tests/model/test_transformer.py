@@ -1,0 +1,124 @@
+import pytest
+import torch
+
+from model.kv_cache import KVCache
+from model.loader import WeightLoadError, load_model
+
+BLOCK = 4
+
+
+def new_cache(config, dtype=torch.float32, num_blocks=64):
+    return KVCache(config, num_blocks, BLOCK, dtype, "cpu")
+
+
+def reference_logits(model_dir, ids):
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
+def test_tiny_models_match_transformers(tiny_model_factory, run_sequence, arch):
+    path = tiny_model_factory(arch)
+    model, config = load_model(path)
+    ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    table = list(range(16))
+    ours = run_sequence(model, new_cache(config), ids, 0, table)
+    ref = reference_logits(path, ids)
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.timeout(120)
+def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, run_sequence):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    path = tiny_model_factory("llama", rope_scaling=scaling, rope_theta=500000.0)
+    model, config = load_model(path)
+    assert dict(config.rope_scaling)["factor"] == 8.0
+    ids = list(range(3, 103))
+    ours = run_sequence(model, new_cache(config), ids, 0, list(range(32)))
+    assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_causality_later_tokens_never_change_earlier_logits(tiny_model_factory, run_sequence, arch):
+    model, config = load_model(tiny_model_factory(arch))
+    ids = list(range(5, 35))
+    changed = ids[:20] + [t + 7 for t in ids[20:]]
+    a = run_sequence(model, new_cache(config), ids, 0, list(range(16)))
+    b = run_sequence(model, new_cache(config), changed, 0, list(range(16)))
+    assert torch.equal(a[:20], b[:20])
+    assert not torch.equal(a[20:], b[20:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_then_decode_equals_one_pass(tiny_model_factory, run_sequence, dtype):
+    """N prompt tokens then M single-token decode steps give the logits of one forward over N+M tokens."""
+    model, config = load_model(tiny_model_factory("llama"), dtype=dtype)
+    ids = list(range(10, 60))
+    N = 23
+    table = [9, 3, 14, 0, 7, 12, 1, 5, 2, 11, 4, 6, 8, 10, 13]  # scattered blocks
+    cache = new_cache(config, dtype)
+    steps = [run_sequence(model, cache, ids[:N], 0, table)[-1:]]
+    for n in range(N + 1, len(ids) + 1):
+        steps.append(run_sequence(model, cache, ids[:n], n - 1, table))
+    incremental = torch.cat(steps)
+    full = run_sequence(model, new_cache(config, dtype), ids, 0, list(range(15)))[N - 1 :]
+    # float32: summation order differs between a 1-row and a many-row GEMM; bfloat16 rows are bit-identical
+    tolerance = 1e-5 if dtype == torch.float32 else 0.0
+    assert (incremental - full).abs().max().item() <= tolerance
+
+
+@pytest.mark.timeout(60)
+def test_missing_and_mismatched_tensors_are_named(tiny_model_factory, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama")
+    for case in ("missing", "shape"):
+        dst = tmp_path / case
+        shutil.copytree(src, dst)
+        tensors = load_file(dst / "model.safetensors")
+        name = "model.layers.1.mlp.down_proj.weight"
+        if case == "missing":
+            del tensors[name]
+        else:
+            tensors[name] = tensors[name][:, :-1].contiguous()
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(WeightLoadError, match=name):
+            load_model(dst)
+
+
+@pytest.mark.timeout(60)
+def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path, run_sequence):
+    import transformers
+
+    src = tiny_model_factory("qwen2")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    a, config = load_model(src)
+    b, _ = load_model(tmp_path)
+    ids = list(range(3, 20))
+    assert torch.equal(run_sequence(a, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
+                       run_sequence(b, new_cache(config), ids, 0, [0, 1, 2, 3, 4]))
+
+
+@pytest.mark.timeout(30)
+def test_unknown_architecture_is_named(tmp_path):
+    import json
+
+    from model.config import ModelConfig, UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "vocab_size": 10}))
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
+        ModelConfig.from_dir(tmp_path)
