@@ -64,7 +64,9 @@ def build_metadata(
         rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
         if rows:
             groups.append(
-                _build_group(rows, starts, query_lens, seq_lens, block_tables, block_size, sliding_window, device)
+                _build_group(
+                    rows, starts, query_lens, seq_lens, block_tables, block_size, sliding_window, device
+                )
             )
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
@@ -74,7 +76,9 @@ def build_metadata(
     return torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True), meta
 
 
-def _build_group(rows, starts, query_lens, seq_lens, block_tables, block_size, window, device) -> AttentionGroup:
+def _build_group(
+    rows, starts, query_lens, seq_lens, block_tables, block_size, window, device
+) -> AttentionGroup:
     q_max = max(query_lens[i] for i in rows)
     n_blocks = max(math.ceil(seq_lens[i] / block_size) for i in rows)
     tables = torch.zeros(len(rows), n_blocks, dtype=torch.long)

@@ -7,7 +7,12 @@ from model.config import ModelConfig
 
 class KVCache:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -25,5 +30,7 @@ class KVCache:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     @classmethod
-    def num_blocks_for(cls, memory_bytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def num_blocks_for(
+        cls, memory_bytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype
+    ) -> int:
         return memory_bytes // cls.bytes_per_block(config, block_size, dtype)

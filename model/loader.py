@@ -35,7 +35,10 @@ LLAMA_MAP = {
     "layers.{i}.attn.qkv.bias": ([f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"], "cat"),
     "layers.{i}.attn.o.weight": (["model.layers.{i}.self_attn.o_proj.weight"], ""),
     "layers.{i}.attn.o.bias": (["model.layers.{i}.self_attn.o_proj.bias"], ""),
-    "layers.{i}.mlp.up.weight": (["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"], "cat"),
+    "layers.{i}.mlp.up.weight": (
+        ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+        "cat",
+    ),
     "layers.{i}.mlp.down.weight": (["model.layers.{i}.mlp.down_proj.weight"], ""),
 }
 GPT2_MAP = {
@@ -117,7 +120,9 @@ def load_model(
         for n in names:
             stored = ckpt.resolve(n)
             if stored is None:
-                raise WeightLoadError(f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})")
+                raise WeightLoadError(
+                    f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
+                )
             t = ckpt.get(stored)
             parts.append(t.t() if transform == "t" else t)
         tensor = torch.cat(parts) if transform == "cat" else parts[0]

@@ -57,7 +57,11 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
@@ -109,11 +113,15 @@ class Transformer(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.pos_embed = (
-            nn.Embedding(config.max_position_embeddings, config.hidden_size) if config.positions == "learned" else None
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.positions == "learned"
+            else None
         )
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = Norm(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        )
         if config.positions == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -135,7 +143,15 @@ class Transformer(nn.Module):
             x = layer(x, rope, *kv_cache.layer(i), meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, num_exact: int = 8) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if weight.dtype != torch.float32 and num_exact:
+            # 16-bit logits keep ~3 significant digits (steps of 0.125 around 25), so near-ties between
+            # the top candidates would be settled by rounding. Recompute those few in float32; the
+            # elementwise product + last-dim sum keeps every row independent of its batch.
+            top = logits.topk(num_exact, dim=-1).indices  # [N, k]
+            exact = (hidden.float()[:, None, :] * weight[top].float()).sum(-1)  # [N, k]
+            logits.scatter_(1, top, exact)
+        return logits

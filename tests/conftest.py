@@ -108,7 +108,9 @@ def default_model_dir() -> Path:
     return ensure_default_model(weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")), progress=False)
 
 
-def forward_sequence(model, cache, token_ids: list[int], num_cached: int, block_table: list[int], min_rows: int = 0):
+def forward_sequence(
+    model, cache, token_ids: list[int], num_cached: int, block_table: list[int], min_rows: int = 0
+):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits."""
     from model.attention import build_metadata
 

@@ -47,7 +47,14 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             if not math.isfinite(getattr(self, name)):
                 bad(name, "must be a finite number")
         if self.max_tokens < 1:

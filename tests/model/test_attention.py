@@ -44,7 +44,7 @@ def test_mixed_batch_equals_each_sequence_alone(dtype, min_rows):
     _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, min_rows=min_rows)
     out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5)
     start = 0
-    for (qlen, ctx), table in zip(lens, tables):
+    for (qlen, ctx), table in zip(lens, tables, strict=False):
         _, m1 = build_metadata([qlen], [ctx], [table], bs, min_rows=min_rows)
         s = slice(start, start + qlen)
         alone = paged_attention(q[s], k[s], v[s], k_cache.clone(), v_cache.clone(), m1, D**-0.5)

@@ -34,8 +34,13 @@ def test_tiny_models_match_transformers(tiny_model_factory, run_sequence, arch):
 
 @pytest.mark.timeout(120)
 def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, run_sequence):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     path = tiny_model_factory("llama", rope_scaling=scaling, rope_theta=500000.0)
     model, config = load_model(path)
     assert dict(config.rope_scaling)["factor"] == 8.0
@@ -109,8 +114,10 @@ def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path, run_sequence):
     a, config = load_model(src)
     b, _ = load_model(tmp_path)
     ids = list(range(3, 20))
-    assert torch.equal(run_sequence(a, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
-                       run_sequence(b, new_cache(config), ids, 0, [0, 1, 2, 3, 4]))
+    assert torch.equal(
+        run_sequence(a, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
+        run_sequence(b, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
+    )
 
 
 @pytest.mark.timeout(30)
@@ -119,6 +126,8 @@ def test_unknown_architecture_is_named(tmp_path):
 
     from model.config import ModelConfig, UnsupportedModelError
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "vocab_size": 10}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["FalconForCausalLM"], "vocab_size": 10})
+    )
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
         ModelConfig.from_dir(tmp_path)

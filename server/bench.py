@@ -1,0 +1,99 @@
+"""Offline benchmarks: the model alone (prefill, single-stream decode) and the engine under concurrency."""
+
+import dataclasses
+import json
+import random
+import statistics
+import time
+
+from server.engine.engine import Engine
+from server.engine.request import SamplingParams
+from server.engine.scheduler import Scheduler
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Distinct prompts of random ordinary tokens (ids past the first few hundred avoid special tokens)."""
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """Run all prompts to completion (greedy, ignore_eos, fixed length); per-request timings in seconds."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.monotonic()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    times = []
+    num_tokens = 0
+    while engine.has_work():
+        for out in engine.step():
+            num_tokens += len(out.new_token_ids)
+            if out.finished:
+                times.append(out.times)
+    wall = time.monotonic() - start
+    return {"wall_s": wall, "output_tokens": num_tokens, "times": times}
+
+
+def reset_scheduler(engine: Engine, **changes) -> None:
+    """A fresh scheduler (empty prefix cache) over the same model, cache and kernels."""
+    config = dataclasses.replace(engine.config, **changes)
+    engine.scheduler = Scheduler(config, engine.runner.num_blocks, engine.max_model_len)
+
+
+def bench_offline(
+    engine: Engine, num_requests: int, input_len: int, output_len: int, baseline_requests: int | None
+) -> dict:
+    vocab = engine.vocab_size
+    run_requests(engine, random_prompts(2, input_len, vocab, seed=1), min(output_len, 8), "warmup")
+    prompts = random_prompts(num_requests, input_len, vocab)
+    reset_scheduler(engine)
+    main = run_requests(engine, prompts, output_len, "bench")
+    result = {
+        "requests": num_requests,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.runner.device),
+        "wall_s": round(main["wall_s"], 2),
+        "output_tokens_per_s": round(main["output_tokens"] / main["wall_s"], 1),
+    }
+    ttft = [t.first_token - t.arrival for t in main["times"]]
+    result["ttft_p50_s"] = round(statistics.median(ttft), 3)
+    n_base = num_requests if baseline_requests is None else min(baseline_requests, num_requests)
+    if n_base > 0:
+        reset_scheduler(engine, max_num_seqs=1)
+        base = run_requests(engine, prompts[:n_base], output_len, "baseline")
+        result["baseline_requests"] = n_base
+        result["baseline_output_tokens_per_s"] = round(base["output_tokens"] / base["wall_s"], 1)
+        result["speedup"] = round(result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"], 2)
+    reset_scheduler(engine)
+    return result
+
+
+def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> dict:
+    """Prefill tokens/s (one prompt) and single-stream decode tokens/s (prefill excluded), medians of `runs`."""
+    vocab = engine.vocab_size
+    prefill, decode = [], []
+    for i in range(runs + 1):  # run 0 is the warm-up
+        reset_scheduler(engine)  # no prefix-cache hits between runs
+        r = run_requests(engine, random_prompts(1, prompt_len, vocab, seed=100 + i), output_len, f"m{i}")
+        t = r["times"][0]
+        if i == 0:
+            continue
+        prefill.append(prompt_len / (t.first_token - t.scheduled))
+        decode.append((output_len - 1) / (t.finish - t.first_token))
+    return {
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.runner.device),
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "runs": runs,
+        "prefill_tokens_per_s": round(statistics.median(prefill), 1),
+        "decode_tokens_per_s": round(statistics.median(decode), 1),
+    }
+
+
+def print_json(result: dict) -> None:
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,213 @@
+"""kvserve's command line: serve, generate, fetch, convert-gguf, openapi, bench, bench-offline, bench-model, chat.
+
+Every flag also reads an environment variable KVSERVE_<FLAG> (dashes as underscores); the flag wins.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("kvserve")
+
+
+def env(name: str, default=None, kind=str):
+    value = os.environ.get("KVSERVE_" + name.upper().replace("-", "_"))
+    if value is None:
+        return default
+    if kind is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model", default=env("model"), help="HF-layout model folder (default: the embedded SmolLM2)"
+    )
+    g.add_argument("--weights-dir", default=env("weights_dir"), help="where fetched weights live")
+    g.add_argument("--device", default=env("device", "auto"), choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--dtype", default=env("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    g.add_argument("--max-num-seqs", type=int, default=env("max_num_seqs", 64, int))
+    g.add_argument("--max-num-batched-tokens", type=int, default=env("max_num_batched_tokens", 512, int))
+    g.add_argument("--kv-cache-memory", default=env("kv_cache_memory"), help="KV cache size, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=env("gpu_memory_utilization", 0.9, float))
+    g.add_argument("--block-size", type=int, default=env("block_size", 16, int))
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env("enable_prefix_caching", True, bool),
+    )
+    g.add_argument("--batch-invariant", action="store_true", default=env("batch_invariant", False, bool))
+    g.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
+    g.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", False, bool))
+    g.add_argument("--chat-template", default=env("chat_template"), help="a Jinja chat template, or a file")
+    g.add_argument(
+        "--log-level", default=env("log_level", "info"), choices=["debug", "info", "warning", "error"]
+    )
+
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    from weights.fetch import ensure_default_model
+    from weights.store import weights_dir
+
+    return str(ensure_default_model(weights_dir(args.weights_dir)))
+
+
+def engine_config(args, **overrides):
+    from server.engine.config import EngineConfig
+    from server.engine.model_runner import parse_size
+
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
+        device=args.device,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+    )
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def build_engine(args, **overrides):
+    from server.engine.engine import Engine
+
+    return Engine(resolve_model(args), engine_config(args, **overrides), args.chat_template)
+
+
+def cmd_generate(args) -> int:
+    from server.engine.request import SamplingParams
+
+    engine = build_engine(args)
+    tok = engine.tokenizer
+    if args.raw or not tok.has_chat_template:
+        prompt = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    engine.add_request("generate", tok.encode(prompt), params)
+    while engine.has_work():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from weights.fetch import ensure_default_model
+    from weights.store import weights_dir
+
+    print(ensure_default_model(weights_dir(args.weights_dir)))
+    return 0
+
+
+def cmd_convert_gguf(args) -> int:
+    from weights.gguf_convert import convert_gguf
+
+    convert_gguf(Path(args.src), Path(args.dst))
+    print(args.dst)
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from server.bench import bench_offline, print_json
+
+    engine = build_engine(args)
+    print_json(
+        bench_offline(engine, args.num_requests, args.input_len, args.output_len, args.baseline_requests)
+    )
+    return 0
+
+
+def cmd_bench_model(args) -> int:
+    from server.bench import bench_model, print_json
+
+    for dtype in args.dtypes:
+        args.dtype = dtype
+        engine = build_engine(args, max_num_seqs=1)
+        print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
+        del engine
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate an answer in the terminal, streaming")
+    add_model_flags(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", default=None, help="system message (chat models)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("fetch", help="download and convert the embedded default model (idempotent)")
+    p.add_argument("--weights-dir", default=env("weights_dir"))
+    p.add_argument("--log-level", default=env("log_level", "info"))
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("convert-gguf", help="convert a llama-family GGUF file into a Hugging Face folder")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--log-level", default=env("log_level", "info"))
+    p.set_defaults(func=cmd_convert_gguf)
+
+    p = sub.add_parser("bench-offline", help="engine throughput at a concurrency, against max-num-seqs 1")
+    add_model_flags(p)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--baseline-requests", type=int, default=None, help="requests in the baseline run (default all)"
+    )
+    p.set_defaults(func=cmd_bench_offline)
+
+    p = sub.add_parser("bench-model", help="prefill and single-stream decode tokens/s per dtype")
+    add_model_flags(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.set_defaults(func=cmd_bench_model)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Scheduler: which tokens of which requests run in the next step.
+
+Tokens, not phases: a request's `num_computed_tokens` catches up with its `num_tokens` (prompt + output).
+A step mixes decodes (1 token) and prefill chunks under one token budget. A scheduled pair
+(request, n) means: compute `request.all_token_ids[c : c + n]` at positions c .. c + n - 1, where
+c = request.num_computed_tokens as it is before update(); the step samples a token for the request only
+when its chunk reaches the end of its known tokens (c + n == request.num_tokens).
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.engine.block_manager import BlockManager
+from server.engine.config import EngineConfig
+from server.engine.request import FinishReason, Request, RequestStatus
+from server.engine.stats import EngineStats
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, num_new_tokens) in batch order: running decodes, running prefill chunks, newly admitted
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def is_sampled(request: Request, num_new_tokens: int) -> bool:
+    """Whether a scheduled chunk yields a token; valid between schedule() and update()."""
+    return request.num_computed_tokens + num_new_tokens == request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of admitted requests, once per request
+        self.num_generation_tokens = 0
+        self.num_steps = 0  # schedule() calls that scheduled something
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run here (a message with the numbers), or None if it can."""
+        if num_prompt_tokens < 1:
+            return "the prompt must contain at least one token"
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            return (
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        # the last sampled token is never fed back, so at most total - 1 tokens need K/V slots
+        num_blocks = -(-(total - 1) // self.config.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            return (
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {num_blocks} KV-cache "
+                f"blocks but the whole cache holds {self.block_manager.num_blocks} "
+                f"({self.block_manager.num_blocks * self.config.block_size} tokens)"
+            )
+        return None
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, FinishReason.ABORT)
+        return request
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """Finish a waiting or running request now and free its blocks; no-op if already finished."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        del self.requests[request.request_id]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self.config.max_num_batched_tokens
+
+        # Running requests in admission order, which puts the decodes first: a request gets a partial chunk
+        # only when that chunk uses up the budget, so at most one running request is mid-prefill and it is
+        # the newest. Preemption victims come from the end, so none of them was scheduled in this step yet.
+        for request in list(self.running):
+            budget = token_budget - out.num_batched_tokens
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, n, out):
+                out.scheduled.append((request, n))
+                out.num_batched_tokens += n
+
+        # Admit waiting requests in order. Not in a step that preempted: the blocks just freed belong to
+        # the preempted requests, now at the front of the queue, and re-admitting them at once would thrash.
+        now = time.monotonic()
+        while self.waiting and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            budget = token_budget - out.num_batched_tokens
+            if budget == 0:
+                break
+            request = self.waiting[0]
+            # prompt logprobs need the logits of every prompt position, so nothing may be skipped
+            cached = [] if request.params.prompt_logprobs else self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached) * self.config.block_size
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request, num_cached + n, cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume after preemption
+                request.num_cached_tokens = num_cached
+                request.scheduled_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            out.num_batched_tokens += n
+
+        if out.scheduled:
+            self.num_steps += 1
+        return out
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Get slots for n more tokens of a running request, preempting the most recently admitted
+        running requests until they fit. False when the request had to preempt itself."""
+        while not self.block_manager.allocate(request, request.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute, not swap: drop the K/V and later recompute prompt + output so far as one long prompt.
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by their chunks, append the sampled tokens and apply the stop
+        rules. Returns the requests that finished in this step (their blocks already freed)."""
+        finished = []
+        now = time.monotonic()
+        for request, n in out.scheduled:
+            if request.status != RequestStatus.RUNNING:  # aborted since schedule()
+                continue
+            request.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(request)
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            assert request.num_computed_tokens == request.num_tokens, "sampled a request mid-prefill"
+            request.output_token_ids.append(token_id)
+            self.num_generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self.finish_request(request, reason)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        num_output = len(request.output_token_ids)
+        # a stop token that ends the output wins over the length limit reached by the same token
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )

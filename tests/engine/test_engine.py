@@ -1,0 +1,228 @@
+import random
+
+import pytest
+
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams | dict = GREEDY, aborts=()):
+    """Run requests to completion; returns {id: (token ids, text, finish reason)}."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params[rid] if isinstance(params, dict) else params)
+    for rid in aborts:
+        engine.abort(rid)
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    texts = {rid: "" for rid in prompts}
+    reasons = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            texts[out.request_id] += out.text
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    return {rid: (tokens[rid], texts[rid], reasons.get(rid)) for rid in prompts}
+
+
+def alone(engine: Engine, prompts: dict[str, list[int]], params=GREEDY):
+    results = {}
+    for rid, ids in prompts.items():
+        results.update(run(engine, {rid: ids}, params[rid] if isinstance(params, dict) else params))
+    return results
+
+
+def assert_all_blocks_free(engine: Engine):
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == engine.runner.num_blocks
+    assert engine.stats().kv_cache_usage == 0.0
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+
+
+def random_prompts(n, vocab, seed=0, low=4, high=60, prefix="r"):
+    rng = random.Random(seed)
+    return {
+        f"{prefix}{i}": [rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for i in range(n)
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(tiny_llama_dir):
+    def make(**kw) -> Engine:
+        config = dict(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=64)
+        config.update(kw)
+        return Engine(str(tiny_llama_dir), EngineConfig(**config))
+
+    return make
+
+
+@pytest.mark.timeout(300)
+def test_default_model_batched_greedy_equals_alone(default_model_dir):
+    """16 prompts together (chunked, mixed with decodes) give each prompt's tokens alone, bit for bit."""
+    engine = Engine(
+        str(default_model_dir), EngineConfig(kv_cache_memory=256 << 20, max_num_batched_tokens=48)
+    )
+    tok = engine.tokenizer
+    questions = [
+        "What is the capital of France?", "Write a haiku about rain.", "Name three prime numbers.",
+        "How do plants make food?", "Translate 'good morning' to Spanish.", "What is 12 times 12?",
+        "Give me a synonym for happy.", "Who wrote Hamlet?", "What is the boiling point of water?",
+        "List two colors of the rainbow.", "Why is the sky blue?", "What does a CPU do?",
+        "Describe a cat in one sentence.", "What is the largest ocean?", "Say hello in German.",
+        "What is Python used for?",
+    ]  # fmt: skip
+    prompts = {
+        f"q{i}": tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+        for i, q in enumerate(questions)
+    }
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    together = run(engine, prompts, params)
+    assert engine.stats().num_steps > 0
+    one_by_one = alone(engine, prompts, params)
+    assert together == one_by_one
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype,batch_invariant", [("bfloat16", False), ("float32", True)])
+def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant):
+    engine = tiny_engine_factory(dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24)
+    prompts = random_prompts(16, engine.vocab_size)
+    assert run(engine, prompts) == alone(engine, prompts)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_is_independent_of_the_batch(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    prompts = random_prompts(8, engine.vocab_size, seed=3)
+    params = {
+        rid: SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i)
+        for i, rid in enumerate(prompts)
+    }
+    together = run(engine, prompts, params)
+    assert together == alone(engine, prompts, params)
+    assert len({tuple(t) for t, _, _ in together.values()}) == len(prompts)
+
+
+@pytest.mark.timeout(300)
+def test_fragmented_free_list_gives_the_same_output(tiny_engine_factory):
+    prompts = random_prompts(4, 300, seed=5)
+    contiguous = alone(tiny_engine_factory(), prompts)
+    engine = tiny_engine_factory()
+    # scatter the free list: admit many requests of mixed sizes and abort every other one mid-flight
+    noise = random_prompts(12, engine.vocab_size, seed=9, low=5, high=40, prefix="noise")
+    for rid, ids in noise.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=8, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    for rid in list(noise)[::2]:
+        engine.abort(rid)
+    engine.step()
+    tables_before = [list(r.block_table) for r in engine.scheduler.running]
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in tables_before if t)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
+    tokens = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.new_token_ids
+    assert {rid: r[0] for rid, r in contiguous.items()} == tokens
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_preemption_completes_every_request_correctly(tiny_engine_factory):
+    from model.kv_cache import KVCache
+
+    probe = tiny_engine_factory()
+    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.dtype)
+    prompts = random_prompts(8, probe.vocab_size, seed=11, low=20, high=30)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = alone(probe, prompts, params)
+    # 40 blocks of 4 tokens: room for ~2-3 of the 8 requests (each needs up to 18 blocks) at once
+    engine = tiny_engine_factory(kv_cache_memory=40 * per_block)
+    got = run(engine, prompts, params)
+    assert engine.stats().num_preemptions > 0
+    assert got == expected
+    assert all(len(t) == 40 and r == FinishReason.LENGTH for t, _, r in got.values())
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_abort_frees_everything(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    prompts = random_prompts(10, engine.vocab_size, seed=13)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=30, temperature=0.0))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    outputs = [engine.abort(rid) for rid in prompts]
+    assert all(o.finished and o.finish_reason == FinishReason.ABORT for o in outputs)
+    assert not engine.has_work()
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_shared_system_prompt_hits_the_prefix_cache(tiny_engine_factory):
+    vocab = 300
+    rng = random.Random(17)
+    system = [rng.randrange(3, vocab) for _ in range(64)]
+    prompts = {f"u{i}": system + [rng.randrange(3, vocab) for _ in range(10 + i)] for i in range(6)}
+    cached = tiny_engine_factory()
+    uncached = tiny_engine_factory(enable_prefix_caching=False)
+    first = next(iter(prompts))
+    # the first request fills the cache; the others each find the 64 shared tokens (16 full blocks)
+    out_cached = run(cached, {first: prompts[first]}) | run(
+        cached, {k: v for k, v in prompts.items() if k != first}
+    )
+    out_uncached = run(uncached, prompts)
+    assert out_cached == out_uncached
+    stats = cached.stats()
+    assert stats.prefix_cache_hits == 64 * (len(prompts) - 1)
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts.values())
+    assert uncached.stats().prefix_cache_hits == 0
+    assert_all_blocks_free(cached)
+
+
+@pytest.mark.timeout(300)
+def test_stop_string_spanning_tokens_is_cut(default_model_dir):
+    engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, dtype="float32"))
+    tok = engine.tokenizer
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
+    full = run(engine, {"a": prompt}, SamplingParams(max_tokens=12, temperature=0.0))["a"][1]
+    assert "capital of France" in full
+    # "l of Fr" starts inside one token and ends inside another
+    ids = tok.encode(full)
+    pieces = [tok.decode([i]) for i in ids]
+    assert not any("l of Fr" in p for p in pieces)
+    tokens, text, reason = run(
+        engine, {"b": prompt}, SamplingParams(max_tokens=12, temperature=0.0, stop=["l of Fr"])
+    )["b"]
+    assert text == full[: full.index("l of Fr")]
+    assert reason == FinishReason.STOP
+    _, text2, _ = run(
+        engine,
+        {"c": prompt},
+        SamplingParams(max_tokens=12, temperature=0.0, stop=["l of Fr"], include_stop_str_in_output=True),
+    )["c"]
+    assert text2 == full[: full.index("l of Fr") + len("l of Fr")]
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(120)
+def test_requests_that_can_never_fit_are_refused(tiny_engine_factory):
+    engine = tiny_engine_factory(max_model_len=64)
+    with pytest.raises(ValueError, match="64"):
+        engine.add_request("big", list(range(3, 60)), SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("t", [5, 6], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("v", [5, 100000], SamplingParams())
+    assert not engine.has_work()

