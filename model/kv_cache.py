@@ -16,8 +16,10 @@ class KVCache:
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        # [layers, slots, kv_heads, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1
+        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        # [layers, kv_heads, slots, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1.
+        # Heads outermost: a gather by block yields [kv_heads, batch, keys, head_dim], which the attention
+        # matmuls take without another copy.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

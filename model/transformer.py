@@ -36,9 +36,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] in Hugging Face's half-split layout; cos/sin [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, heads, D] in Hugging Face's half-split layout; cos [T, 1, D] = (cos, cos), sin = (-sin, sin).
+
+    Equals (x1 cos - x2 sin, x2 cos + x1 sin) bit for bit: rolling by D/2 swaps the halves.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Norm(nn.Module):
@@ -63,19 +65,18 @@ class Attention(nn.Module):
             config.head_dim,
         )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
         self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o = nn.Linear(q_size, config.hidden_size, bias=config.out_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+        if rope is not None:  # q and k rotated in one go
+            qk = apply_rope(qk, *rope)
+        q, k = qk.split((H, KVH), dim=1)
+        v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o(out.view(T, -1))
 
@@ -138,7 +139,8 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         else:
             freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
-            rope = (freqs.cos().to(x.dtype)[:, None], freqs.sin().to(x.dtype)[:, None])
+            cos, sin = freqs.cos(), freqs.sin()
+            rope = (torch.cat((cos, cos), -1).to(x.dtype)[:, None], torch.cat((-sin, sin), -1).to(x.dtype)[:, None])
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, *kv_cache.layer(i), meta)
         return self.norm(x)

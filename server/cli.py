@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 log = logging.getLogger("kvserve")
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
 def env(name: str, default=None, kind=str):
@@ -141,6 +142,79 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def server_config(args, model_path: str | None):
+    from server.api.app import ServerConfig
+
+    name = args.served_model_name or (Path(model_path).name if model_path else DEFAULT_MODEL_NAME)
+    return ServerConfig(
+        served_model_name=name,
+        api_key=args.api_key,
+        allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
+        max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        system_prompt=args.system_prompt,
+    )
+
+
+def cmd_serve(args) -> int:
+    import threading
+
+    import uvicorn
+
+    from server.api.app import create_app, set_engine
+    from server.api.server import DrainingServer, log_stats_periodically
+    from server.engine.async_engine import AsyncEngine
+
+    app = create_app(None, server_config(args, args.model))
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False), app
+    )
+    failed = threading.Event()
+
+    def load() -> None:  # the listener is up meanwhile: /health answers 503 until the engine is set
+        try:
+            engine = AsyncEngine(build_engine(args))
+        except Exception as e:
+            log.error("could not load the model: %s", e, exc_info=args.log_level == "debug")
+            failed.set()
+            server.should_exit = True
+            return
+        set_engine(app, engine)
+        log.info(
+            "ready: serving %s at http://%s:%d/v1", app.state.config.served_model_name, args.host, args.port
+        )
+        log_stats_periodically(engine, server)
+
+    threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+    server.run()
+    if app.state.engine is not None:
+        app.state.engine.shutdown()
+    return 1 if failed.is_set() or not server.started else 0
+
+
+def cmd_openapi(args) -> int:
+    from server.api.app import ServerConfig, create_app, openapi_yaml
+
+    sys.stdout.write(openapi_yaml(create_app(None, ServerConfig())))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from server.client import chat_loop
+
+    return chat_loop(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature)
+
+
+def cmd_bench(args) -> int:
+    import asyncio
+
+    from server.client import bench_http
+
+    asyncio.run(bench_http(args))
+    return 0
+
+
 def cmd_bench_model(args) -> int:
     from server.bench import bench_model, print_json
 
@@ -155,6 +229,47 @@ def cmd_bench_model(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_flags(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=env("host", "127.0.0.1"))
+    g.add_argument("--port", type=int, default=env("port", 8000, int))
+    g.add_argument("--served-model-name", default=env("served_model_name"))
+    g.add_argument("--system-prompt", default=env("system_prompt"), help="used when a chat request has none")
+    g.add_argument("--api-key", default=env("api_key"), help="require Authorization: Bearer <key>")
+    g.add_argument("--allowed-origins", default=env("allowed_origins"), help="comma-separated CORS origins")
+    g.add_argument("--max-queue", type=int, default=env("max_queue", 256, int))
+    g.add_argument("--max-request-bytes", type=int, default=env("max_request_bytes", 4 << 20, int))
+    g.add_argument("--shutdown-timeout", type=float, default=env("shutdown_timeout", 30.0, float))
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("openapi", help="print the OpenAPI document of the served API (openapi.yaml)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_openapi)
+
+    p = sub.add_parser("chat", help="interactive terminal chat against a running server")
+    p.add_argument("--url", default=env("url", "http://127.0.0.1:8000"))
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=env("api_key"))
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="serving benchmark against an OpenAI-compatible server")
+    p.add_argument("--url", default=env("url", "http://127.0.0.1:8000"))
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=env("api_key"))
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length, in words (about tokens)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("generate", help="generate an answer in the terminal, streaming")
     add_model_flags(p)

@@ -109,14 +109,14 @@ def default_model_dir() -> Path:
 
 
 def forward_sequence(
-    model, cache, token_ids: list[int], num_cached: int, block_table: list[int], min_rows: int = 0
+    model, cache, token_ids: list[int], num_cached: int, block_table: list[int], min_query_len: int = 1
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits."""
     from model.attention import build_metadata
 
     new = token_ids[num_cached:]
     positions, meta = build_metadata(
-        [len(new)], [len(token_ids)], [block_table], cache.block_size, min_rows=min_rows
+        [len(new)], [len(token_ids)], [block_table], cache.block_size, min_query_len=min_query_len
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache)

@@ -1,6 +1,7 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out. Owns the model, the KV cache and the device."""
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ class ModelRunner:
         # always for 16-bit dtypes (where it costs little), on request for float32.
         pad = config.batch_invariant or self.dtype != torch.float32
         self.min_rows = MIN_INVARIANT_ROWS if pad and self.device.type == "cpu" else 0
+        # attention matmuls have (queries x query heads per KV head) rows
+        group = mc.num_heads // mc.num_kv_heads
+        self.min_query_len = math.ceil(self.min_rows / group) if self.min_rows else 1
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
 
     def _num_cache_blocks(self) -> int:
@@ -154,7 +158,7 @@ class ModelRunner:
                 sampled_reqs.append(req)
         positions, meta = build_metadata(
             query_lens, seq_lens, tables, self.block_size, self.device,
-            self.model_config.sliding_window, self.min_rows,
+            self.model_config.sliding_window, self.min_query_len,
         )  # fmt: skip
         input_ids = torch.tensor(ids, dtype=torch.long)
         pad = self.min_rows - len(ids)

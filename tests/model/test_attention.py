@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from model.attention import MIN_INVARIANT_ROWS, attend, build_metadata, naive_attention, paged_attention
+from model.attention import MIN_INVARIANT_ROWS, build_metadata, naive_attention, paged_attention
+
+
+def empty_cache(num_slots, kv_heads, head_dim, dtype):
+    return torch.zeros(kv_heads, num_slots, head_dim, dtype=dtype), torch.zeros(kv_heads, num_slots, head_dim, dtype=dtype)
 
 
 @pytest.mark.timeout(60)
@@ -15,13 +19,12 @@ def test_paged_attention_equals_textbook_formula(heads, kv_heads, head_dim, q_le
     k_all = torch.randn(ctx_len, kv_heads, head_dim, dtype=torch.float64)
     v_all = torch.randn(ctx_len, kv_heads, head_dim, dtype=torch.float64)
     q = torch.randn(q_len, heads, head_dim, dtype=torch.float64)
-    k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=torch.float64)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = empty_cache(num_blocks * block_size, kv_heads, head_dim, torch.float64)
     # the first ctx_len - q_len tokens are already cached; the last q_len are new this step
-    _, prefix = build_metadata([ctx_len - q_len or 1], [ctx_len - q_len or 1], [table], block_size)
     if ctx_len > q_len:
-        k_cache.index_copy_(0, prefix.slot_mapping, k_all[: ctx_len - q_len])
-        v_cache.index_copy_(0, prefix.slot_mapping, v_all[: ctx_len - q_len])
+        _, prefix = build_metadata([ctx_len - q_len], [ctx_len - q_len], [table], block_size)
+        k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1))
+        v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
     _, meta = build_metadata([q_len], [ctx_len], [table], block_size)
     scale = head_dim**-0.5
     out = paged_attention(q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, meta, scale)
@@ -30,22 +33,37 @@ def test_paged_attention_equals_textbook_formula(heads, kv_heads, head_dim, q_le
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype,min_rows", [(torch.bfloat16, 0), (torch.float32, MIN_INVARIANT_ROWS)])
-def test_mixed_batch_equals_each_sequence_alone(dtype, min_rows):
+def test_sliding_window_limits_the_keys():
+    torch.manual_seed(2)
+    H, D, bs, n, window = 2, 8, 4, 20, 5
+    k, v, q = (torch.randn(n, H, D, dtype=torch.float64) for _ in range(3))
+    k_cache, v_cache = empty_cache(32, H, D, torch.float64)
+    _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3)
+    for i in (0, 7, 19):  # query i sees keys i-window+1 .. i
+        lo = max(0, i - window + 1)
+        ref = naive_attention(q[i : i + 1], k[lo : i + 1], v[lo : i + 1], 0.3, causal_offset=i - lo)
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mixed_batch_equals_each_sequence_alone(dtype):
     """Decodes and prefill chunks of several sequences in one flat call give each sequence's own result, bit for bit."""
     torch.manual_seed(0)
     H, KVH, D, bs = 6, 2, 16, 4
-    lens = [(1, 9), (6, 6), (1, 30), (3, 17)]  # (new tokens, context length)
-    tables = [[i * 8 + j for j in range(8)] for i in range(len(lens))]
-    k_cache = torch.randn(128, KVH, D).to(dtype)
-    v_cache = torch.randn(128, KVH, D).to(dtype)
+    min_query_len = MIN_INVARIANT_ROWS // (H // KVH)
+    lens = [(1, 9), (6, 6), (1, 30), (3, 17), (1, 70)]  # (new tokens, context length)
+    tables = [[i * 20 + j for j in range(20)] for i in range(len(lens))]
+    k_cache = torch.randn(KVH, 400, D).to(dtype)
+    v_cache = torch.randn(KVH, 400, D).to(dtype)
     T = sum(q for q, _ in lens)
     q, k, v = (torch.randn(T, h, D).to(dtype) for h in (H, KVH, KVH))
-    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, min_rows=min_rows)
+    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len)
     out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5)
     start = 0
-    for (qlen, ctx), table in zip(lens, tables, strict=False):
-        _, m1 = build_metadata([qlen], [ctx], [table], bs, min_rows=min_rows)
+    for (qlen, ctx), table in zip(lens, tables, strict=True):
+        _, m1 = build_metadata([qlen], [ctx], [table], bs, min_query_len=min_query_len)
         s = slice(start, start + qlen)
         alone = paged_attention(q[s], k[s], v[s], k_cache.clone(), v_cache.clone(), m1, D**-0.5)
         assert torch.equal(out[s], alone)
@@ -53,16 +71,26 @@ def test_mixed_batch_equals_each_sequence_alone(dtype, min_rows):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype,min_rows", [(torch.bfloat16, 0), (torch.float32, MIN_INVARIANT_ROWS)])
-def test_rows_do_not_depend_on_padding(dtype, min_rows):
-    """A row's output is bit-identical whatever the batch size and key padding of its group."""
-    torch.manual_seed(1)
-    B, H, KVH, D, L = 8, 9, 3, 64, 300
-    q = torch.randn(B, 1, H, D).to(dtype)
-    k, v = torch.randn(B, L, KVH, D).to(dtype), torch.randn(B, L, KVH, D).to(dtype)
-    mask = torch.zeros(B, 1, 1, 1, L, dtype=torch.bool)
-    mask[..., :100] = True
-    alone = attend(q[:1], k[:1, :100], v[:1, :100], mask[:1, ..., :100], 0.125, min_rows)
-    for b, length in [(1, 101), (1, 128), (8, 300)]:
-        batched = attend(q[:b], k[:b, :length], v[:b, :length], mask[:b, ..., :length], 0.125, min_rows)
-        assert torch.equal(batched[:1], alone)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_queries_equal_one_chunk(dtype):
+    """A prompt's attention computed in chunks of any size equals one pass, bit for bit (the chunking invariance
+    the engine relies on), with each chunk's keys read back from the cache."""
+    torch.manual_seed(4)
+    H, KVH, D, bs, n = 9, 3, 64, 16, 45
+    min_query_len = MIN_INVARIANT_ROWS // (H // KVH)
+    q, k, v = (torch.randn(n, h, D).to(dtype) for h in (H, KVH, KVH))
+    table = [3, 0, 2]
+
+    def run(chunks):
+        k_cache, v_cache = empty_cache(64, KVH, D, dtype)
+        outs, done = [], 0
+        for c in chunks:
+            _, meta = build_metadata([c], [done + c], [table], bs, min_query_len=min_query_len)
+            s = slice(done, done + c)
+            outs.append(paged_attention(q[s], k[s], v[s], k_cache, v_cache, meta, D**-0.5))
+            done += c
+        return torch.cat(outs)
+
+    full = run([n])
+    for chunks in ([1] * n, [5, 1, 1, 38], [16, 16, 13], [44, 1]):
+        assert torch.equal(run(chunks), full), chunks

@@ -1,0 +1,176 @@
+"""Client tools for any OpenAI-compatible server: `kvserve bench` (serving benchmark) and `kvserve chat`."""
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "number group problem fact river mountain city music story garden science letter window history market "
+    "energy language ocean forest island bridge engine planet signal theory window morning evening summer"
+).split()
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    r = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def _sse_events(response: httpx.Response):
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    start = time.perf_counter()
+    last = None
+    result = Result(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for event in _sse_events(response):
+                if "error" in event:
+                    result.error = str(event["error"])[:200]
+                    return result
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0].get("text"):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": round(q[49], 4), "p90": round(q[89], 4), "p99": round(q[98], 4)}
+
+
+async def bench_http(args) -> dict:
+    """Send `num_requests` distinct streamed completions at `concurrency`; print a summary and a JSON line."""
+    url = args.url.rstrip("/")
+    model = args.model or _first_model(url, args.api_key)
+    rng = random.Random(args.seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_requests)]
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[Result] = []
+    deadline = time.perf_counter() + args.duration if args.duration else None
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty() and (deadline is None or time.perf_counter() < deadline):
+            prompt = queue.get_nowait()
+            body = {
+                "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            results.append(await _one_request(client, url, body))
+
+    limits = httpx.Limits(max_connections=args.concurrency)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(headers=_headers(args.api_key), timeout=600, limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary = {
+        "url": url,
+        "model": model,
+        "concurrency": args.concurrency,
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(ok) / wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 1),
+        "ttft_s": _percentiles([r.ttft for r in ok]),
+        "itl_s": _percentiles([t for r in ok for t in r.itl]),
+        "e2e_s": _percentiles([r.e2e for r in ok]),
+    }
+    print(f"requests ok {len(ok)}, failed {summary['requests_failed']}, in {wall:.1f} s")
+    print(f"output tokens/s {summary['output_tokens_per_s']}, requests/s {summary['requests_per_s']}")
+    for name in ("ttft_s", "itl_s", "e2e_s"):
+        print(f"{name[:-2]:>5}: " + ", ".join(f"{k} {v}" for k, v in summary[name].items()))
+    for r in results:
+        if not r.ok:
+            print("error:", r.error, file=sys.stderr)
+            break
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def chat_loop(
+    url: str, model: str | None, api_key: str | None, system: str | None, max_tokens: int, temperature: float
+) -> int:
+    """Read a line, stream the answer, keep the conversation; an empty line or EOF ends it."""
+    url = url.rstrip("/")
+    model = model or _first_model(url, api_key)
+    messages = [{"role": "system", "content": system}] if system else []
+    print(f"chatting with {model} at {url} (empty line to quit)")
+    with httpx.Client(headers=_headers(api_key), timeout=600) as client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                    "temperature": temperature, "stream": True}  # fmt: skip
+            answer = ""
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    print(f"error: HTTP {response.status_code}: {response.read().decode(errors='replace')}")
+                    messages.pop()
+                    continue
+                for raw in response.iter_lines():
+                    if not raw.startswith("data: ") or raw == "data: [DONE]":
+                        continue
+                    event = json.loads(raw[len("data: ") :])
+                    if "error" in event:
+                        print(f"\nerror: {event['error'].get('message')}")
+                        break
+                    delta = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+                    if delta:
+                        answer += delta
+                        print(delta, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": answer})
+    return 0
