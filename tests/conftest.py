@@ -116,7 +116,12 @@ def forward_sequence(
 
     new = token_ids[num_cached:]
     positions, meta = build_metadata(
-        [len(new)], [len(token_ids)], [block_table], cache.block_size, min_query_len=min_query_len
+        [len(new)],
+        [len(token_ids)],
+        [block_table],
+        cache.block_size,
+        sliding_window=model.config.sliding_window,
+        min_query_len=min_query_len,
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache)

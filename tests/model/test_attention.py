@@ -1,11 +1,20 @@
 import pytest
 import torch
 
-from model.attention import MIN_INVARIANT_ROWS, build_metadata, naive_attention, paged_attention
+from model.attention import (
+    MIN_INVARIANT_ROWS,
+    attend,
+    attend_sdpa,
+    build_metadata,
+    naive_attention,
+    paged_attention,
+)
 
 
 def empty_cache(num_slots, kv_heads, head_dim, dtype):
-    return torch.zeros(kv_heads, num_slots, head_dim, dtype=dtype), torch.zeros(kv_heads, num_slots, head_dim, dtype=dtype)
+    return torch.zeros(kv_heads, num_slots, head_dim, dtype=dtype), torch.zeros(
+        kv_heads, num_slots, head_dim, dtype=dtype
+    )
 
 
 @pytest.mark.timeout(60)
@@ -59,7 +68,9 @@ def test_mixed_batch_equals_each_sequence_alone(dtype):
     v_cache = torch.randn(KVH, 400, D).to(dtype)
     T = sum(q for q, _ in lens)
     q, k, v = (torch.randn(T, h, D).to(dtype) for h in (H, KVH, KVH))
-    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len)
+    _, meta = build_metadata(
+        [a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len
+    )
     out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5)
     start = 0
     for (qlen, ctx), table in zip(lens, tables, strict=True):
@@ -94,3 +105,15 @@ def test_chunked_queries_equal_one_chunk(dtype):
     full = run([n])
     for chunks in ([1] * n, [5, 1, 1, 38], [16, 16, 13], [44, 1]):
         assert torch.equal(run(chunks), full), chunks
+
+
+@pytest.mark.timeout(60)
+def test_sdpa_path_equals_the_matmul_path():
+    """GPUs use torch's fused SDPA; it must compute what the CPU path computes."""
+    torch.manual_seed(5)
+    B, Q, H, KVH, D, L = 3, 5, 8, 2, 16, 32
+    q = torch.randn(B, Q, H, D, dtype=torch.float64)
+    k, v = torch.randn(KVH, B, L, D, dtype=torch.float64), torch.randn(KVH, B, L, D, dtype=torch.float64)
+    masked = torch.rand(1, B, Q, 1, L) < 0.3
+    masked[..., 0] = False
+    torch.testing.assert_close(attend_sdpa(q, k, v, masked, 0.25), attend(q, k, v, masked, 0.25))

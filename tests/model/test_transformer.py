@@ -131,3 +131,39 @@ def test_unknown_architecture_is_named(tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_config_reads_transformers_4_and_5_layouts_alike():
+    from model.config import ModelConfig
+
+    base = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": 2,
+    }  # fmt: skip
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    v4 = ModelConfig.from_dict(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}}
+    )
+    v5 = ModelConfig.from_dict(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    )
+    assert v4 == v5
+    assert v4.rope_theta == 5e5 and v4.rope_scaling_dict["factor"] == 8.0
+    # stop tokens: the union of config.json and generation_config.json (int or list)
+    assert ModelConfig.from_dict(base, {"eos_token_id": [7, 2]}).eos_token_ids == (2, 7)
+
+
+@pytest.mark.timeout(120)
+def test_mistral_sliding_window_matches_transformers(tiny_model_factory, run_sequence):
+    path = tiny_model_factory("mistral", sliding_window=8)
+    model, config = load_model(path)
+    assert config.sliding_window == 8
+    ids = list(range(3, 43))
+    ours = run_sequence(model, new_cache(config), ids, 0, list(range(16)))
+    assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4

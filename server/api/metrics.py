@@ -1,0 +1,97 @@
+"""Prometheus metrics, named like vLLM's with a `kvserve:` prefix and labelled with the served model name.
+
+Latency histograms are observed per request by the serving functions. Gauges and token/cache counters are
+read from the engine's cumulative stats at scrape time, so they are exact without any bookkeeping here.
+Each app has its own registry, so several apps can live in one process (tests).
+"""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.engine.async_engine import AsyncEngine
+from server.engine.request import RequestTimes
+from server.engine.stats import EngineStats
+
+PREFIX = "kvserve:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                     0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+
+class Metrics:
+    def __init__(self, model_name: str, get_engine: Callable[[], AsyncEngine | None]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, get_engine))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between output tokens of a request.", TOKEN_GAP_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to last output token.", LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS
+        )
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests (one per choice), by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+
+    def request_finished(self, finish_reason: str, times: RequestTimes | None) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        if times is None:  # aborted before the engine reported back (client gone)
+            return
+        if times.scheduled is not None:
+            self.request_queue_time.observe(times.scheduled - times.arrival)
+        if times.first_token is not None:
+            self.time_to_first_token.observe(times.first_token - times.arrival)
+        if times.finish is not None:
+            self.e2e_request_latency.observe(times.finish - times.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine state at scrape time: gauges, and the engine's own cumulative counters."""
+
+    def __init__(self, model_name: str, get_engine: Callable[[], AsyncEngine | None]):
+        self.model_name = model_name
+        self.get_engine = get_engine
+
+    def collect(self):
+        engine = self.get_engine()
+        s = engine.stats() if engine is not None else EngineStats()
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0-1).", s.kv_cache_usage),
+        ]
+        counters = [
+            ("prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens),
+            ("generation_tokens", "Generated tokens.", s.num_generation_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted to free KV-cache blocks.", s.num_preemptions),
+        ]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -1,0 +1,232 @@
+"""Errors with OpenAI's body shape, limits, loading and draining, and request plumbing (ids, CORS, log lines)."""
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+
+from server.api import serving
+from server.api.app import begin_drain, drain, set_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = {"prompt": "hello there", "max_tokens": 4, "temperature": 0}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = ..., contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and 0 < len(error["message"]) <= 300
+    assert param is ... or error["param"] == param
+    assert contains in error["message"]
+    assert "Traceback" not in r.text and "/server/" not in r.text and ".py" not in r.text
+    return error
+
+
+LONG = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+
+def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine)
+    post = httpx.Client(base_url=url).post
+    cases = [
+        ({**PROMPT, "temperature": -1}, "temperature"),
+        ({**PROMPT, "n": 17}, "n"),
+        ({**PROMPT, "logprobs": 6}, "logprobs"),
+        ({**PROMPT, "stop": ["x"] * 17}, "stop"),
+        ({**PROMPT, "prompt": 12}, "prompt"),
+        ({**PROMPT, "prompt": [[1, 2], "a"]}, "prompt"),
+        ({**PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({**PROMPT, "suffix": "x"}, "suffix"),
+        ({**PROMPT, "best_of": 2}, "best_of"),
+        ({**PROMPT, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"max_tokens": 3}, "prompt"),
+    ]
+    for body, param in cases:
+        assert_error(post("/v1/completions", json=body), 400, param)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("functions", [{"name": "f"}]),
+        ("top_logprobs", 21),
+        ("messages", [{"role": "tool", "content": "x"}]),
+        ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        ("messages", []),
+    ]:
+        r = post("/v1/chat/completions", json={**chat, field: value})
+        assert_error(r, 400)
+        assert r.json()["error"]["param"].startswith(field)
+    # allowed neutral values of the unsupported fields, and unknown fields, pass
+    neutral = {
+        **chat,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "tools": None,
+        "whatever": 1,
+    }
+    assert post("/v1/chat/completions", json=neutral).status_code == 200
+    assert (
+        post("/v1/completions", json={**PROMPT, "best_of": 1, "logit_bias": {}, "x-extra": [1]}).status_code
+        == 200
+    )
+    # the whole body
+    assert_error(post("/v1/completions", content=b"{bad", headers={"content-type": "application/json"}), 400)
+    assert_error(
+        post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400
+    )
+    r = post(
+        "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
+    )
+    assert_error(r, 400, contains="UTF-8")
+    # beyond the context: the numbers are in the message
+    r = post("/v1/completions", json={**PROMPT, "max_tokens": 10_000})
+    assert_error(r, 400, "prompt", contains="10000")
+    assert str(tiny_engine.max_model_len) in r.json()["error"]["message"]
+    r = post("/v1/chat/completions", json={**chat, "max_tokens": 10_000})
+    assert_error(r, 400, contains="10000")
+    # validation by the engine (SamplingParams.validate) also names the field
+    assert_error(post("/v1/completions", json={**PROMPT, "min_tokens": 9}), 400, "min_tokens")
+    assert_error(post("/v1/completions", json={**PROMPT, "stop_token_ids": [10**6]}), 400, "stop_token_ids")
+    assert_error(post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    assert_error(post("/tokenize", json={}), 400)
+
+
+def test_401_unless_the_key_matches(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine, api_key="sesame")
+    for headers in [
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": "sesame"},
+        {"Authorization": "Basic x"},
+    ]:
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=PROMPT, headers=headers), 401)
+        assert error["code"] == "invalid_api_key"
+        assert_error(httpx.get(f"{url}/v1/models", headers=headers), 401)
+    good = {"Authorization": "Bearer sesame"}
+    assert httpx.post(f"{url}/v1/completions", json=PROMPT, headers=good).status_code == 200
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "a"}, headers=good).status_code == 200
+    # health and metrics are open for probes and scrapers
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_404_unknown_model_and_route(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine)
+    error = assert_error(httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "gpt-9"}), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "test-model"}).status_code == 200
+    assert_error(httpx.get(f"{url}/v2/nothing"), 404)
+
+
+def test_413_by_content_length_and_by_counting(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine, max_request_bytes=1000)
+    body = json.dumps({**PROMPT, "prompt": "x" * 2000}).encode()
+    assert_error(httpx.post(f"{url}/v1/completions", content=body), 413, contains="1000")
+    # chunked transfer: no Content-Length, so the bytes are counted as they arrive
+    chunks = iter([body[:600], body[600:1200], body[1200:]])
+    assert_error(httpx.post(f"{url}/v1/completions", content=chunks), 413)
+    assert httpx.post(f"{url}/v1/completions", json=PROMPT).status_code == 200
+
+
+def test_429_when_the_queue_is_full(long_engine, start_server, wait_for):
+    url, _ = start_server(long_engine, max_queue=1)
+    with httpx.Client(base_url=url, timeout=30) as a, httpx.Client(base_url=url, timeout=30) as b:
+        with a.stream("POST", "/v1/completions", json=LONG) as running:
+            assert running.status_code == 200
+            wait_for(lambda: long_engine.stats().num_running == 1, what="one running")
+            with b.stream("POST", "/v1/completions", json=LONG) as waiting:
+                assert waiting.status_code == 200
+                wait_for(lambda: long_engine.stats().num_waiting == 1, what="one waiting")
+                r = httpx.post(f"{url}/v1/completions", json=PROMPT)
+                assert_error(r, 429)
+                assert int(r.headers["retry-after"]) >= 1
+    wait_for(lambda: long_engine.stats().num_running + long_engine.stats().num_waiting == 0, what="aborts")
+    assert httpx.post(f"{url}/v1/completions", json=PROMPT).status_code == 200
+
+
+def test_503_while_loading_then_ready(tiny_engine, start_server, scrape):
+    url, app = start_server(None)
+    assert_error(httpx.get(f"{url}/health"), 503, contains="loading")
+    for r in [httpx.post(f"{url}/v1/completions", json=PROMPT), httpx.get(f"{url}/v1/models")]:
+        assert_error(r, 503, contains="loading")
+    assert scrape(url)["kvserve:num_requests_running"] == 0  # metrics answer while loading
+    set_engine(app, tiny_engine)
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json=PROMPT).status_code == 200
+
+
+def test_draining_finishes_running_requests_and_refuses_new_ones(long_engine, start_server, wait_for):
+    url, app = start_server(long_engine)
+    body = {**LONG, "max_tokens": 300}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as running:
+            wait_for(lambda: long_engine.stats().num_running == 1, what="running")
+            begin_drain(app)
+            assert_error(httpx.get(f"{url}/health"), 503, contains="shutting down")
+            assert_error(httpx.post(f"{url}/v1/completions", json=PROMPT), 503, contains="shutting down")
+            events = [line for line in running.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+
+
+def test_drain_timeout_aborts_what_is_still_running(long_engine, start_server, wait_for):
+    url, app = start_server(long_engine, shutdown_timeout=0.3)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=LONG) as running:
+            wait_for(lambda: long_engine.stats().num_running == 1, what="running")
+            asyncio.run(drain(app))
+            events = [line for line in running.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    wait_for(lambda: long_engine.stats().kv_cache_usage == 0, timeout=2, what="blocks freed")
+
+
+def test_500_is_generic(tiny_engine, start_server, monkeypatch):
+    url, _ = start_server(tiny_engine)
+
+    async def broken(*args):
+        raise RuntimeError("secret detail in /srv/kvserve/server/api/serving.py")
+
+    monkeypatch.setattr(serving, "completion", broken)
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=PROMPT), 500)
+    assert "secret" not in error["message"]
+
+
+def test_request_id_is_echoed_or_made(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine)
+    r = httpx.post(f"{url}/v1/completions", json=PROMPT, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    made = httpx.get(f"{url}/health").headers["x-request-id"]
+    assert len(made) == 32
+    # an id that could forge log lines or headers is replaced, not echoed
+    assert httpx.get(f"{url}/health", headers={"X-Request-Id": "a b\tc"}).headers["x-request-id"] != "a b\tc"
+    error_id = httpx.get(f"{url}/v2/nothing", headers={"X-Request-Id": "e-1"}).headers["x-request-id"]
+    assert error_id == "e-1"
+
+
+def test_cors_headers_only_when_origins_are_allowed(tiny_engine, start_server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    url, _ = start_server(tiny_engine)
+    r = httpx.options(f"{url}/v1/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers
+    url, _ = start_server(tiny_engine, allowed_origins=["https://app.example"], api_key="k")
+    r = httpx.options(f"{url}/v1/completions", headers=preflight)  # a preflight carries no key
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{url}/health", headers={"Origin": "https://app.example"})
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+def test_one_log_line_per_request_without_the_prompt(tiny_engine, start_server, caplog):
+    url, _ = start_server(tiny_engine)
+    with caplog.at_level(logging.INFO, logger="server.api.serving"):
+        body = {"prompt": "my secret prompt", "max_tokens": 3, "n": 2, "ignore_eos": True}
+        httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "log-1"})
+    (line,) = [r.getMessage() for r in caplog.records if "log-1" in r.getMessage()]
+    assert "+ 6 output tokens" in line and "ttft" in line and "finish length" in line
+    assert "secret" not in caplog.text

@@ -1,0 +1,54 @@
+"""The committed openapi.yaml is exactly what the app generates, and it documents what clients need."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.api.app import ServerConfig, create_app, openapi_yaml
+
+pytestmark = pytest.mark.timeout(30)
+
+COMMITTED = Path(__file__).resolve().parents[2] / "openapi.yaml"
+
+
+def test_committed_openapi_yaml_is_in_sync():
+    generated = openapi_yaml(create_app(None, ServerConfig()))
+    assert COMMITTED.read_bytes() == generated.encode(), (
+        "openapi.yaml is stale: regenerate it with `kvserve openapi`"
+    )
+
+
+def test_every_route_has_component_schemas_errors_and_streams():
+    schema = yaml.safe_load(COMMITTED.read_text())
+    components = schema["components"]["schemas"]
+
+    def refs(node) -> set[str]:
+        if isinstance(node, dict):
+            found = {node["$ref"].rsplit("/", 1)[1]} if "$ref" in node else set()
+            return found.union(*(refs(v) for v in node.values()))
+        if isinstance(node, list):
+            return set().union(*(refs(v) for v in node))
+        return set()
+
+    assert refs(schema) <= set(components), "a $ref points at no component"
+    paths = schema["paths"]
+    assert set(paths) == {
+        "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"
+    }  # fmt: skip
+    for path, methods in paths.items():
+        for method, op in methods.items():
+            responses = op["responses"]
+            assert "422" not in responses  # validation errors are 400s
+            if path != "/metrics":
+                assert refs(responses["200"]["content"]["application/json"]), (path, "200")
+            if method == "post":
+                assert refs(op["requestBody"]["content"]["application/json"]), path
+                for status in ("400", "401", "404", "413", "503"):
+                    assert refs(responses[status]) == {"ErrorResponse"}, (path, status)
+    for path, chunk in [("/v1/completions", "Completion"), ("/v1/chat/completions", "ChatCompletion")]:
+        responses = paths[path]["post"]["responses"]
+        assert "429" in responses
+        assert refs(responses["200"]["content"]["text/event-stream"]) == {f"{chunk}StreamResponse"}
+    assert refs(paths["/v1/models"]["get"]["responses"]["401"]) == {"ErrorResponse"}
+    assert refs(paths["/health"]["get"]["responses"]["503"]) == {"ErrorResponse"}

@@ -1,0 +1,111 @@
+"""`kvserve serve` as a real process: 503 while loading, ready line, and the SIGTERM drain."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, *flags) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--kv-cache-memory", "64MiB", *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc, url, seen: set, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            code = httpx.get(f"{url}/health", timeout=2).status_code
+            seen.add(code)
+            if code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("server did not become ready")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_factory):
+    model = tiny_model_factory("llama", max_position_embeddings=4096)
+    proc, url = start_server(model, "--max-num-seqs", "1", "--shutdown-timeout", "60", "--served-model-name", "m")
+    try:
+        seen: set = set()
+        wait_ready(proc, url, seen)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not events:  # the request is generating
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"]
+        t.join(120)
+        assert events[-1] == "data: [DONE]"
+        finals = [json.loads(e[6:]) for e in events[:-1]]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
+    model = tiny_model_factory("llama", max_position_embeddings=4096)
+    proc, url = start_server(model, "--shutdown-timeout", "1", "--served-model-name", "m")
+    try:
+        wait_ready(proc, url, set())
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        events = []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not events:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        reasons = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
+        assert reasons[-1] == "abort"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(120)
+def test_openapi_command_prints_the_checked_in_file():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "server.cli", "openapi"], capture_output=True, text=True, check=True)
+    with open(os.path.join(root, "openapi.yaml")) as f:
+        assert out.stdout == f.read()

@@ -1,0 +1,126 @@
+"""Server-sent events as raw bytes: framing, [DONE], the usage chunk, roles, UTF-8, errors after the start."""
+
+import httpx
+import pytest
+
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}]}
+
+
+def stream(url: str, path: str, body: dict) -> httpx.Response:
+    r = httpx.post(f"{url}{path}", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return r
+
+
+@pytest.mark.timeout(60)
+def test_completion_stream_framing_and_usage_chunk(tiny_engine, start_server, sse_events):
+    url, _ = start_server(tiny_engine)
+    body = {"prompt": ["one", "two"], "n": 2, "max_tokens": 6, "ignore_eos": True, "seed": 3}
+    body["stream_options"] = {"include_usage": True}
+    chunks = sse_events(stream(url, "/v1/completions", body).content)
+    *deltas, last = chunks
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert len({c["created"] for c in chunks}) == 1
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in deltas)
+    finished = [c["choices"][0]["index"] for c in deltas if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1, 2, 3]  # prompt-major: choices 0, 1 of "one", then 2, 3 of "two"
+    assert last["choices"] == []
+    usage = last["usage"]
+    assert usage["completion_tokens"] == 4 * 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    # without include_usage there is no usage chunk
+    plain = sse_events(stream(url, "/v1/completions", {"prompt": "x", "max_tokens": 3}).content)
+    assert all(c["choices"] for c in plain)
+
+
+@pytest.mark.timeout(60)
+def test_chat_stream_role_first_then_content(tiny_engine, start_server, sse_events):
+    url, _ = start_server(tiny_engine)
+    body = {**CHAT, "n": 2, "max_tokens": 5, "seed": 1, "logprobs": True, "top_logprobs": 2}
+    chunks = sse_events(stream(url, "/v1/chat/completions", body).content)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["delta"] for c in mine[1:])
+        assert mine[-1]["finish_reason"] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+        tokens = [t for c in mine[1:] for t in c["logprobs"]["content"]]
+        assert len(tokens) == 5
+        assert all(len(t["top_logprobs"]) == 2 and isinstance(t["bytes"], list) for t in tokens)
+
+
+@pytest.mark.timeout(60)
+def test_completion_logprobs_and_echo(tiny_engine, start_server, sse_events):
+    url, _ = start_server(tiny_engine)
+    body = {"prompt": "hello there", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    full = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    assert full["text"].startswith("hello there")
+    lp = full["logprobs"]
+    n_prompt = len(httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}).json()["tokens"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # the stream carries the same, in pieces
+    chunks = sse_events(stream(url, "/v1/completions", body).content)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == lp["tokens"]
+    assert [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_failure_after_the_start_is_one_error_event(
+    tiny_llama_dir, new_engine, start_server, sse_events, wait_for
+):
+    engine = new_engine(tiny_llama_dir)
+    step, calls = engine.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated fault in /some/file.py")
+        return step()
+
+    engine.engine.step = failing_step
+    url, _ = start_server(engine)
+    chunks = sse_events(stream(url, "/v1/chat/completions", {**CHAT, "max_tokens": 20}).content)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    error = chunks[-1]["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "file.py" not in error["message"]
+    assert all("error" not in c for c in chunks[:-1])
+    # not streamed: a 500 with the same generic body
+    calls.clear()
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 20})
+    assert r.status_code == 500 and "file.py" not in r.text
+    wait_for(lambda: engine.stats().kv_cache_usage == 0, timeout=2, what="blocks freed")
+
+
+# --- the real model -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_streamed_text_equals_non_streamed_for_the_same_seed(default_server, sse_events):
+    body = {**CHAT, "max_tokens": 16, "temperature": 0.9, "seed": 1234}
+    full = httpx.post(f"{default_server}/v1/chat/completions", json=body, timeout=60).json()
+    chunks = sse_events(stream(default_server, "/v1/chat/completions", body).content)
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == full["choices"][0]["message"]["content"] != ""
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+@pytest.mark.timeout(120)
+def test_emoji_and_cjk_arrive_whole(default_server, sse_events):
+    # Characters of 3-4 UTF-8 bytes span several byte-level tokens: no delta may end inside one.
+    body = {"prompt": "猫 🐱 犬 🐶 鳥 🐦 魚 🐟 馬 🐴 牛 🐮", "max_tokens": 16, "temperature": 0}
+    full = httpx.post(f"{default_server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    raw = stream(default_server, "/v1/completions", body).content
+    pieces = [c["choices"][0]["text"] for c in sse_events(raw)]
+    assert "".join(pieces) == full
+    assert any(ord(ch) > 0x2E7F for ch in full), full  # the model did answer in CJK or emoji
+    # Only a length cut inside the last character may leave a replacement character, at the very end.
+    assert "\ufffd" not in full.rstrip("\ufffd") and not any("\ufffd" in p for p in pieces[:-1])
