@@ -130,7 +130,8 @@ class SamplingTensors:
 @dataclass
 class SampleOutput:
     token_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] f32, log_softmax of the raw logits (before penalties, temperature) at token_ids
+    logprobs: Tensor | None  # [B] f32, log_softmax of the raw logits (before penalties, temperature) at
+    # token_ids; None unless max_num_logprobs is set (the log-sum-exp over the vocabulary is not free)
     top_ids: Tensor | None  # [B, K] int64, the K largest raw logits, most likely first; None unless asked
     top_logprobs: Tensor | None  # [B, K] f32, their raw logprobs
 
@@ -263,9 +264,9 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
     assert logits.shape[1] == t.vocab_size, (tuple(logits.shape), t.vocab_size)
     # Upcast once. Every stage below returns a new tensor, so `x` may alias the caller's float32 logits.
     x = logits.float()  # [B, V]
-    lse = x.logsumexp(dim=-1)  # [B]
-    top_ids = top_logprobs = None
+    top_ids = top_logprobs = lse = None
     if t.max_num_logprobs is not None:
+        lse = x.logsumexp(dim=-1)  # [B]
         top_values, top_ids = x.topk(t.max_num_logprobs, dim=-1)  # [B, K]
         top_logprobs = top_values - lse[:, None]
 
@@ -290,5 +291,5 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
             x = apply_min_p(x, t.min_p)
         token_ids = torch.where(t.temperature > 0, draw(x, t.seeds, t.positions), token_ids)
 
-    logprobs = logits.gather(1, token_ids[:, None]).squeeze(1).float() - lse
+    logprobs = None if lse is None else logits.gather(1, token_ids[:, None]).squeeze(1).float() - lse
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The one install path of kvserve: the README, CI and the Dockerfiles all call this script.
 #
-#   scripts/install.sh [--test]
+#   scripts/install.sh [--test] [--deps-only]
+#
+#   --test        also install the test extras
+#   --deps-only   install torch and pyproject.toml's requirements but not kvserve itself: the Dockerfiles run
+#                 this on pyproject.toml alone, so the dependency layer stays cached while the source changes
 #
 # Environment:
 #   KVSERVE_VENV         virtualenv to create/use (default: .venv in the repository); set it empty ("")
@@ -14,7 +18,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+deps_only=""
+for arg in "$@"; do
+    case "$arg" in
+        --test) extras="[test]" ;;
+        --deps-only) deps_only=1 ;;
+        *) echo "usage: scripts/install.sh [--test] [--deps-only] (unknown: $arg)" >&2; exit 2 ;;
+    esac
+done
 python="${PYTHON:-python3}"
 venv="${KVSERVE_VENV-.venv}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
@@ -33,5 +44,21 @@ if ! "$python" -c "import torch" 2>/dev/null; then
         "${pip[@]}" "$torch_spec"
     fi
 fi
-"${pip[@]}" -e ".$extras"
-echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
+if [ -n "$deps_only" ]; then
+    requirements=$("$python" - "$extras" <<'EOF'
+import sys
+import tomllib
+
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+extras = project["optional-dependencies"]["test"] if sys.argv[1] else []
+print("\n".join(project["dependencies"] + extras))
+EOF
+    )
+    mapfile -t requirements <<<"$requirements"
+    "${pip[@]}" "${requirements[@]}"
+    echo "kvserve's dependencies installed into $("$python" -c 'import sys; print(sys.prefix)')"
+else
+    "${pip[@]}" -e ".$extras"
+    echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
+fi
