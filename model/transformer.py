@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import AttentionMetadata, paged_attention
+from model.attention import MIN_INVARIANT_ROWS, AttentionMetadata, paged_attention
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 
@@ -43,6 +43,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can pad small batches up to `min_rows` rows (see calibrate_batch_invariance)."""
+
+    min_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n >= self.min_rows:
+            return super().forward(x)
+        return super().forward(F.pad(x, (0, 0, 0, self.min_rows - n)))[:n]
+
+
+def linear_rows_are_invariant(weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> bool:
+    """Whether F.linear gives a row the same bits alone or in a batch of 2..min_rows-1 rows as it gets at
+    any position of a larger batch.
+
+    CPU GEMM libraries pick other kernels (other summation orders) for small row counts, and which shapes
+    are affected depends on the library and the CPU, so it is measured rather than assumed. A kernel that
+    differs does so on a few percent of rows, hence 64 rows each checked alone.
+    """
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, weight.shape[1], generator=g).to(weight.device, weight.dtype)
+    with torch.inference_mode():
+        ref = F.linear(x, weight, bias)
+        alone = all(torch.equal(F.linear(x[i : i + 1], weight, bias), ref[i : i + 1]) for i in range(len(x)))
+        return alone and all(torch.equal(F.linear(x[:m], weight, bias), ref[:m]) for m in range(2, min_rows))
+
+
+def calibrate_batch_invariance(model: "Transformer", min_rows: int = MIN_INVARIANT_ROWS) -> int:
+    """Make every GEMM give a row the same bits whatever its batch: pad those that need it. Returns how many."""
+    verdicts: dict[tuple, bool] = {}
+    padded = 0
+    for module in [m for m in model.modules() if isinstance(m, Linear)] + [model]:
+        weight = model.logits_weight if module is model else module.weight
+        bias = None if module is model else module.bias
+        key = (tuple(weight.shape), bias is not None)
+        if key not in verdicts:
+            verdicts[key] = linear_rows_are_invariant(weight, bias, min_rows)
+        module.min_rows = 0 if verdicts[key] else min_rows
+        padded += not verdicts[key]
+    return padded
+
+
 class Norm(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -65,8 +108,8 @@ class Attention(nn.Module):
             config.head_dim,
         )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o = nn.Linear(q_size, config.hidden_size, bias=config.out_bias)
+        self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o = Linear(q_size, config.hidden_size, bias=config.out_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -86,8 +129,8 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         n_up = 2 * config.intermediate_size if self.swiglu else config.intermediate_size
-        self.up = nn.Linear(config.hidden_size, n_up, bias=config.out_bias)  # swiglu: [gate; up] fused
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.out_bias)
+        self.up = Linear(config.hidden_size, n_up, bias=config.out_bias)  # swiglu: [gate; up] fused
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=config.out_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -121,7 +164,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = Norm(config)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
         )
         if config.positions == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -140,15 +183,25 @@ class Transformer(nn.Module):
         else:
             freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
             cos, sin = freqs.cos(), freqs.sin()
-            rope = (torch.cat((cos, cos), -1).to(x.dtype)[:, None], torch.cat((-sin, sin), -1).to(x.dtype)[:, None])
+            rope = (
+                torch.cat((cos, cos), -1).to(x.dtype)[:, None],
+                torch.cat((-sin, sin), -1).to(x.dtype)[:, None],
+            )
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, *kv_cache.layer(i), meta)
         return self.norm(x)
 
+    min_rows = 0  # the logits GEMM pads smaller batches to this many rows (calibrate_batch_invariance)
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, num_exact: int = 8) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        weight, n = self.logits_weight, hidden.shape[0]
+        padded = F.pad(hidden, (0, 0, 0, self.min_rows - n)) if n < self.min_rows else hidden
+        logits = F.linear(padded, weight)[:n].float()
         if weight.dtype != torch.float32 and num_exact:
             # 16-bit logits keep ~3 significant digits (steps of 0.125 around 25), so near-ties between
             # the top candidates would be settled by rounding. Recompute those few in float32; the

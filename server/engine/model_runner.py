@@ -11,6 +11,7 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.loader import load_model
 from model.sampling import SamplingTensors, sample
+from model.transformer import calibrate_batch_invariance
 from server.engine.config import EngineConfig
 from server.engine.request import Request, TokenLogprob
 from server.engine.scheduler import SchedulerOutput, is_sampled
@@ -84,18 +85,19 @@ class ModelRunner:
         mc: ModelConfig = self.model_config
         self.block_size = config.block_size
         self.num_blocks = self._num_cache_blocks()
-        # the last block is scratch space for padding tokens (batch-invariant float32); never scheduled
-        self.kv_cache = KVCache(mc, self.num_blocks + 1, self.block_size, self.dtype, self.device)
-        self.scratch_slot = self.num_blocks * self.block_size
+        self.kv_cache = KVCache(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         self.max_model_len = self._max_model_len()
-        # CPU GEMMs below MIN_INVARIANT_ROWS rows take other kernels (other summation orders), so a row's
-        # numbers would depend on its batch. Padding every step to that many rows makes them batch-invariant:
-        # always for 16-bit dtypes (where it costs little), on request for float32.
-        pad = config.batch_invariant or self.dtype != torch.float32
-        self.min_rows = MIN_INVARIANT_ROWS if pad and self.device.type == "cpu" else 0
-        # attention matmuls have (queries x query heads per KV head) rows
-        group = mc.num_heads // mc.num_kv_heads
-        self.min_query_len = math.ceil(self.min_rows / group) if self.min_rows else 1
+        # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders)
+        # for small row counts: the GEMMs that do are padded to MIN_INVARIANT_ROWS rows (measured per
+        # weight shape at start), and every attention matmul gets at least that many query rows. Always
+        # for 16-bit dtypes (the CPU default), on request for float32, where padding costs more.
+        invariant = self.device.type == "cpu" and (config.batch_invariant or self.dtype != torch.float32)
+        self.min_query_len = 1
+        if invariant:
+            padded = calibrate_batch_invariance(self.model)
+            log.info("batch invariance: %d GEMMs pad batches below %d rows", padded, MIN_INVARIANT_ROWS)
+            # attention matmuls have (queries x query heads per KV head) rows
+            self.min_query_len = math.ceil(MIN_INVARIANT_ROWS / (mc.num_heads // mc.num_kv_heads))
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
 
     def _num_cache_blocks(self) -> int:
@@ -161,20 +163,12 @@ class ModelRunner:
             self.model_config.sliding_window, self.min_query_len,
         )  # fmt: skip
         input_ids = torch.tensor(ids, dtype=torch.long)
-        pad = self.min_rows - len(ids)
-        if pad > 0:  # padding rows write their K/V to the scratch block and are never read
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-            positions = torch.cat([positions, positions.new_zeros(pad)])
-            meta.slot_mapping = torch.cat(
-                [meta.slot_mapping, meta.slot_mapping.new_full((pad,), self.scratch_slot)]
-            )
         hidden = self.model(input_ids.to(self.device, non_blocking=True), positions, meta, self.kv_cache)
         if echo:
             self._collect_prompt_logprobs(hidden, echo)
         if not sampled_reqs:
             return {}
-        rows = sample_rows + sample_rows[-1:] * max(0, self.min_rows - len(sample_rows))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])[: len(sample_rows)]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         result = sample(logits, self._sampling_tensors(sampled_reqs))
         token_ids = result.token_ids.tolist()  # the one host read per step
         logprobs = [None] * len(token_ids)
