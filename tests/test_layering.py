@@ -10,7 +10,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # package prefix -> module prefixes it must never import
 FORBIDDEN = {
     "model": ["server", "weights", "fastapi", "pydantic", "asyncio", "prometheus_client", "uvicorn"],
-    "server/engine": ["server.api", "server.cli", "fastapi", "pydantic", "prometheus_client", "uvicorn", "weights"],
+    "server/engine": [
+        "server.api",
+        "server.cli",
+        "fastapi",
+        "pydantic",
+        "prometheus_client",
+        "uvicorn",
+        "weights",
+    ],
     "server/api": ["server.cli", "weights"],
     "weights": ["model", "server"],
 }

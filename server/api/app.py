@@ -1,5 +1,6 @@
 """The FastAPI app: routes, auth, limits, error mapping, health and drain. Routes are thin; serving.py works."""
 
+import asyncio
 import hmac
 import logging
 import re
@@ -35,6 +36,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS origins; empty = no CORS headers at all
     max_queue: int = 256  # waiting requests at which new ones get 429
     max_request_bytes: int = 4 << 20  # larger bodies get 413
+    read_timeout: float = 30.0  # seconds a request body may take to arrive in full; slower ones get 408
     shutdown_timeout: float = 30.0  # seconds running requests get to finish when draining
     system_prompt: str | None = None  # put first in chat requests that have no system message
 
@@ -60,7 +62,9 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(RequestGuard, max_request_bytes=config.max_request_bytes)
+    app.add_middleware(
+        RequestGuard, max_request_bytes=config.max_request_bytes, read_timeout=config.read_timeout
+    )
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -265,11 +269,14 @@ async def _internal_error(request: Request, error: Exception) -> JSONResponse:
 class RequestGuard:
     """Pure ASGI middleware (BaseHTTPMiddleware would stand between a stream and the client's disconnect):
     gives every request an X-Request-Id, echoed in the response, and refuses bodies over the size limit,
-    by Content-Length and by counting what actually arrives, before the app reads any of it."""
+    by Content-Length and by counting what actually arrives, before the app reads any of it. A body that
+    has not arrived in full within read_timeout seconds gets 408 and the connection is closed; the engine
+    never sees a request before its whole body is here, so a stalled client holds no engine resources."""
 
-    def __init__(self, app, max_request_bytes: int):
+    def __init__(self, app, max_request_bytes: int, read_timeout: float = 30.0):
         self.app = app
         self.max_request_bytes = max_request_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -293,15 +300,25 @@ class RequestGuard:
         if not length.isdigit() or int(length) > self.max_request_bytes:
             return await error_response(too_large)(scope, receive, send_with_id)
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_request_bytes:
-                return await error_response(too_large)(scope, receive, send_with_id)
+        try:
+            async with asyncio.timeout(self.read_timeout):  # for the whole body: trickling does not reset it
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+                    if size > self.max_request_bytes:
+                        return await error_response(too_large)(scope, receive, send_with_id)
+        except TimeoutError:
+            slow = ApiError(
+                408,
+                f"the request body did not arrive within {self.read_timeout:g} s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            return await error_response(slow)(scope, receive, send_with_id)
         body = b"".join(chunks)
         try:
             body.decode()  # JSON is UTF-8; say so rather than FastAPI's "error parsing the body"

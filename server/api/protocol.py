@@ -7,9 +7,10 @@ default", as in OpenAI's API.
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -47,6 +48,18 @@ class Body(BaseModel):
         return data
 
 
+def _valid_unicode(value: str) -> str:
+    # JSON can escape lone UTF-16 surrogates ("\ud800"): no text at all, and the tokenizer fails on them.
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string the server tokenizes or matches
+
+
 def _one_of(handler, value: Any, message: str) -> Any:
     # Pydantic reports a failed union once per member ("prompt.str", "prompt.list[int]", ...); say it once.
     try:
@@ -71,7 +84,7 @@ class SamplingFields(Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     seed: int | None = None
-    stop: str | list[str] | None = Field(
+    stop: Text | list[Text] | None = Field(
         None, description=f"Up to {MAX_STOP} strings; never part of the text."
     )
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -104,7 +117,7 @@ class SamplingFields(Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists; "
         "each prompt gets n choices."
     )
@@ -123,13 +136,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -278,7 +291,7 @@ class TokenizeRequest(Body):
     """A prompt (tokenized as /v1/completions does) or chat messages (rendered as /v1/chat/completions does)."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(
         True, description="For a prompt: add the tokenizer's BOS/EOS if it has them."

@@ -77,6 +77,14 @@ class Choice:
     first_output_time: float | None = None
     last_output_time: float | None = None
     request_time: float = field(default_factory=time.monotonic)
+    outputs: AsyncIterator[RequestOutput] | None = None  # the engine stream, once queued
+
+
+def queue_choices(state: ServingState, choices: list[Choice]) -> None:
+    """Hand every choice to the engine now, while the request is being answered, so that the waiting count
+    the next request's 429 check reads already includes them."""
+    for c in choices:
+        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params)
 
 
 Disconnected = Callable[[], Awaitable[None]]
@@ -123,6 +131,7 @@ async def completion(state: ServingState, body: p.CompletionRequest, log_id: str
             return None
         return p.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
 
+    queue_choices(state, choices)
     if body.stream:
         chunk = partial(p.CompletionStreamResponse, id=response_id, created=created, model=state.model_name)
         return stream(state, body, choices, log_id, delta, chunk)
@@ -195,6 +204,7 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
         delta = p.DeltaMessage(content=content)
         return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason)
 
+    queue_choices(state, choices)
     if body.stream:
         chunk = partial(
             p.ChatCompletionStreamResponse, id=response_id, created=created, model=state.model_name
@@ -311,7 +321,7 @@ async def run(
     state: ServingState, choices: list[Choice], log_id: str, until: Awaitable | None = None
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Run the choices concurrently; yield each delta with its choice. Raises ApiError(500) on an engine failure."""
-    streams = [state.engine.generate(c.request_id, c.prompt_ids, c.params) for c in choices]
+    streams = [c.outputs for c in choices]
     try:
         async with contextlib.aclosing(merge(streams, until)) as outputs:
             async for i, out in outputs:

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -38,17 +39,21 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._stats = engine.stats()
+        self._stats_lock = threading.Lock()
+        self._num_queued = 0  # "add" messages not yet applied
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     # --- called from the event loop -------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream delta outputs; raises ValueError before the first one if the request can never be served.
+        """Queue the request now and return the stream of its delta outputs.
 
-        Closing the iterator early (client gone, task cancelled) aborts the request in the engine.
+        Raises ValueError (a message for the client) when the request can never be served. Queueing at call
+        time keeps the waiting count exact under a burst. Closing the stream early (client gone, task
+        cancelled) aborts the request in the engine; so does dropping a stream that was never iterated.
         """
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -56,6 +61,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._send(("add", request_id, list(prompt_token_ids), params))
+        outputs = self._outputs(request_id, stream)
+        weakref.finalize(outputs, self._forget, request_id)
+        return outputs
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -63,17 +73,20 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
+            self._streams.pop(request_id, None) if finished else self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (plus requests not yet handed to the scheduler)."""
-        s = self._stats
-        return EngineStats(**{**s.__dict__, "num_waiting": s.num_waiting + self._inbox.qsize()})
+        """The snapshot taken after the latest step, plus requests not yet handed to the scheduler."""
+        with self._stats_lock:
+            s, queued = self._stats, self._num_queued
+        return EngineStats(**{**s.__dict__, "num_waiting": s.num_waiting + queued})
 
     @property
     def num_unfinished(self) -> int:
@@ -95,7 +108,9 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def _send(self, message: tuple) -> None:
-        self._inbox.put(message)
+        with self._stats_lock:
+            self._num_queued += message[0] == "add"
+            self._inbox.put(message)
         self._wake.set()
 
     # --- the stepping thread --------------------------------------------------------------------
@@ -118,21 +133,26 @@ class AsyncEngine:
 
     def _apply_inbox(self) -> None:
         while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if message[0] == "add":
-                _, request_id, ids, params = message
+            with self._stats_lock:  # a request leaves the inbox and enters the snapshot at once
                 try:
-                    self.engine.add_request(request_id, ids, params)
-                except ValueError as e:  # validated before queueing; only a race (duplicate id) lands here
-                    self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ABORT, error=str(e)))
-            else:
-                output = self.engine.abort(message[1])
-                if output is not None:
-                    self._deliver(output)
-        self._stats = self.engine.stats()
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._num_queued -= message[0] == "add"
+                self._apply(message)
+                self._stats = self.engine.stats()
+
+    def _apply(self, message: tuple) -> None:
+        if message[0] == "add":
+            _, request_id, ids, params = message
+            try:
+                self.engine.add_request(request_id, ids, params)
+            except ValueError as e:  # validated before queueing; only a race (duplicate id) lands here
+                self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ABORT, error=str(e)))
+        else:
+            output = self.engine.abort(message[1])
+            if output is not None:
+                self._deliver(output)
 
     def _abort_all(self, error: str) -> list[RequestOutput]:
         outputs = []

@@ -45,7 +45,9 @@ def wait_ready(proc, url, seen: set, timeout=120) -> None:
 @pytest.mark.timeout(300)
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=4096)
-    proc, url = start_server(model, "--max-num-seqs", "1", "--shutdown-timeout", "60", "--served-model-name", "m")
+    proc, url = start_server(
+        model, "--max-num-seqs", "1", "--shutdown-timeout", "60", "--served-model-name", "m"
+    )
     try:
         seen: set = set()
         wait_ready(proc, url, seen)
@@ -95,7 +97,11 @@ def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         t.join(60)
-        reasons = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
+        reasons = [
+            json.loads(e[6:])["choices"][0]["finish_reason"]
+            for e in events[:-1]
+            if json.loads(e[6:])["choices"]
+        ]
         assert reasons[-1] == "abort"
         assert proc.wait(60) == 0
     finally:
@@ -106,6 +112,8 @@ def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
 @pytest.mark.timeout(120)
 def test_openapi_command_prints_the_checked_in_file():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-m", "server.cli", "openapi"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "openapi"], capture_output=True, text=True, check=True
+    )
     with open(os.path.join(root, "openapi.yaml")) as f:
         assert out.stdout == f.read()

@@ -1,0 +1,146 @@
+"""Hostile input against a live server: generated from openapi.yaml by schemathesis, then targeted cases.
+Every answer is a 2xx that fits the schema or a 4xx with an OpenAI error body, never a 5xx or a leak."""
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from live_server import MODEL_NAME, Server, assert_no_leak, assert_openai_error, sse_payloads, start_server
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from server.api import protocol as p
+
+OPENAPI = Path(__file__).resolve().parents[2] / "openapi.yaml"
+schema = schemathesis.openapi.from_path(OPENAPI)
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tiny_llama_dir, tmp_path_factory):
+    server = start_server(
+        tiny_llama_dir, tmp_path_factory.mktemp("hostile") / "server.log", "--max-model-len", "128"
+    )
+    yield server
+    server.stop()
+
+
+def openai_shaped_errors(ctx, response, case) -> None:
+    assert_no_leak(response.text)
+    if response.status_code >= 400:
+        error = json.loads(response.text)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, response.text
+        assert isinstance(error["message"], str) and error["message"], response.text
+
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    openai_shaped_errors,
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@schema.parametrize()
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_generated_requests(case, hostile_server: Server):
+    response = case.call(base_url=hostile_server.url, timeout=60)
+    if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        return case.validate_response(response, checks=CHECKS)
+    # schemathesis reads an SSE schema as the envelope of each event (OpenAPI 3.2); ours describes the JSON
+    # payload of each `data:` line, so streams are checked here: framing, then each payload's shape.
+    case.validate_response(response, checks=[c for c in CHECKS if c is not response_schema_conformance])
+    for payload in sse_payloads(response.content):
+        if "error" in payload:
+            assert set(payload["error"]) == {"message", "type", "param", "code"}, payload
+        else:
+            chunk = p.ChatCompletionStreamResponse if "chat" in case.path else p.CompletionStreamResponse
+            chunk.model_validate(payload)
+
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def post_raw(url: str, route: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{url}{route}", content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_targeted_cases_are_clear_4xx(hostile_server: Server):
+    url = hostile_server.url
+    cases = [
+        ("/v1/completions", {**COMPLETION, "max_tokens": 10**12}, None),  # names the context it exceeds
+        ("/v1/completions", {**COMPLETION, "max_tokens": 10**30}, None),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, None),
+        ("/v1/completions", {**COMPLETION, "n": 10**6}, "n"),
+        ("/v1/chat/completions", {**CHAT, "n": 17}, "n"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 10**6}, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
+        ("/v1/completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_p": 1.0001}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_p": -1}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 300]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, -1]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[5], [1, 10**12]]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": []}, None),
+        ("/v1/completions", {**COMPLETION, "prompt": ""}, None),
+        ("/v1/completions", {**COMPLETION, "stop": [f"s{i}" for i in range(5000)]}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 5000}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "hi"}]}, None),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, None),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+        ("/detokenize", {"tokens": [10**12]}, "tokens"),
+    ]
+    for route, body, param in cases:
+        error = assert_openai_error(httpx.post(f"{url}{route}", json=body, timeout=60), 400)
+        assert param is None or (error["param"] or "").startswith(param), (body, error)
+    # JSON literals Python's json accepts but no number should be: NaN and Infinity
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"):
+        for literal in ("NaN", "Infinity", "-Infinity"):
+            raw = f'{{"model": "{MODEL_NAME}", "prompt": "hi", "max_tokens": 2, "{field}": {literal}}}'
+            r = post_raw(url, "/v1/completions", raw.encode())
+            assert_openai_error(r, 400)
+    assert httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_huge_nested_and_broken_bodies(hostile_server: Server):
+    url = hostile_server.url
+    big = json.dumps({**COMPLETION, "prompt": "x" * (10 << 20)}).encode()
+    assert_openai_error(post_raw(url, "/v1/completions", big), 413)
+    for depth in (1000, 100_000):
+        nested = b'{"prompt": ' + b"[" * depth + b"]" * depth + b', "max_tokens": 2}'
+        assert_openai_error(post_raw(url, "/v1/completions", nested), 400)
+        deep_object = b'{"a": ' * depth + b"1" + b"}" * depth
+        assert_openai_error(post_raw(url, "/v1/chat/completions", deep_object), 400)
+    for body in [b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', b"\xc3\x28", b'{"prompt": "\xed\xa0\x80"}']:
+        assert_openai_error(post_raw(url, "/v1/completions", body), 400)
+    # a lone surrogate escape is valid JSON; it must not break tokenizing or the answer
+    r = post_raw(url, "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}')
+    assert r.status_code == 200 or assert_openai_error(r, 400)
+    # the server is still there and well
+    r = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert "Traceback" not in hostile_server.log()

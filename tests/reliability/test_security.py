@@ -1,0 +1,104 @@
+"""Security: the API key guards every route but /health and /metrics and never reaches the logs; no request
+names a file the server reads; CORS is off unless origins are given; the default bind is loopback."""
+
+import httpx
+import pytest
+from live_server import MODEL_NAME, assert_openai_error
+
+from server import cli
+from server.api import protocol as p
+
+KEY = "sk-kvserve-test-7c1f9e0a5b"
+ROUTES = [
+    ("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [5, 6]}),
+]
+
+
+@pytest.mark.timeout(180)
+def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
+    server = spawn(tiny_llama_dir, "--api-key", KEY, "--log-level", "debug")
+    client = httpx.Client(base_url=server.url, timeout=30)
+    wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+             {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"}]  # fmt: skip
+    for method, route, body in ROUTES:
+        for headers in wrong:
+            r = client.request(method, route, json=body, headers=headers)
+            assert_openai_error(r, 401)
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = client.request(method, route, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, (route, r.text)
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    # a request that carries the key in its body and a wrong key in the header: neither is logged
+    client.post(
+        "/v1/completions", json={"prompt": KEY, "max_tokens": 2}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}-wrong"})
+    log = server.log()
+    assert "DEBUG" in log  # the debug level was on
+    assert KEY not in log
+
+
+@pytest.mark.timeout(120)
+def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
+    server = spawn(tiny_llama_dir)
+    client = httpx.Client(base_url=server.url, timeout=30)
+    for path in [str(tiny_llama_dir), str(tiny_llama_dir / "config.json"), "/etc/passwd", "../../etc/passwd",
+                 "file:///etc/passwd", "~/.ssh/id_rsa"]:  # fmt: skip
+        for route, body in [
+            ("/v1/completions", {"model": path, "prompt": "hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": path, "messages": [{"role": "user", "content": "hi"}]}),
+            ("/tokenize", {"model": path, "prompt": "hi"}),
+            ("/detokenize", {"model": path, "tokens": [5]}),
+        ]:
+            assert assert_openai_error(client.post(route, json=body), 404)["code"] == "model_not_found"
+        # fields other servers read files from are ignored, never opened: the answer is the usual one
+        body = {"prompt": path, "max_tokens": 2, "temperature": 0, "chat_template": path,
+                "chat_template_kwargs": {"path": path}, "guided_json": path}  # fmt: skip
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and "root:" not in r.text
+    # no request field of the API takes a path or a template: the full list of what requests can carry
+    fields = set()
+    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest):
+        fields |= set(model.model_fields)
+    assert not {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}
+
+
+@pytest.mark.timeout(120)
+def test_cors_only_for_allowed_origins(spawn, tiny_llama_dir):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    default = spawn(tiny_llama_dir)
+    r = httpx.get(f"{default.url}/v1/models", headers={"Origin": "https://app.example"}, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(f"{default.url}/v1/completions", headers=preflight, timeout=30)
+    assert "access-control-allow-origin" not in r.headers
+    allowed = spawn(tiny_llama_dir, "--allowed-origins", "https://app.example,https://b.example")
+    r = httpx.get(f"{allowed.url}/v1/models", headers={"Origin": "https://app.example"}, timeout=30)
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(f"{allowed.url}/v1/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{allowed.url}/v1/models", headers={"Origin": "https://evil.example"}, timeout=30)
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(
+        f"{allowed.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"}
+    )
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.timeout(60)
+def test_defaults_bind_loopback_and_time_out_reads(monkeypatch):
+    for name in ("KVSERVE_HOST", "KVSERVE_READ_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    parsed = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: parsed.append(args) or 0)
+    assert cli.main(["serve", "--model", "unused"]) == 0
+    assert parsed[0].host == "127.0.0.1"
+    assert parsed[0].read_timeout == 30.0
+    assert cli.server_config(parsed[0], "unused").read_timeout == 30.0
+    monkeypatch.setenv("KVSERVE_READ_TIMEOUT", "5")
+    assert cli.main(["serve", "--model", "unused"]) == 0
+    assert parsed[1].read_timeout == 5.0

@@ -1,0 +1,48 @@
+"""The terminal entry points, run as a user would."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def kvserve(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.timeout(300)
+def test_generate_is_deterministic_at_temperature_0(default_model_dir):
+    args = ["generate", "--model", str(default_model_dir), "--prompt", "What is the capital of France?",
+            "--max-tokens", "12", "--temperature", "0", "--dtype", "float32", "--kv-cache-memory", "64MiB"]  # fmt: skip
+    first, second = kvserve(*args), kvserve(*args)
+    assert first.returncode == 0, first.stderr
+    assert "Paris" in first.stdout
+    assert first.stdout == second.stdout
+
+
+@pytest.mark.timeout(120)
+def test_generate_streams_with_a_system_prompt_and_sampling(tiny_llama_dir):
+    out = kvserve("generate", "--model", str(tiny_llama_dir), "--prompt", "hello", "--system", "Be brief.",
+                  "--max-tokens", "5", "--temperature", "0.8", "--top-k", "20", "--seed", "3")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir):
+    out = kvserve("generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--device", "cuda")
+    assert out.returncode == 1
+    assert "no CUDA GPU" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unknown_architecture_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "vocab_size": 10}')
+    out = kvserve("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert out.returncode == 1
+    assert "FalconForCausalLM" in out.stderr and "Traceback" not in out.stderr
