@@ -227,23 +227,6 @@ def cmd_bench_model(args) -> int:
     return 0
 
 
-def steady_memory() -> None:
-    """Keep a long-running server's resident memory flat: without this it grows by hundreds of MiB over the
-    first thousand requests and then levels off. oneDNN caches a kernel per GEMM shape (1024 by default, and
-    every new batch size is a new shape); glibc raises its mmap threshold as large buffers come and go, so
-    freed activations stay in the heap. Must run before torch is imported."""
-    import ctypes
-
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 10)  # fixed: buffers from 256 KiB on go back to the OS on free
-    libc.mallopt(m_trim_threshold, 64 << 20)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench_model)
 
     args = parser.parse_args(argv)
-    steady_memory()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
