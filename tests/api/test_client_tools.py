@@ -1,0 +1,35 @@
+"""`kvserve chat` and `kvserve bench` against a live server, run as a user would."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(180)
+def test_chat_streams_answers_and_keeps_the_conversation(start_server, tiny_engine):
+    url, _ = start_server(tiny_engine)
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chat", "--url", url, "--max-tokens", "6", "--temperature", "0"],
+        input="hello there\nand again\n\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "chatting with test-model" in out.stdout
+    assert out.stdout.count("> ") >= 3  # two turns answered, then the empty line ends it
+    assert "error" not in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
+    url, _ = start_server(tiny_engine)
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--url", url, "--concurrency", "4", "--num-requests", "12",
+         "--input-len", "16", "--output-len", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["requests_ok"] == 12 and summary["requests_failed"] == 0
+    assert summary["output_tokens_per_s"] > 0
+    assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
