@@ -27,6 +27,21 @@ def start_server(model_dir, *flags) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def stream_in_background(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
+    """POST a streamed completion from a thread; returns the thread and the `data:` lines as they arrive."""
+    events: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while not events and thread.is_alive():  # wait until the request is generating
+        time.sleep(0.01)
+    return thread, events
+
+
 def wait_ready(proc, url, seen: set, timeout=120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -52,16 +67,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_factory):
         seen: set = set()
         wait_ready(proc, url, seen)
         body = {"model": "m", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events = []
-
-        def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while not events:  # the request is generating
-            time.sleep(0.01)
+        t, events = stream_in_background(url, body)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
@@ -85,16 +91,7 @@ def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
     try:
         wait_ready(proc, url, set())
         body = {"model": "m", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        events = []
-
-        def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while not events:
-            time.sleep(0.01)
+        t, events = stream_in_background(url, body)
         proc.send_signal(signal.SIGTERM)
         t.join(60)
         reasons = [

@@ -69,16 +69,7 @@ def kvserve(model_dir: Path, log: Path) -> Iterator[str]:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, f"kvserve serve exited with {process.returncode}:\n{tail(log)}"
-            assert time.monotonic() < deadline, f"kvserve never became healthy:\n{tail(log)}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_until_ready(process, url + "/health", "kvserve serve", log, timeout=120)
         yield url
     finally:
         process.send_signal(signal.SIGTERM)  # what docker stop and the kubelet send
@@ -88,6 +79,19 @@ def kvserve(model_dir: Path, log: Path) -> Iterator[str]:
             process.kill()
             process.wait()
             pytest.fail(f"kvserve ignored SIGTERM for {SHUTDOWN_TIMEOUT + 5} s:\n{tail(log)}")
+
+
+def wait_until_ready(process: subprocess.Popen, ready_url: str, name: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"{name} exited with {process.returncode}:\n{tail(log)}"
+        assert time.monotonic() < deadline, f"{name} never became ready:\n{tail(log)}"
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
 
 
 @contextmanager
@@ -114,16 +118,7 @@ def prometheus(binary: str, target: str, workdir: Path) -> Iterator[str]:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"prometheus exited with {process.returncode}:\n{tail(log)}"
-            assert time.monotonic() < deadline, f"prometheus never became ready:\n{tail(log)}"
-            try:
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_until_ready(process, url + "/-/ready", "prometheus", log, timeout=60)
         yield url
     finally:
         process.terminate()
