@@ -30,9 +30,3 @@ class KVCache:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
-
-    @classmethod
-    def num_blocks_for(
-        cls, memory_bytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype
-    ) -> int:
-        return memory_bytes // cls.bytes_per_block(config, block_size, dtype)
