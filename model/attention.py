@@ -3,17 +3,20 @@
 One step's tokens arrive flat and unpadded ([T, ...]). For attention they are gathered into at most two
 padded groups: decode rows (one query each) and prefill rows (a chunk of queries each). Every row's numbers
 depend only on its own queries and keys, never on the padding its group needed: CPU GEMMs give
-bit-identical rows for any batch size and key padding as long as a matmul has at least MIN_INVARIANT_ROWS
-rows and its key length is a multiple of KEY_TILE (measured on x86 with torch 2.13; the fused SDPA CPU
-kernel does not have this property). `min_query_len` pads every row's queries so that holds.
+bit-identical rows for any batch size and key padding as long as a matmul has enough rows (none for
+bfloat16, 4 for float32, measured on x86 with torch 2.13: min_query_len_for_invariance) and its key length
+is a multiple of KEY_TILE (the fused SDPA CPU kernel does not have this property). `min_query_len` pads
+every row's queries so that holds.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-# CPU GEMMs take other kernels (other summation orders) for fewer rows than this.
+# CPU GEMMs may take other kernels (other summation orders) for fewer rows than some small count, which
+# depends on the library, the dtype and the weight layout (measured: rows_for_invariance). At most this.
 MIN_INVARIANT_ROWS = 12
 # Key lengths are padded to a multiple of this so no GEMM runs a short vector tail over the keys.
 KEY_TILE = 16
@@ -99,6 +102,47 @@ def _build_group(rows, block_size, window, min_query_len, device) -> AttentionGr
         valid=valid.to(device, non_blocking=True),
         out_index=query_index.flatten()[valid].to(device, non_blocking=True),
     )
+
+
+def rows_for_invariance(fn, x: torch.Tensor, max_rows: int = MIN_INVARIANT_ROWS) -> int:
+    """The fewest rows a batch must be padded to so that fn (a GEMM over the rows of x) gives every row the
+    bits it gets inside the whole batch, alone or in any smaller batch.
+
+    CPU GEMM libraries pick other kernels (other summation orders) for small row counts, and which shapes are
+    affected depends on the library, the CPU, the dtype and the weight's layout, so it is measured rather
+    than assumed. A kernel that differs does so on a few percent of rows, hence every row checked alone.
+    """
+    ref = fn(x)
+    for m in (1, 2, 4, 8):
+        if m >= max_rows:
+            break
+        alone = all(
+            torch.equal(fn(F.pad(x[i : i + 1], (0, 0, 0, m - 1)))[:1], ref[i : i + 1]) for i in range(len(x))
+        )
+        if alone and all(torch.equal(fn(x[:n]), ref[:n]) for n in range(m, max_rows + 1)):
+            return m
+    return max_rows
+
+
+def min_query_len_for_invariance(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> int:
+    """Query slots every attention row must be padded to so that its matmuls (scores = q k^T, out = p v, with
+    num_heads / num_kv_heads query rows per query slot) give it the same bits in any batch."""
+    g = torch.Generator().manual_seed(0)
+    rows = 1
+    for L in (KEY_TILE, 11 * KEY_TILE):
+        # batched like the real thing ([KVH, B, rows, D] matmuls run as bmm, another path than 2-D mm)
+        k = torch.randn(2, head_dim, L, generator=g).to(device, dtype)
+        v = torch.randn(2, L, head_dim, generator=g).to(device, dtype)
+        q = torch.randn(64, head_dim, generator=g).to(device, dtype)
+        p = torch.rand(64, L, generator=g).to(device, dtype)
+        with torch.inference_mode():
+            for x, y in ((q, k), (p, v)):
+                rows = max(
+                    rows, rows_for_invariance(lambda x, y=y: (x.expand(2, -1, -1) @ y).transpose(0, 1), x)
+                )
+    return math.ceil(rows / (num_heads // num_kv_heads))
 
 
 def paged_attention(

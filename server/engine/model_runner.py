@@ -1,17 +1,16 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out. Owns the model, the KV cache and the device."""
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
-from model.attention import MIN_INVARIANT_ROWS, build_metadata
+from model.attention import build_metadata, min_query_len_for_invariance
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.loader import load_model
 from model.sampling import SamplingTensors, sample
-from model.transformer import calibrate_batch_invariance
+from model.transformer import calibrate_batch_invariance, pack_weights
 from server.engine.config import EngineConfig
 from server.engine.request import Request, TokenLogprob
 from server.engine.scheduler import SchedulerOutput, is_sampled
@@ -87,17 +86,24 @@ class ModelRunner:
         self.num_blocks = self._num_cache_blocks()
         self.kv_cache = KVCache(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         self.max_model_len = self._max_model_len()
+        if self.device.type == "cpu" and pack_weights(self.model):
+            log.info("GEMM weights packed for oneDNN")
         # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders)
-        # for small row counts: the GEMMs that do are padded to MIN_INVARIANT_ROWS rows (measured per
-        # weight shape at start), and every attention matmul gets at least that many query rows. Always
-        # for 16-bit dtypes (the CPU default), on request for float32, where padding costs more.
+        # for small row counts: the GEMMs that do pad small batches (measured per weight shape at start),
+        # and attention matmuls get enough query rows. Always for 16-bit dtypes (the CPU default), on
+        # request for float32, where padding costs more.
         invariant = self.device.type == "cpu" and (config.batch_invariant or self.dtype != torch.float32)
         self.min_query_len = 1
         if invariant:
             padded = calibrate_batch_invariance(self.model)
-            log.info("batch invariance: %d GEMMs pad batches below %d rows", padded, MIN_INVARIANT_ROWS)
-            # attention matmuls have (queries x query heads per KV head) rows
-            self.min_query_len = math.ceil(MIN_INVARIANT_ROWS / (mc.num_heads // mc.num_kv_heads))
+            self.min_query_len = min_query_len_for_invariance(
+                mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            )
+            log.info(
+                "batch invariance: %d GEMMs pad small batches; attention pads queries to %d",
+                padded,
+                self.min_query_len,
+            )
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
 
     def _num_cache_blocks(self) -> int:

@@ -80,6 +80,33 @@ def test_prefill_then_decode_equals_one_pass(tiny_model_factory, run_sequence, d
     assert (incremental - full).abs().max().item() <= tolerance
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_the_plain_gemm_results(tiny_model_factory, run_sequence, dtype):
+    """oneDNN's packed weights compute the same logits, the plain block weights are dropped, and calibration
+    pads exactly the GEMMs whose rows would otherwise depend on their batch."""
+    from model.transformer import Linear, calibrate_batch_invariance, pack_weights
+
+    path = tiny_model_factory("qwen2")  # biases on q/k/v, untied LM head
+    ids = list(range(10, 50))
+    plain, config = load_model(path, dtype=dtype)
+    packed, _ = load_model(path, dtype=dtype)
+    assert pack_weights(packed)
+    linears = [m for m in packed.layers.modules() if isinstance(m, Linear)]
+    assert all(m.weight.is_meta and m.packed is not None for m in linears)
+    a = run_sequence(plain, new_cache(config, dtype), ids, 0, list(range(16)))
+    b = run_sequence(packed, new_cache(config, dtype), ids, 0, list(range(16)))
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5 if dtype == torch.float32 else 0.0)
+
+    calibrate_batch_invariance(packed)
+    g = torch.Generator().manual_seed(1)
+    for m in linears:
+        x = torch.randn(16, m.in_features, generator=g).to(dtype)
+        with torch.inference_mode():
+            batch = m(x)
+            assert all(torch.equal(m(x[i : i + 1]), batch[i : i + 1]) for i in range(16))
+
+
 @pytest.mark.timeout(60)
 def test_missing_and_mismatched_tensors_are_named(tiny_model_factory, tmp_path):
     import shutil
