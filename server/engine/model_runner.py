@@ -1,6 +1,7 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out. Owns the model, the KV cache and the device."""
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +75,22 @@ class Sampled:
     logprob: TokenLogprob | None
 
 
+def bound_onednn_caches(capacity: int = 256) -> None:
+    """Cap the kernels oneDNN keeps per GEMM shape (read once, at its first use, from the environment).
+
+    Both of its caches (ideep's and the library's) default to 1,024 entries, and each entry holds memory
+    (~0.25 MiB for small shapes): a server's RSS grew by 230 MiB over 800 mixed requests, by 50 MiB with
+    both at 256. Steady decoding uses a few dozen shapes (GEMM rows are bucketed), so nothing is rebuilt.
+    A value already in the environment wins.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
+
+
 class ModelRunner:
     def __init__(self, model_path: str, config: EngineConfig):
         self.config = config
+        bound_onednn_caches()
         self.device = select_device(config.device)
         self.dtype = select_dtype(config.dtype, self.device)
         log.info("loading %s on %s in %s", model_path, self.device, str(self.dtype).removeprefix("torch."))

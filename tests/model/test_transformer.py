@@ -194,3 +194,13 @@ def test_mistral_sliding_window_matches_transformers(tiny_model_factory, run_seq
     ids = list(range(3, 43))
     ours = run_sequence(model, new_cache(config), ids, 0, list(range(16)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
+
+
+def test_row_buckets_bound_the_gemm_shapes():
+    """Padded row counts never shrink, add at most 25%, and stay few (oneDNN keeps memory per shape)."""
+    from model.transformer import row_bucket
+
+    assert [row_bucket(n) for n in range(1, 9)] == list(range(1, 9))
+    assert all(n <= row_bucket(n) <= 1.25 * n for n in range(1, 5000))
+    assert len({row_bucket(n) for n in range(1, 513)}) <= 32
+    assert all(row_bucket(row_bucket(n)) == row_bucket(n) for n in range(1, 5000))

@@ -139,11 +139,6 @@ def test_malformed_bodies_get_4xx(spawn, tiny_llama_dir):
     assert post("/v1/completions", json=SHORT).status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (issue 6): RSS rises ~450 MiB over requests 200-1000, then stays flat. Bounding oneDNN's "
-    "per-shape kernel cache and glibc's mmap threshold cut it to ~180 MiB but halved throughput, so not done",
-)
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_memory_from_request_200_to_1000(spawn, tiny_llama_dir):
