@@ -29,6 +29,7 @@ class AttentionGroup:
     masked: torch.Tensor  # [1, B, Q, 1, L] bool, True = may NOT attend (future, beyond context, window)
     valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
     out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
+    whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
 
 
 @dataclass
@@ -69,6 +70,9 @@ def build_metadata(
         if rows:
             lens = [(starts[i], query_lens[i], seq_lens[i], block_tables[i]) for i in rows]
             groups.append(_build_group(lens, block_size, sliding_window, min_query_len, device))
+    # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
+    if len(groups) == 1:
+        groups[0].whole = groups[0].valid.numel() == groups[0].query_index.numel()
     meta = AttentionMetadata(torch.tensor(slots).to(device, non_blocking=True), groups, block_size)
     return torch.tensor(positions).to(device, non_blocking=True), meta
 
@@ -157,19 +161,37 @@ def paged_attention(
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     KVH, _, D = k_cache.shape
-    # [KVH, blocks, block_size * D]: index_select on this 3-D view copies whole blocks, 3x faster than on
-    # the 4-D one (measured)
-    k_blocks = k_cache.view(KVH, -1, meta.block_size * D)
-    v_blocks = v_cache.view(KVH, -1, meta.block_size * D)
-    out = torch.empty_like(q)
+    fn = attend if q.device.type == "cpu" else attend_sdpa
+    out = None
     for g in meta.groups:  # at most two: decodes, prefill chunks
         B, Q = g.query_index.shape
-        keys = k_blocks.index_select(1, g.key_blocks.flatten()).view(KVH, B, -1, D)
-        values = v_blocks.index_select(1, g.key_blocks.flatten()).view(KVH, B, -1, D)
-        fn = attend if q.device.type == "cpu" else attend_sdpa
-        o = fn(q[g.query_index], keys, values, g.masked, scale)  # [B, Q, H, D]
+        keys, values = gather_blocks(k_cache, v_cache, g.key_blocks.flatten(), meta.block_size)
+        queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
+        o = fn(queries, keys.view(KVH, B, -1, D), values.view(KVH, B, -1, D), g.masked, scale)  # [B, Q, H, D]
+        if g.whole:
+            return o.reshape(q.shape)
+        if out is None:
+            out = torch.empty_like(q)
         out[g.out_index] = o.view(B * Q, *q.shape[1:])[g.valid]
     return out
+
+
+def gather_blocks(
+    k_cache, v_cache, blocks: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[KVH, len(blocks), block_size * D] copies of the keys and values in the given cache blocks.
+
+    One contiguous-row gather per KV head: 1.5x faster than one gather along the middle dimension of
+    [KVH, blocks, block_size * D] (measured on cache that is not in CPU caches)."""
+    KVH, _, D = k_cache.shape
+    out = []
+    for cache in (k_cache, v_cache):
+        rows = cache.view(KVH, -1, block_size * D)
+        dest = torch.empty(KVH, len(blocks), block_size * D, dtype=cache.dtype, device=cache.device)
+        for h in range(KVH):
+            torch.index_select(rows[h], 0, blocks, out=dest[h])
+        out.append(dest)
+    return out[0], out[1]
 
 
 def attend(

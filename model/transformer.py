@@ -166,7 +166,7 @@ class Attention(nn.Module):
         q, k = qk.split((H, KVH), dim=1)
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o(out.view(T, -1))
+        return self.o(out.reshape(T, -1))
 
 
 class MLP(nn.Module):
