@@ -42,7 +42,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env("enable_prefix_caching", True, bool),
     )
-    g.add_argument("--batch-invariant", action="store_true", default=env("batch_invariant", False, bool))
+    g.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=env("batch_invariant", None, bool),
+        help="a request's numbers never depend on its batch (default: on in 16-bit dtypes on CPU, off in float32)",
+    )
     g.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
     g.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", False, bool))
     g.add_argument("--chat-template", default=env("chat_template"), help="a Jinja chat template, or a file")

@@ -12,7 +12,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of GPU memory kvserve may use (when kv_cache_memory is None)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None = the model's context, capped to what the cache holds
-    batch_invariant: bool = False  # float32: pad batches so a row's numbers never depend on its batch
+    batch_invariant: bool | None = None  # pad small GEMMs so a row's numbers never depend on its batch;
+    # None = on for 16-bit dtypes on CPU (nearly free there), off for float32
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: no graphs

@@ -104,9 +104,12 @@ class ModelRunner:
             log.info("GEMM weights packed for oneDNN")
         # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders)
         # for small row counts: the GEMMs that do pad small batches (measured per weight shape at start),
-        # and attention matmuls get enough query rows. Always for 16-bit dtypes (the CPU default), on
-        # request for float32, where padding costs more.
-        invariant = self.device.type == "cpu" and (config.batch_invariant or self.dtype != torch.float32)
+        # and attention matmuls get enough query rows. By default for 16-bit dtypes (the CPU default),
+        # where it is nearly free, not for float32, where more GEMMs pad.
+        invariant = config.batch_invariant
+        if invariant is None:
+            invariant = self.dtype != torch.float32
+        invariant = invariant and self.device.type == "cpu"
         self.min_query_len = 1
         if invariant:
             padded = calibrate_batch_invariance(self.model)

@@ -86,12 +86,36 @@ def test_default_model_batched_greedy_equals_alone(default_model_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype,batch_invariant", [("bfloat16", False), ("float32", True)])
+@pytest.mark.parametrize("dtype,batch_invariant", [("bfloat16", None), ("float32", True)])  # None: default
 def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant):
     engine = tiny_engine_factory(dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24)
     prompts = random_prompts(16, engine.vocab_size)
     assert run(engine, prompts) == alone(engine, prompts)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(120)
+def test_batch_invariance_is_on_by_default_in_bfloat16_only(tiny_engine_factory, monkeypatch):
+    import model.attention
+    import model.transformer
+    from model.transformer import Linear
+
+    # a CPU on which every GEMM needs 6 rows: what the engine pads then shows whether it calibrated
+    for module in (model.attention, model.transformer):
+        monkeypatch.setattr(module, "rows_for_invariance", lambda fn, x: 6)
+
+    def padding(engine):
+        m = engine.runner.model
+        return {x.min_rows for x in m.modules() if isinstance(x, Linear)} | {
+            m.min_rows
+        }, engine.runner.min_query_len
+
+    heads_per_kv = 2  # the tiny model: 4 query heads, 2 KV heads
+    on = ({6}, 6 // heads_per_kv)
+    assert padding(tiny_engine_factory(dtype="bfloat16")) == on
+    assert padding(tiny_engine_factory(dtype="float32", batch_invariant=True)) == on
+    assert padding(tiny_engine_factory(dtype="bfloat16", batch_invariant=False)) == ({1}, 1)
+    assert padding(tiny_engine_factory(dtype="float32")) == ({1}, 1)
 
 
 @pytest.mark.timeout(300)
