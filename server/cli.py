@@ -224,7 +224,8 @@ def cmd_bench(args) -> int:
 def cmd_bench_model(args) -> int:
     from server.bench import bench_model, print_json
 
-    for dtype in args.dtypes:
+    dtypes = args.dtypes or ([args.dtype] if args.dtype != "auto" else ["float32", "bfloat16"])
+    for dtype in dtypes:
         args.dtype = dtype
         engine = build_engine(args, max_num_seqs=1)
         print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
@@ -318,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench-model", help="prefill and single-stream decode tokens/s per dtype")
     add_model_flags(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtypes", nargs="+", help="dtypes to measure in turn (default: --dtype, or float32 and bfloat16)"
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)

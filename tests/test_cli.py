@@ -46,3 +46,25 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     out = kvserve("generate", "--model", str(tmp_path), "--prompt", "x")
     assert out.returncode == 1
     assert "FalconForCausalLM" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
+    import json
+
+    common = [
+        "bench-model",
+        "--model",
+        str(tiny_llama_dir),
+        "--runs",
+        "1",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "4",
+    ]
+    one = kvserve(*common, "--dtype", "float32")
+    assert one.returncode == 0, one.stderr
+    assert [json.loads(line)["dtype"] for line in one.stdout.splitlines()] == ["float32"]
+    both = kvserve(*common)
+    assert [json.loads(line)["dtype"] for line in both.stdout.splitlines()] == ["float32", "bfloat16"]
