@@ -95,5 +95,30 @@ def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> 
     }
 
 
+def bench_batch_invariance(engines: dict[str, Engine], batch_size: int, input_len: int, steps: int) -> dict:
+    """Median decode step time of each engine at `batch_size` sequences, the engines' steps interleaved so
+    that the machine's drift hits them alike. Returns tokens/s per engine name."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for name, engine in engines.items():
+        reset_scheduler(engine)
+        for i, p in enumerate(random_prompts(batch_size, input_len, engine.vocab_size)):
+            engine.add_request(f"{name}-{i}", p, params)
+        while not all(r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # prefill, until every sequence decodes
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
+    for engine in engines.values():
+        while engine.has_work():
+            engine.step()
+    return {
+        "batch_size": batch_size,
+        **{f"{name}_tokens_per_s": round(batch_size / statistics.median(t), 1) for name, t in times.items()},
+    }
+
+
 def print_json(result: dict) -> None:
     print(json.dumps(result), flush=True)

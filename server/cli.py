@@ -1,4 +1,5 @@
-"""kvserve's command line: serve, generate, fetch, convert-gguf, openapi, bench, bench-offline, bench-model, chat.
+"""kvserve's command line: serve, generate, fetch, convert-gguf, openapi, bench, bench-offline, bench-model,
+bench-invariance, chat.
 
 Every flag also reads an environment variable KVSERVE_<FLAG> (dashes as underscores); the flag wins.
 """
@@ -144,6 +145,22 @@ def cmd_bench_offline(args) -> int:
     print_json(
         bench_offline(engine, args.num_requests, args.input_len, args.output_len, args.baseline_requests)
     )
+    return 0
+
+
+def cmd_bench_invariance(args) -> int:
+    from server.bench import bench_batch_invariance, print_json
+
+    kv = {"max_num_seqs": max(args.batch_sizes)}
+    engines = {
+        "invariant": build_engine(args, batch_invariant=True, **kv),
+        "not_invariant": build_engine(args, batch_invariant=False, **kv),
+    }
+    for b in args.batch_sizes:
+        result = bench_batch_invariance(engines, b, args.input_len, args.steps)
+        inv, not_inv = result["invariant_tokens_per_s"], result["not_invariant_tokens_per_s"]
+        dtype = str(engines["invariant"].runner.dtype).removeprefix("torch.")
+        print_json({"dtype": dtype, **result, "cost_percent": round(100 * (1 - inv / not_inv), 1)})
     return 0
 
 
@@ -316,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-requests", type=int, default=None, help="requests in the baseline run (default all)"
     )
     p.set_defaults(func=cmd_bench_offline)
+
+    p = sub.add_parser(
+        "bench-invariance", help="decode tokens/s with and without batch invariance, interleaved"
+    )
+    add_model_flags(p)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=100, help="decode steps measured per engine and batch size")
+    p.set_defaults(func=cmd_bench_invariance)
 
     p = sub.add_parser("bench-model", help="prefill and single-stream decode tokens/s per dtype")
     add_model_flags(p)

@@ -68,3 +68,15 @@ def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
     assert [json.loads(line)["dtype"] for line in one.stdout.splitlines()] == ["float32"]
     both = kvserve(*common)
     assert [json.loads(line)["dtype"] for line in both.stdout.splitlines()] == ["float32", "bfloat16"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_invariance_reports_both_engines_per_batch_size(tiny_llama_dir):
+    import json
+
+    out = kvserve("bench-invariance", "--model", str(tiny_llama_dir), "--batch-sizes", "1", "3",
+                  "--steps", "5", "--input-len", "8", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert all(r["invariant_tokens_per_s"] > 0 and r["not_invariant_tokens_per_s"] > 0 for r in rows)
