@@ -197,7 +197,7 @@ def cmd_serve(args) -> int:
 
     def load() -> None:  # the listener is up meanwhile: /health answers 503 until the engine is set
         try:
-            engine = AsyncEngine(build_engine(args))
+            engine = AsyncEngine(lambda: build_engine(args))  # built on its stepping thread
         except Exception as e:
             log.error("could not load the model: %s", e, exc_info=args.log_level == "debug")
             failed.set()

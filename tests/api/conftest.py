@@ -43,7 +43,8 @@ def serve(app) -> Iterator[str]:
 
 
 def make_engine(path, **config) -> AsyncEngine:
-    return AsyncEngine(Engine(str(path), EngineConfig(**{"kv_cache_memory": 64 << 20, **config})))
+    """Built on its stepping thread, as `kvserve serve` does."""
+    return AsyncEngine(lambda: Engine(str(path), EngineConfig(**{"kv_cache_memory": 64 << 20, **config})))
 
 
 @pytest.fixture(scope="session")

@@ -250,3 +250,36 @@ def test_requests_that_can_never_fit_are_refused(tiny_engine_factory):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("v", [5, 100000], SamplingParams())
     assert not engine.has_work()
+
+
+@pytest.mark.timeout(120)
+def test_async_engine_builds_on_its_stepping_thread(tiny_engine_factory):
+    import asyncio
+    import threading
+
+    from server.engine.async_engine import AsyncEngine
+
+    def failing():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(failing)
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return tiny_engine_factory()
+
+    async def one_request(engine: AsyncEngine) -> list[int]:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        return [t async for out in engine.generate("r", [5, 6, 7], params) for t in out.new_token_ids]
+
+    from_factory, prebuilt = AsyncEngine(build), AsyncEngine(tiny_engine_factory())
+    try:
+        assert built_on == [from_factory._thread]
+        assert asyncio.run(one_request(from_factory)) == asyncio.run(one_request(prebuilt))
+        assert len(asyncio.run(one_request(prebuilt))) == 5
+    finally:
+        from_factory.shutdown()
+        prebuilt.shutdown()
