@@ -18,8 +18,9 @@ class KVCache:
         self.block_size = block_size
         shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         # [layers, kv_heads, slots, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1.
-        # Heads outermost: a gather by block yields [kv_heads, batch, keys, head_dim], which the attention
-        # matmuls take without another copy.
+        # Heads outside the slots: one head's block is one contiguous row of block_size * head_dim, so a
+        # single gather of rows yields [batch, kv_heads, keys, head_dim], which the attention matmuls take
+        # as it is.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

@@ -115,8 +115,8 @@ def test_sdpa_path_equals_the_matmul_path():
     torch.manual_seed(5)
     B, Q, H, KVH, D, L = 3, 5, 8, 2, 16, 32
     q = torch.randn(B, Q, H, D, dtype=torch.float64)
-    k, v = torch.randn(KVH, B, L, D, dtype=torch.float64), torch.randn(KVH, B, L, D, dtype=torch.float64)
-    masked = torch.rand(1, B, Q, 1, L) < 0.3
+    k, v = torch.randn(B, KVH, L, D, dtype=torch.float64), torch.randn(B, KVH, L, D, dtype=torch.float64)
+    masked = torch.rand(B, 1, Q, 1, L) < 0.3
     masked[..., 0] = False
     torch.testing.assert_close(attend_sdpa(q, k, v, masked, 0.25), attend(q, k, v, masked, 0.25))
 
