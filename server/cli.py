@@ -293,8 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=env("api_key"))
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests to send (default: 64, or no limit with --duration)",
+    )
+    p.add_argument("--duration", type=float, default=None, help="send requests for this many seconds")
     p.add_argument("--input-len", type=int, default=128, help="prompt length, in words (about tokens)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)

@@ -83,20 +83,22 @@ def _percentiles(values: list[float]) -> dict:
 
 
 async def bench_http(args) -> dict:
-    """Send `num_requests` distinct streamed completions at `concurrency`; print a summary and a JSON line."""
+    """Send distinct streamed completions at `concurrency`: `num_requests` of them, or, with `duration`,
+    as many as start within that many seconds (at most `num_requests` if given). Prints a summary and a
+    JSON line."""
     url = args.url.rstrip("/")
     model = args.model or _first_model(url, args.api_key)
     rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_requests)]
-    queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    limit = args.num_requests if args.num_requests is not None or args.duration else 64
+    sent = 0
     results: list[Result] = []
     deadline = time.perf_counter() + args.duration if args.duration else None
 
     async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty() and (deadline is None or time.perf_counter() < deadline):
-            prompt = queue.get_nowait()
+        nonlocal sent
+        while (limit is None or sent < limit) and (deadline is None or time.perf_counter() < deadline):
+            sent += 1
+            prompt = " ".join(rng.choice(WORDS) for _ in range(args.input_len))
             body = {
                 "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},

@@ -33,3 +33,19 @@ def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
     assert summary["requests_ok"] == 12 and summary["requests_failed"] == 0
     assert summary["output_tokens_per_s"] > 0
     assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+
+
+@pytest.mark.timeout(180)
+def test_bench_with_a_duration_keeps_sending_until_it_is_over(start_server, tiny_engine):
+    """`--duration` alone is a time-boxed run: requests keep starting until the time is up, then those in
+    flight finish."""
+    url, _ = start_server(tiny_engine)
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--url", url, "--concurrency", "2", "--duration", "4",
+         "--input-len", "8", "--output-len", "4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["wall_s"] >= 4
+    assert summary["requests_ok"] > 64 and summary["requests_failed"] == 0  # more than the count default
