@@ -19,7 +19,8 @@ from server.engine.scheduler import SchedulerOutput, is_sampled
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_BYTES = 2 << 30  # default cache on CPU: 2 GiB (pages are only touched as blocks are used)
+# default cache on CPU: 2 GiB, zeroed (so resident) at start: a machine short of memory fails then, not under load
+CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def select_device(name: str) -> torch.device:
