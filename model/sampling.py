@@ -1,4 +1,4 @@
-"""Batched sampling: penalties -> greedy -> temperature -> top-k -> top-p / min-p -> seeded draw.
+"""Batched sampling: penalties -> logit bias -> greedy -> temperature -> top-k -> top-p / min-p -> seeded draw.
 
 Every stage is a pure tensor function over the whole batch with per-row parameter tensors: no loop over rows, no
 host read, so the runner reads the sampled ids back once per step. The draw is Gumbel-max with noise hashed from
@@ -39,6 +39,8 @@ class SamplingTensors:
     prompt_token_ids: Tensor | None  # [B, P] int64 padded with vocab_size; None unless any_penalties
     output_token_ids: Tensor | None  # [B, O] int64 padded with vocab_size; None unless any_penalties
     suppress_ids: Tensor | None  # [B, S] int64 padded with vocab_size, banned this step; None = none
+    bias_ids: Tensor | None  # [B, K] int64 padded with vocab_size: OpenAI's logit_bias; None = no row has one
+    bias_values: Tensor | None  # [B, K] f32, added to the logits of bias_ids
     # Host-side flags taken from the request params, so stages no row needs are skipped without reading tensors.
     all_greedy: bool
     any_penalties: bool
@@ -68,6 +70,7 @@ class SamplingTensors:
         prompt_token_ids: list[list[int]] | None = None,
         output_token_ids: list[list[int]] | None = None,
         suppress_ids: list[list[int]] | None = None,
+        logit_bias: list[dict[int, float]] | None = None,
         max_num_logprobs: int | None = None,
     ) -> "SamplingTensors":
         """Per-row python values -> tensors on `device`: two packed host->device copies plus one per id list.
@@ -103,6 +106,12 @@ class SamplingTensors:
             output_t = _to(_pad(output_token_ids, vocab_size), device)
         if suppress_ids is not None and any(suppress_ids):
             suppress_t = _to(_pad(suppress_ids, vocab_size), device)
+        bias_ids_t = bias_values_t = None
+        if logit_bias is not None and any(logit_bias):
+            bias_ids_t = _to(_pad([list(b) for b in logit_bias], vocab_size), device)
+            values = [list(b.values()) for b in logit_bias]
+            width = bias_ids_t.shape[1]
+            bias_values_t = _to(torch.tensor([v + [0.0] * (width - len(v)) for v in values]), device)
         return cls(
             vocab_size=vocab_size,
             temperature=temperature_t,
@@ -117,6 +126,8 @@ class SamplingTensors:
             prompt_token_ids=prompt_t,
             output_token_ids=output_t,
             suppress_ids=suppress_t,
+            bias_ids=bias_ids_t,
+            bias_values=bias_values_t,
             all_greedy=all(temp == 0 for temp in temperature),
             any_penalties=any_penalties,
             any_top_k=any(top_k),
@@ -174,6 +185,12 @@ def apply_penalties(
     x.scatter_add_(1, output_ids, (-frequency)[:, None].expand(output_ids.shape))  # once per occurrence
     x.scatter_(1, output_ids, x.gather(1, output_ids) - presence[:, None])  # once per distinct id
     return x[:, :vocab_size]
+
+
+def apply_logit_bias(logits: Tensor, ids: Tensor, values: Tensor) -> Tensor:
+    """logits [B, V] -> copy with values [B, K] added at each row's ids [B, K] (distinct, padded with V)."""
+    x = F.pad(logits, (0, 1))  # [B, V + 1]: the padding id V lands in the extra column
+    return x.scatter_add_(1, ids, values)[:, : logits.shape[1]]
 
 
 def suppress_tokens(logits: Tensor, ids: Tensor) -> Tensor:
@@ -279,6 +296,8 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
             t.presence_penalty,
             t.frequency_penalty,
         )
+    if t.bias_ids is not None:
+        x = apply_logit_bias(x, t.bias_ids, t.bias_values)
     if t.suppress_ids is not None:
         x = suppress_tokens(x, t.suppress_ids)
     token_ids = x.argmax(dim=-1)  # [B], the greedy answer

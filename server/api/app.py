@@ -193,10 +193,20 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, stat
     return _respond(result)
 
 
+def _model_card(state: ServingState) -> p.ModelCard:
+    return p.ModelCard(id=state.model_name, created=0, max_model_len=state.engine.max_model_len)
+
+
 @api_router.get("/v1/models", response_model=p.ModelList, responses=_errors(401, 503))
 async def models(state: Ready) -> p.ModelList:
-    card = p.ModelCard(id=state.model_name, created=0, max_model_len=state.engine.max_model_len)
-    return p.ModelList(data=[card])
+    return p.ModelList(data=[_model_card(state)])
+
+
+@api_router.get("/v1/models/{model:path}", response_model=p.ModelCard, responses=_errors(401, 404, 503))
+async def model(model: str, state: Ready) -> p.ModelCard:
+    """One model, as OpenAI's `models.retrieve` asks for it (a served name may hold slashes)."""
+    serving.check_model(state, model)
+    return _model_card(state)
 
 
 @api_router.post("/tokenize", response_model=p.TokenizeResponse, responses=_errors(400, 401, 404, 413, 503))

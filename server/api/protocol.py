@@ -27,7 +27,6 @@ FinishReasonName = Literal["stop", "length", "abort"]
 # Fields kvserve knows but does not support yet, with the one value that means "not used" (as does leaving
 # them out); any other value is a 400 naming the field rather than silently ignored.
 UNSUPPORTED = {
-    "logit_bias": {},
     "best_of": 1,
     "suffix": "",
     "tools": [],
@@ -94,7 +93,9 @@ class SamplingFields(Body):
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported yet.")
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; at most 300."
+    )
     best_of: int | None = Field(None, description="Not supported yet (only 1).")
 
     @field_validator("stop")
@@ -140,7 +141,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(Body):
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's newer name for "system"; the chat template sees "system"
+    role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
     name: Text | None = None
 

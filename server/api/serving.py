@@ -242,6 +242,9 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
 def chat_prompt_ids(state: ServingState, messages: list[p.ChatMessage], add_generation_prompt: bool = True):
     """The prompt the chat template makes of the messages, after the server's system prompt if they have none."""
     dicts = [m.model_dump(exclude_none=True) for m in messages]
+    for m in dicts:
+        if m["role"] == "developer":
+            m["role"] = "system"
     if state.system_prompt and not any(m["role"] == "system" for m in dicts):
         dicts.insert(0, {"role": "system", "content": state.system_prompt})
     tokenizer = state.engine.tokenizer
@@ -295,6 +298,7 @@ def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | Non
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        logit_bias=body.logit_bias or {},
     )
 
 

@@ -223,6 +223,7 @@ class ModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             suppress_ids=[_suppressed(r) for r in reqs],
+            logit_bias=[r.params.logit_bias for r in reqs],
             max_num_logprobs=max(
                 (r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None
             ),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N = the chosen token's logprob plus the top N
     prompt_logprobs: bool = False  # also the logprob of each prompt token (completions' echo)
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(
+        default_factory=dict
+    )  # token id -> added to its logit, in [-100, 100]
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field; the API maps it to a 400."""
@@ -84,6 +88,12 @@ class SamplingParams:
             bad("seed", "must fit in 64 bits")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.logit_bias):
+            bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):  # NaN fails too
+            bad("logit_bias", "values must be in [-100, 100]")
 
 
 @dataclass(slots=True)

@@ -43,11 +43,20 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         ({**PROMPT, "max_tokens": 0}, "max_tokens"),
         ({**PROMPT, "suffix": "x"}, "suffix"),
         ({**PROMPT, "best_of": 2}, "best_of"),
-        ({**PROMPT, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({**PROMPT, "logit_bias": {"10000000": 5}}, "logit_bias"),  # beyond the vocabulary
+        ({**PROMPT, "logit_bias": {"-1": 5}}, "logit_bias"),
+        ({**PROMPT, "logit_bias": {"1": 101}}, "logit_bias"),
+        ({**PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"max_tokens": 3}, "prompt"),
     ]
     for body, param in cases:
         assert_error(post("/v1/completions", json=body), 400, param)
+    for bias in ({"x": 1}, {"1": "much"}, [1, 2]):
+        r = post("/v1/completions", json={**PROMPT, "logit_bias": bias})
+        assert_error(r, 400)
+        assert r.json()["error"]["param"].startswith("logit_bias")
+    nan = b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"1": NaN}}'
+    assert_error(post("/v1/completions", content=nan, headers={"content-type": "application/json"}), 400)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -1,5 +1,6 @@
 """The official openai client against a live server on the real default model."""
 
+import httpx
 import openai
 import pytest
 
@@ -22,6 +23,9 @@ def chat_text(client, messages, **kw) -> str:
 def test_models(client):
     (model,) = client.models.list().data
     assert model.id == "smollm2" and model.object == "model"
+    assert client.models.retrieve("smollm2") == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
 
 
 def test_completion_streamed_and_not(client):
@@ -96,6 +100,13 @@ def test_a_system_prompt_changes_the_answer(client):
     assert plain != pirate
 
 
+def test_a_developer_message_is_a_system_message(client):
+    """OpenAI's newer clients send the system prompt with the role "developer"."""
+    developer = chat_text(client, [{"role": "developer", "content": PIRATE}, *QUESTION])
+    assert developer == chat_text(client, [{"role": "system", "content": PIRATE}, *QUESTION])
+    assert developer != chat_text(client, QUESTION)
+
+
 def test_the_configured_system_prompt_applies_when_the_request_has_none(default_engine, start_server, client):
     url, _ = start_server(default_engine, served_model_name="smollm2", system_prompt=PIRATE)
     configured = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -104,3 +115,14 @@ def test_the_configured_system_prompt_applies_when_the_request_has_none(default_
     # a request's own system message wins over the configured one
     own = [{"role": "system", "content": "You are a helpful assistant."}, *QUESTION]
     assert chat_text(configured, own) == chat_text(client, own)
+
+
+def test_logit_bias_forces_and_bans_tokens(client, default_server):
+    (banana,) = httpx.post(f"{default_server}/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    kw = dict(model="smollm2", prompt="The capital of France is", temperature=0)
+    forced = client.completions.create(**kw, max_tokens=3, logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana" * 3
+    plain = client.completions.create(**kw, max_tokens=1).choices[0].text
+    (first,) = httpx.post(f"{default_server}/tokenize", json={"prompt": plain}).json()["tokens"]
+    banned = client.completions.create(**kw, max_tokens=1, logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain

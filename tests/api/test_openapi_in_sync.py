@@ -34,7 +34,8 @@ def test_every_route_has_component_schemas_errors_and_streams():
     assert refs(schema) <= set(components), "a $ref points at no component"
     paths = schema["paths"]
     assert set(paths) == {
-        "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"
+        "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+        "/tokenize", "/detokenize",
     }  # fmt: skip
     for path, methods in paths.items():
         for method, op in methods.items():
@@ -51,4 +52,5 @@ def test_every_route_has_component_schemas_errors_and_streams():
         assert "429" in responses
         assert refs(responses["200"]["content"]["text/event-stream"]) == {f"{chunk}StreamResponse"}
     assert refs(paths["/v1/models"]["get"]["responses"]["401"]) == {"ErrorResponse"}
+    assert refs(paths["/v1/models/{model}"]["get"]["responses"]["404"]) == {"ErrorResponse"}
     assert refs(paths["/health"]["get"]["responses"]["503"]) == {"ErrorResponse"}

@@ -471,3 +471,26 @@ def test_from_lists_normalises_params_and_flags():
     assert t.prompt_token_ids.tolist() == [[1, 2, 3], [vocab_size] * 3]
     assert t.output_token_ids.tolist() == [[vocab_size], [4]]
     assert t.seeds.dtype == torch.int64 and t.temperature.dtype == torch.float32
+
+
+@pytest.mark.timeout(60)
+def test_logit_bias_is_added_to_its_rows_logits_only():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    top, least = 0, 3
+    # greedy: +100 makes the least likely token the answer, -100 removes the argmax, no bias changes nothing
+    t = make(5, 3, temperature=[0.0] * 3, logit_bias=[{least: 100.0}, {top: -100.0}, {}])
+    assert sample(repeat_row(logits, 3), t).token_ids.tolist() == [least, 1, top]
+    # sampled: a bias b multiplies the token's odds by e^b; rows of other biases share the batch
+    n = 20000
+    biased = logits.clone()
+    biased[2] += 1.5
+    biased[top] -= 0.5
+    t = make(5, 2 * n, seeds=list(range(2 * n)), logit_bias=[{2: 1.5, top: -0.5}, {}] * n)
+    ids = sample(repeat_row(logits, 2 * n), t).token_ids
+    assert total_variation(frequencies(ids[0::2], 5), biased.double().softmax(-1)) < 0.02
+    assert total_variation(frequencies(ids[1::2], 5), logits.double().softmax(-1)) < 0.02
+    # a row's draw is the same whatever the other rows' biases
+    alone = sample(repeat_row(logits, 1), make(5, 1, seeds=[5], logit_bias=[{2: 1.5}])).token_ids
+    mixed = make(5, 3, seeds=[5, 6, 7], positions=[0, 0, 0], logit_bias=[{2: 1.5}, {0: 9.0, 1: 3.0}, {}])
+    assert sample(repeat_row(logits, 3), mixed).token_ids[0] == alone[0]
+    assert make(5, 2, logit_bias=[{}, {}]).bias_ids is None

@@ -13,6 +13,7 @@ ROUTES = [
     ("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
     ("GET", "/v1/models", None),
+    ("GET", f"/v1/models/{MODEL_NAME}", None),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5, 6]}),
 ]
