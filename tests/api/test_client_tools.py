@@ -20,16 +20,22 @@ def test_chat_streams_answers_and_keeps_the_conversation(start_server, tiny_engi
     assert "error" not in out.stdout
 
 
-@pytest.mark.timeout(180)
-def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
-    url, _ = start_server(tiny_engine)
+def run_bench(url: str, *flags: str) -> dict:
+    """`kvserve bench` as a user runs it; its last line, the JSON summary."""
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "--url", url, "--concurrency", "4", "--num-requests", "12",
-         "--input-len", "16", "--output-len", "8"],
+        [sys.executable, "-m", "server.cli", "bench", "--url", url, *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
+    url, _ = start_server(tiny_engine)
+    summary = run_bench(
+        url, "--concurrency", "4", "--num-requests", "12", "--input-len", "16", "--output-len", "8"
+    )
     assert summary["requests_ok"] == 12 and summary["requests_failed"] == 0
     assert summary["output_tokens_per_s"] > 0
     assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
@@ -40,12 +46,6 @@ def test_bench_with_a_duration_keeps_sending_until_it_is_over(start_server, tiny
     """`--duration` alone is a time-boxed run: requests keep starting until the time is up, then those in
     flight finish."""
     url, _ = start_server(tiny_engine)
-    out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "--url", url, "--concurrency", "2", "--duration", "4",
-         "--input-len", "8", "--output-len", "4"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = run_bench(url, "--concurrency", "2", "--duration", "4", "--input-len", "8", "--output-len", "4")
     assert summary["wall_s"] >= 4
     assert summary["requests_ok"] > 64 and summary["requests_failed"] == 0  # more than the count default
