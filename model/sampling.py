@@ -109,9 +109,7 @@ class SamplingTensors:
         bias_ids_t = bias_values_t = None
         if logit_bias is not None and any(logit_bias):
             bias_ids_t = _to(_pad([list(b) for b in logit_bias], vocab_size), device)
-            values = [list(b.values()) for b in logit_bias]
-            width = bias_ids_t.shape[1]
-            bias_values_t = _to(torch.tensor([v + [0.0] * (width - len(v)) for v in values]), device)
+            bias_values_t = _to(_pad([list(b.values()) for b in logit_bias], 0.0, torch.float32), device)
         return cls(
             vocab_size=vocab_size,
             temperature=temperature_t,
@@ -153,11 +151,11 @@ def _to(host: Tensor, device: torch.device) -> Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _pad(rows: list[list[int]], pad: int) -> Tensor:
-    """Ragged id lists -> [B, max_len] int64, padded with `pad`, built from one flat host tensor."""
+def _pad(rows: list[list], pad: float, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Ragged lists -> [B, max_len] of `dtype`, padded with `pad`, built from one flat host tensor."""
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64)
-    out = torch.full((len(rows), max((len(row) for row in rows), default=0)), pad, dtype=torch.int64)
-    out[torch.arange(out.shape[1]) < lengths[:, None]] = torch.tensor(list(chain(*rows)), dtype=torch.int64)
+    out = torch.full((len(rows), max((len(row) for row in rows), default=0)), pad, dtype=dtype)
+    out[torch.arange(out.shape[1]) < lengths[:, None]] = torch.tensor(list(chain(*rows)), dtype=dtype)
     return out
 
 

@@ -41,9 +41,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N = the chosen token's logprob plus the top N
     prompt_logprobs: bool = False  # also the logprob of each prompt token (completions' echo)
     include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] = field(
-        default_factory=dict
-    )  # token id -> added to its logit, in [-100, 100]
+    # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field; the API maps it to a 400."""
