@@ -1,12 +1,15 @@
-"""Paged attention in pure PyTorch: K/V written by slot, read back by block table, batch-invariant.
+"""Paged attention: K/V written by slot, read back by block table, batch-invariant.
 
-One step's tokens arrive flat and unpadded ([T, ...]). For attention they are gathered into at most two
-padded groups: decode rows (one query each) and prefill rows (a chunk of queries each). Every row's numbers
-depend only on its own queries and keys, never on the padding its group needed: CPU GEMMs give
-bit-identical rows for any batch size and key padding as long as a matmul has enough rows (none for
-bfloat16, 4 for float32, measured on x86 with torch 2.13: min_query_len_for_invariance) and its key length
-is a multiple of KEY_TILE (the fused SDPA CPU kernel does not have this property). `min_query_len` pads
-every row's queries so that holds.
+On the CPU a C++ kernel (model/csrc/paged_attention.cpp, built by model/kernels.py) reads keys and values
+straight from the cache through the block tables. The PyTorch path below is the fallback where it cannot be
+built, and the path on GPUs (SDPA).
+
+There, one step's tokens arrive flat and unpadded ([T, ...]) and are gathered into at most two padded groups:
+decode rows (one query each) and prefill rows (a chunk of queries each). Every row's numbers depend only on
+its own queries and keys, never on the padding its group needed: CPU GEMMs give bit-identical rows for any
+batch size and key padding as long as a matmul has enough rows (none for bfloat16, 4 for float32, measured
+on x86 with torch 2.13: min_query_len_for_invariance) and its key length is a multiple of KEY_TILE (the fused
+SDPA CPU kernel does not have this property). `min_query_len` pads every row's queries so that holds.
 """
 
 import math
@@ -15,11 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model.kernels import cpu_attention
+
 # CPU GEMMs may take other kernels (other summation orders) for fewer rows than some small count, which
 # depends on the library, the dtype and the weight layout (measured: rows_for_invariance). At most this.
 MIN_INVARIANT_ROWS = 12
 # Key lengths are padded to a multiple of this so no GEMM runs a short vector tail over the keys.
 KEY_TILE = 16
+# The C++ kernel's unit of work: one KV head of this many queries of one sequence.
+KERNEL_CHUNK = 16
 
 
 @dataclass
@@ -36,8 +43,12 @@ class AttentionGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
-    groups: list[AttentionGroup]  # decode rows, then prefill rows (each may be absent)
+    groups: list[AttentionGroup]  # decode rows, then prefill rows (each may be absent); PyTorch path only
     block_size: int
+    # the C++ kernel's inputs (model/csrc/paged_attention.cpp) when it is used, else None
+    block_tables: torch.Tensor | None = None  # [S, N] int32, padding -> block 0
+    seqs: torch.Tensor | None = None  # [S, 3] int32: first flat token, query length, sequence length
+    window: int = 0  # sliding window (keys per query), 0 = none
 
 
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -53,10 +64,12 @@ def build_metadata(
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
     min_query_len: int = 1,
+    cpu_kernel: bool = False,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Flat positions [T] and the metadata for sequences whose last query_lens[i] of seq_lens[i] tokens are new.
 
-    The sequences' tokens must be laid out flat in the given order.
+    The sequences' tokens must be laid out flat in the given order. cpu_kernel: build the C++ kernel's block
+    tables instead of the PyTorch path's padded groups.
     """
     positions: list[int] = []
     slots: list[int] = []
@@ -65,6 +78,14 @@ def build_metadata(
         starts.append(len(positions))
         positions.extend(range(slen - qlen, slen))
         slots.extend(slots_for(table, slen - qlen, slen, block_size))
+    if cpu_kernel:  # the kernel runs on the CPU: no device copies
+        n_blocks = [math.ceil(s / block_size) for s in seq_lens]
+        tables = torch.zeros(len(seq_lens), max(n_blocks), dtype=torch.int32)
+        for r, (n, table) in enumerate(zip(n_blocks, block_tables, strict=True)):
+            tables[r, :n] = torch.tensor(table[:n])
+        seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
+        meta = AttentionMetadata(torch.tensor(slots), [], block_size, tables, seqs, sliding_window or 0)
+        return torch.tensor(positions), meta
     groups = []
     for is_decode in (True, False):
         rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
@@ -161,6 +182,10 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.seqs is not None:
+        tables, seqs, window = meta.block_tables, meta.seqs, meta.window
+        kernel = cpu_attention().paged_attention
+        return kernel(q, k_cache, v_cache, tables, seqs, meta.block_size, scale, window, KERNEL_CHUNK)
     KVH, _, D = k_cache.shape
     caches = (k_cache, v_cache)
     fn = attend if q.device.type == "cpu" else attend_sdpa

@@ -51,6 +51,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
     g.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", False, bool))
+    g.add_argument(
+        "--attention-backend",
+        default=env("attention_backend", "auto"),
+        choices=["auto", "cpp", "torch"],
+        help="CPU attention: the C++ kernel (built at first use) or PyTorch ops; auto = the kernel where it builds",
+    )
     g.add_argument("--chat-template", default=env("chat_template"), help="a Jinja chat template, or a file")
     g.add_argument(
         "--log-level", default=env("log_level", "info"), choices=["debug", "info", "warning", "error"]
@@ -82,6 +88,7 @@ def engine_config(args, **overrides):
         device=args.device,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
     for k, v in overrides.items():
         setattr(config, k, v)

@@ -17,3 +17,4 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: no graphs
+    attention_backend: str = "auto"  # auto: the C++ kernel on CPU where it builds, else torch | cpp | torch

@@ -87,8 +87,12 @@ def test_default_model_batched_greedy_equals_alone(default_model_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype,batch_invariant", [("bfloat16", None), ("float32", True)])  # None: default
-def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant):
-    engine = tiny_engine_factory(dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24)
+@pytest.mark.parametrize("backend", ["cpp", "torch"])  # the C++ attention kernel, the PyTorch fallback
+def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant, backend):
+    engine = tiny_engine_factory(
+        dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24, attention_backend=backend
+    )
+    assert engine.runner.cpu_kernel == (backend == "cpp")
     prompts = random_prompts(16, engine.vocab_size)
     assert run(engine, prompts) == alone(engine, prompts)
     assert_all_blocks_free(engine)
@@ -112,10 +116,12 @@ def test_batch_invariance_is_on_by_default_in_bfloat16_only(tiny_engine_factory,
 
     heads_per_kv = 2  # the tiny model: 4 query heads, 2 KV heads
     on = ({6}, 6 // heads_per_kv)
-    assert padding(tiny_engine_factory(dtype="bfloat16")) == on
-    assert padding(tiny_engine_factory(dtype="float32", batch_invariant=True)) == on
-    assert padding(tiny_engine_factory(dtype="bfloat16", batch_invariant=False)) == ({1}, 1)
-    assert padding(tiny_engine_factory(dtype="float32")) == ({1}, 1)
+    torch_path = {"attention_backend": "torch"}  # the C++ kernel needs no query padding
+    assert padding(tiny_engine_factory(dtype="bfloat16", **torch_path)) == on
+    assert padding(tiny_engine_factory(dtype="bfloat16")) == ({6}, 1)
+    assert padding(tiny_engine_factory(dtype="float32", batch_invariant=True, **torch_path)) == on
+    assert padding(tiny_engine_factory(dtype="bfloat16", batch_invariant=False, **torch_path)) == ({1}, 1)
+    assert padding(tiny_engine_factory(dtype="float32", **torch_path)) == ({1}, 1)
 
 
 @pytest.mark.timeout(300)

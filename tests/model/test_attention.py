@@ -11,6 +11,7 @@ from model.attention import (
     paged_attention,
     rows_for_invariance,
 )
+from model.kernels import cpu_attention
 
 
 def empty_cache(num_slots, kv_heads, head_dim, dtype):
@@ -140,3 +141,113 @@ def test_rows_for_invariance_finds_the_padding_a_kernel_needs():
         return out
 
     assert rows_for_invariance(one_row_in_twenty_differs_alone, x) == 2
+
+
+# The C++ kernel (model/csrc/paged_attention.cpp): the CPU path by default.
+
+
+def kernel_attention(q, k, v, k_cache, v_cache, lens, tables, block_size, window=None):
+    """The kernel over sequences given as (new tokens, context length) pairs, laid out flat in q/k/v."""
+    _, meta = build_metadata(
+        [a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window, cpu_kernel=True
+    )
+    assert meta.seqs is not None and not meta.groups
+    return paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.timeout(120)
+def test_cpu_kernel_builds_here():
+    """CI machines have a C++ compiler: the kernel must build there, not silently fall back."""
+    assert cpu_attention() is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (9, 3, 64), (6, 1, 8), (4, 2, 128)]
+)
+@pytest.mark.parametrize("q_len,ctx_len,window", [(1, 1, None), (1, 37, None), (7, 40, None), (33, 33, None),
+                                                  (40, 70, 9), (1, 70, 17)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_equals_textbook_formula(heads, kv_heads, head_dim, q_len, ctx_len, window, dtype):
+    torch.manual_seed(heads * 100 + q_len)
+    block_size, num_blocks = 4, 32
+    table = torch.randperm(num_blocks)[: (ctx_len + block_size - 1) // block_size].tolist()
+    k_all, v_all = (torch.randn(ctx_len, kv_heads, head_dim).to(dtype) for _ in range(2))
+    q = torch.randn(q_len, heads, head_dim).to(dtype)
+    k_cache, v_cache = empty_cache(num_blocks * block_size, kv_heads, head_dim, dtype)
+    if ctx_len > q_len:
+        _, prefix = build_metadata([ctx_len - q_len], [ctx_len - q_len], [table], block_size)
+        k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1))
+        v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
+    out = kernel_attention(
+        q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, [(q_len, ctx_len)], [table], block_size, window
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    scale = head_dim**-0.5
+    for i in range(q_len):  # query i (position ctx_len - q_len + i) sees keys lo .. its position
+        pos = ctx_len - q_len + i
+        lo = max(0, pos - window + 1) if window else 0
+        ref = naive_attention(
+            q[i : i + 1], k_all[lo : pos + 1], v_all[lo : pos + 1], scale, causal_offset=pos - lo
+        )
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+        torch.testing.assert_close(out[i : i + 1].double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(dtype):
+    """A sequence's outputs are bit-identical whether its tokens come in one pass, in chunks of any size, one
+    decode at a time, or beside other sequences' decodes and chunks (no padding needed for that)."""
+    torch.manual_seed(6)
+    H, KVH, D, bs, n = 9, 3, 64, 16, 75
+    q, k, v = (torch.randn(n, h, D).to(dtype) for h in (H, KVH, KVH))
+    table = [5, 0, 3, 7, 2]
+    other_q, other_k, other_v = (torch.randn(20, h, D).to(dtype) for h in (H, KVH, KVH))
+
+    def run(chunks, neighbours):
+        k_cache, v_cache = empty_cache(16 * bs, KVH, D, dtype)
+        k_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(dtype)  # other sequences' keys
+        v_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(dtype)
+        outs, done = [], 0
+        for c in chunks:
+            # this sequence first, then `neighbours` other sequences (1-token decodes or 7-token chunks)
+            lens = [(c, done + c)] + [(1 if j % 2 else 7, 20 + j) for j in range(neighbours)]
+            tables = [table] + [[8 + j % 8, 9 + j % 7] for j in range(neighbours)]
+            extra = sum(a for a, _ in lens[1:])
+            s = slice(done, done + c)
+            out = kernel_attention(
+                torch.cat([q[s], other_q[:extra]]), torch.cat([k[s], other_k[:extra]]),
+                torch.cat([v[s], other_v[:extra]]), k_cache, v_cache, lens, tables, bs,
+            )  # fmt: skip
+            outs.append(out[:c])
+            done += c
+        return torch.cat(outs)
+
+    full = run([n], 0)
+    for chunks, neighbours in (
+        ([n], 3),
+        ([1] * n, 0),
+        ([1] * n, 2),
+        ([5, 1, 1, 16, 52], 1),
+        ([17, 17, 41], 4),
+    ):
+        assert torch.equal(run(chunks, neighbours), full), (chunks, neighbours)
+
+
+@pytest.mark.timeout(60)
+def test_cpu_kernel_falls_back_to_pytorch_when_it_cannot_be_built(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    import model.kernels
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model.kernels.cpu_attention.cache_clear()
+    try:
+        assert model.kernels.cpu_attention() is None
+        assert "could not be built" in caplog.text and "c++: command not found" in caplog.text
+    finally:
+        model.kernels.cpu_attention.cache_clear()  # the next caller builds (loads) the real one again

@@ -1,0 +1,211 @@
+// Paged attention on the CPU, reading keys and values straight from the cache through each sequence's block
+// table (no gathered copy), for decodes and prefill chunks alike.
+//
+// Every query is computed by the same code whatever its batch or chunk: its scores run over key tiles aligned
+// to absolute key positions, its softmax and weighted sum run over its own keys in ascending order, all in
+// float32. So a token's output has the same bits whether it is decoded alone, beside 63 others, or recomputed
+// inside a prompt chunk after a preemption (model/attention.py's PyTorch path needs padding to get that).
+//
+// Built at first use by model/kernels.py (torch.utils.cpp_extension); GCC vector extensions keep it portable:
+// the compiler lowers a 16-float vector to whatever SIMD the target has.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int KT = 16;  // keys per tile
+typedef float vkt __attribute__((vector_size(KT * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(KT * sizeof(int32_t))));
+
+// exp(x) for x <= 0: 2^k p(r) with k = round(x / ln2), r = x - k ln2 in [-ln2/2, ln2/2] (ln2 split in two
+// parts so k ln2 is exact), p the degree-6 Taylor polynomial (relative error < 2e-7 on that range).
+// Inputs below -87 give ~1e-38; callers zero what must be exactly 0.
+inline vkt exp_tile(vkt x) {
+  x = x < -87.0f ? vkt{} - 87.0f : x;
+  const vkt k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // adding 1.5 * 2^23 rounds
+  const vkt r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
+  const vkt p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
+  vkt two_k;
+  __builtin_memcpy(&two_k, &bits, sizeof(two_k));
+  return p * two_k;
+}
+
+inline float hsum(vkt v) {  // a fixed tree, so the same bits every time
+  for (int w = KT / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) v[l] += v[l + w];
+  return v[0];
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+struct Work {
+  int64_t seq, head, first_query;
+};
+
+// One sequence, one KV head, queries [first_query, first_query + n_pos) of the sequence, at positions
+// pos0 .. pos0 + n_pos - 1, with the G query heads that share the KV head. DC is the head size when known at
+// compile time (the output rows then stay in registers), else 0.
+template <typename T, int DC>
+void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int64_t num_slots,
+            const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
+            int64_t n_pos, int64_t pos0, int64_t window, float scale, T* out, int64_t H) {
+  const int64_t D = DC ? DC : head_size;
+  const int64_t nq = n_pos * G;
+  const int64_t pos_last = pos0 + n_pos - 1;
+  auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t(0); };
+  const int64_t lo = first_key(pos0) / KT * KT;  // the scores hold keys lo .. lo + L - 1
+  const int64_t L = (pos_last / KT + 1) * KT - lo;
+
+  std::vector<float> qf(nq * D), acc(nq * D, 0.0f), total(nq);
+  std::vector<vkt> score_tiles(nq * L / KT), tile_rows(D);  // vectors of vkt are 64-byte aligned
+  float* S = reinterpret_cast<float*>(score_tiles.data());
+  float* tile = reinterpret_cast<float*>(tile_rows.data());  // KT keys as [D][KT], or KT values as [KT][D]
+
+  for (int64_t i = 0; i < n_pos; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + (token0 + i) * q_row_stride + (head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_float(src[d]) * scale;
+    }
+  const T* k_head = k_cache + head * num_slots * D;
+  const T* v_head = v_cache + head * num_slots * D;
+  auto row = [&](const T* base, int64_t pos) {
+    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * D;
+  };
+
+  // scores, a tile of KT keys at a time: lanes are keys, so no horizontal sums
+  for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
+    const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
+    for (int64_t l = 0; l < KT; ++l) {
+      const T* k = l < n ? row(k_head, t0 + l) : nullptr;
+      for (int64_t d = 0; d < D; ++d) tile[d * KT + l] = k ? to_float(k[d]) : 0.0f;
+    }
+    for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < n_pos; ++i) {
+      if (t0 + KT <= first_key(pos0 + i)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qv = &qf[(i * G + g) * D];
+        vkt s = {};
+        for (int64_t d = 0; d < D; ++d) s += qv[d] * tile_rows[d];
+        score_tiles[((i * G + g) * L + (t0 - lo)) / KT] = s;
+      }
+    }
+  }
+
+  // softmax of each query over its keys [a, b), whole tiles at a time: the rest of a tile is masked
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t pos = pos0 + v / G;
+    const int64_t a = first_key(pos), b = pos + 1;
+    const int64_t a0 = a / KT * KT, b0 = (b + KT - 1) / KT * KT;
+    float* s = &S[v * L - lo];  // indexed by key position
+    vkt* tiles = &score_tiles[(v * L + a0 - lo) / KT];
+    const int64_t n_tiles = (b0 - a0) / KT;
+    for (int64_t j = a0; j < a; ++j) s[j] = -INFINITY;
+    for (int64_t j = b; j < b0; ++j) s[j] = -INFINITY;
+    vkt vmax = tiles[0];
+    for (int64_t t = 1; t < n_tiles; ++t) vmax = vmax > tiles[t] ? vmax : tiles[t];
+    float m = vmax[0];
+    for (int l = 1; l < KT; ++l) m = std::max(m, vmax[l]);
+    for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = exp_tile(tiles[t] - m);
+    for (int64_t j = a0; j < a; ++j) s[j] = 0.0f;
+    for (int64_t j = b; j < b0; ++j) s[j] = 0.0f;
+    vkt sum = {};
+    for (int64_t t = 0; t < n_tiles; ++t) sum += tiles[t];
+    total[v] = hsum(sum);
+  }
+
+  // weighted sum of the values, keys in ascending order
+  for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
+    const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
+    for (int64_t l = 0; l < n; ++l) {
+      const T* val = row(v_head, t0 + l);
+      for (int64_t d = 0; d < D; ++d) tile[l * D + d] = to_float(val[d]);
+    }
+    for (int64_t v = std::max<int64_t>(0, t0 - pos0) * G; v < nq; ++v) {
+      const int64_t pos = pos0 + v / G;
+      const int64_t a = std::max(first_key(pos), t0), b = std::min(pos + 1, t0 + n);
+      const float* p = &S[v * L - lo];
+      float* o = &acc[v * D];
+      if constexpr (DC > 0 && DC % KT == 0) {
+        vkt o_reg[DC / KT];
+        __builtin_memcpy(o_reg, o, sizeof(o_reg));
+        for (int64_t j = a; j < b; ++j) {
+          const vkt* val = &tile_rows[(j - t0) * D / KT];
+          for (int t = 0; t < DC / KT; ++t) o_reg[t] += p[j] * val[t];
+        }
+        __builtin_memcpy(o, o_reg, sizeof(o_reg));
+      } else {
+        for (int64_t j = a; j < b; ++j)
+          for (int64_t d = 0; d < D; ++d) o[d] += p[j] * tile[(j - t0) * D + d];
+      }
+    }
+  }
+
+  for (int64_t v = 0; v < nq; ++v) {
+    const float inv = 1.0f / total[v];
+    T* dst = out + ((token0 + v / G) * H + head * G + v % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[v * D + d] * inv);
+  }
+}
+
+}  // namespace
+
+// q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
+// [KVH, slots, D] contiguous, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
+// length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
+// its sequence's keys, which must already be in the cache.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "float32, bfloat16 or float16 only (the kernel computes in float32)");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seqs.scalar_type() == at::kInt, "metadata must be int32");
+  TORCH_CHECK(chunk > 0 && block_size > 0, "chunk and block_size must be positive");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), num_slots = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  const int64_t G = H / KVH;
+  auto out = torch::empty({T, H, D}, q.options());
+  auto tables = block_tables.contiguous();
+  auto seq_info = seqs.contiguous();
+  const int32_t* seq = seq_info.data_ptr<int32_t>();
+  std::vector<Work> work;  // every (sequence, KV head, chunk of queries): the unit of parallelism
+  for (int64_t s = 0; s < seq_info.size(0); ++s)
+    for (int64_t c = 0; c < seq[s * 3 + 1]; c += chunk)
+      for (int64_t h = 0; h < KVH; ++h) work.push_back({s, h, c});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    auto fn = D == 64 ? attend<scalar_t, 64> : D == 128 ? attend<scalar_t, 128> : attend<scalar_t, 0>;
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int32_t* tp = tables.data_ptr<int32_t>();
+    const int64_t N = tables.size(1);
+    // Work items are dealt out round-robin: a prompt's later chunks cost more (more keys), so contiguous
+    // ranges per thread would leave one thread with most of the work.
+    const int64_t n_work = work.size(), n_threads = std::min<int64_t>(at::get_num_threads(), n_work);
+    at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t w0 = begin; w0 < end; ++w0)
+      for (int64_t w = w0; w < n_work; w += n_threads) {
+        const Work& it = work[w];
+        const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
+        fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
+           std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
+           static_cast<float>(scale), op, H);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
+}

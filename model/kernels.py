@@ -1,0 +1,57 @@
+"""C++ kernels for the CPU, compiled at first use with torch.utils.cpp_extension and cached on disk.
+
+Where one cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs the PyTorch path
+instead; `--attention-backend torch` asks for that path outright. The build takes ~30 s once per machine and
+source version; TORCH_EXTENSIONS_DIR says where the builds are kept (default ~/.cache/torch_extensions).
+"""
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+
+
+def cpu_flags() -> list[str]:
+    """Vector instructions to compile for, from what torch found on this CPU (not -march=native, so that a
+    build cached on a shared disk never meets a CPU that lacks them: the build's name says its level)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    level = torch.backends.cpu.get_cpu_capability()
+    if level.startswith("AVX512"):
+        return ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"]
+    if level == "AVX2":
+        return ["-mavx2", "-mfma"]
+    return []
+
+
+@functools.cache
+def cpu_attention():
+    """The compiled paged-attention module (model/csrc/paged_attention.cpp), or None where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    try:  # the ninja that pip installed beside kvserve, also when its venv's bin/ is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    flags = cpu_flags()
+    name = "kvserve_paged_attention_" + (flags[0].removeprefix("-m") if flags else "generic")
+    try:
+        # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the same libgomp, already loaded)
+        return load(
+            name,
+            [str(SOURCES / "paged_attention.cpp")],
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # compiler or ninja missing, build error: the PyTorch path still works
+        log.warning("the C++ attention kernel could not be built, using the PyTorch path: %s", e)
+        return None
