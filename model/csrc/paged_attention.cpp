@@ -43,6 +43,35 @@ inline float hsum(vkt v) {  // a fixed tree, so the same bits every time
   return v[0];
 }
 
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vint{__VA_ARGS__})
+#endif
+
+// out[l] = the sum of the lanes of part[l], by a fixed tree of pairwise half-sums: at each level two vectors
+// become one holding the halves of each input's partial sums added together
+inline vkt sum_each(const vkt* part) {
+  vkt p8[8], p4[4], p2[2];
+  for (int i = 0; i < 8; ++i) {
+    const vkt a = part[2 * i], b = part[2 * i + 1];
+    p8[i] = SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const vkt a = p8[2 * i], b = p8[2 * i + 1];
+    p4[i] = SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const vkt a = p4[2 * i], b = p4[2 * i + 1];
+    p2[i] = SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return SHUFFLE(p2[0], p2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(p2[0], p2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
@@ -65,15 +94,18 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
   const int64_t lo = first_key(pos0) / KT * KT;  // the scores hold keys lo .. lo + L - 1
   const int64_t L = (pos_last / KT + 1) * KT - lo;
 
-  std::vector<float> qf(nq * D), acc(nq * D, 0.0f), total(nq);
-  std::vector<vkt> score_tiles(nq * L / KT), tile_rows(D);  // vectors of vkt are 64-byte aligned
+  // queries and key rows as float vectors, zero-padded to DV vectors of KT lanes
+  const int64_t DV = (D + KT - 1) / KT;
+  std::vector<vkt> qv(nq * DV, vkt{}), keys(KT * DV), score_tiles(nq * L / KT), value_rows(D);
+  std::vector<float> acc(nq * D, 0.0f), total(nq);
   float* S = reinterpret_cast<float*>(score_tiles.data());
-  float* tile = reinterpret_cast<float*>(tile_rows.data());  // KT keys as [D][KT], or KT values as [KT][D]
+  float* values = reinterpret_cast<float*>(value_rows.data());  // KT value rows as [KT][D]
 
   for (int64_t i = 0; i < n_pos; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + (token0 + i) * q_row_stride + (head * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_float(src[d]) * scale;
+      float* dst = reinterpret_cast<float*>(&qv[(i * G + g) * DV]);
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
     }
   const T* k_head = k_cache + head * num_slots * D;
   const T* v_head = v_cache + head * num_slots * D;
@@ -81,20 +113,29 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * D;
   };
 
-  // scores, a tile of KT keys at a time: lanes are keys, so no horizontal sums
+  // scores, a tile of KT keys at a time: per key a vector of partial sums over the head, then one tree
+  // reduces the KT vectors into the KT scores
   for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
+    float* kf = reinterpret_cast<float*>(keys.data());
     for (int64_t l = 0; l < KT; ++l) {
-      const T* k = l < n ? row(k_head, t0 + l) : nullptr;
-      for (int64_t d = 0; d < D; ++d) tile[d * KT + l] = k ? to_float(k[d]) : 0.0f;
+      float* dst = kf + l * DV * KT;
+      if (l < n) {
+        const T* k = row(k_head, t0 + l);
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_float(k[d]);
+      }
+      for (int64_t d = l < n ? D : 0; d < DV * KT; ++d) dst[d] = 0.0f;
     }
     for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < n_pos; ++i) {
       if (t0 + KT <= first_key(pos0 + i)) continue;
       for (int64_t g = 0; g < G; ++g) {
-        const float* qv = &qf[(i * G + g) * D];
-        vkt s = {};
-        for (int64_t d = 0; d < D; ++d) s += qv[d] * tile_rows[d];
-        score_tiles[((i * G + g) * L + (t0 - lo)) / KT] = s;
+        const vkt* qrow = &qv[(i * G + g) * DV];
+        vkt part[KT];
+        for (int l = 0; l < KT; ++l) {
+          part[l] = qrow[0] * keys[l * DV];
+          for (int64_t c = 1; c < DV; ++c) part[l] += qrow[c] * keys[l * DV + c];
+        }
+        score_tiles[((i * G + g) * L + (t0 - lo)) / KT] = sum_each(part);
       }
     }
   }
@@ -126,7 +167,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
     for (int64_t l = 0; l < n; ++l) {
       const T* val = row(v_head, t0 + l);
-      for (int64_t d = 0; d < D; ++d) tile[l * D + d] = to_float(val[d]);
+      for (int64_t d = 0; d < D; ++d) values[l * D + d] = to_float(val[d]);
     }
     for (int64_t v = std::max<int64_t>(0, t0 - pos0) * G; v < nq; ++v) {
       const int64_t pos = pos0 + v / G;
@@ -137,13 +178,13 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
         vkt o_reg[DC / KT];
         __builtin_memcpy(o_reg, o, sizeof(o_reg));
         for (int64_t j = a; j < b; ++j) {
-          const vkt* val = &tile_rows[(j - t0) * D / KT];
+          const vkt* val = &value_rows[(j - t0) * D / KT];
           for (int t = 0; t < DC / KT; ++t) o_reg[t] += p[j] * val[t];
         }
         __builtin_memcpy(o, o_reg, sizeof(o_reg));
       } else {
         for (int64_t j = a; j < b; ++j)
-          for (int64_t d = 0; d < D; ++d) o[d] += p[j] * tile[(j - t0) * D + d];
+          for (int64_t d = 0; d < D; ++d) o[d] += p[j] * values[(j - t0) * D + d];
       }
     }
   }
