@@ -1,5 +1,5 @@
 """kvserve's command line: serve, generate, fetch, convert-gguf, openapi, bench, bench-offline, bench-model,
-bench-invariance, chat.
+bench-invariance, bench-attention, chat.
 
 Every flag also reads an environment variable KVSERVE_<FLAG> (dashes as underscores); the flag wins.
 """
@@ -168,6 +168,19 @@ def cmd_bench_invariance(args) -> int:
         inv, not_inv = result["invariant_tokens_per_s"], result["not_invariant_tokens_per_s"]
         dtype = str(engines["invariant"].runner.dtype).removeprefix("torch.")
         print_json({"dtype": dtype, **result, "cost_percent": round(100 * (1 - inv / not_inv), 1)})
+    return 0
+
+
+def cmd_bench_attention(args) -> int:
+    from server.bench import bench_batch_invariance, print_json
+
+    kv = {"max_num_seqs": max(args.batch_sizes)}
+    engines = {b: build_engine(args, attention_backend=b, **kv) for b in ("cpp", "torch")}
+    for b in args.batch_sizes:
+        result = bench_batch_invariance(engines, b, args.input_len, args.steps)
+        cpp, torch_path = result["cpp_tokens_per_s"], result["torch_tokens_per_s"]
+        dtype = str(engines["cpp"].runner.dtype).removeprefix("torch.")
+        print_json({"dtype": dtype, **result, "speedup": round(cpp / torch_path, 2)})
     return 0
 
 
@@ -354,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100, help="decode steps measured per engine and batch size")
     p.set_defaults(func=cmd_bench_invariance)
+
+    p = sub.add_parser(
+        "bench-attention",
+        help="decode tokens/s with the C++ attention kernel and the PyTorch path, interleaved",
+    )
+    add_model_flags(p)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=100, help="decode steps measured per engine and batch size")
+    p.set_defaults(func=cmd_bench_attention)
 
     p = sub.add_parser("bench-model", help="prefill and single-stream decode tokens/s per dtype")
     add_model_flags(p)

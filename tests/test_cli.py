@@ -80,3 +80,17 @@ def test_bench_invariance_reports_both_engines_per_batch_size(tiny_llama_dir):
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["batch_size"] for r in rows] == [1, 3]
     assert all(r["invariant_tokens_per_s"] > 0 and r["not_invariant_tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_bench_attention_compares_the_kernel_with_the_pytorch_path(tiny_llama_dir):
+    import json
+
+    out = kvserve("bench-attention", "--model", str(tiny_llama_dir), "--batch-sizes", "1", "4",
+                  "--steps", "5", "--input-len", "20", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["cpp_tokens_per_s"] > 0 and r["torch_tokens_per_s"] > 0
+        assert r["speedup"] == round(r["cpp_tokens_per_s"] / r["torch_tokens_per_s"], 2)
