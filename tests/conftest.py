@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Hugging Face models built on the fly, and the real default model."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -109,9 +110,16 @@ def default_model_dir() -> Path:
 
 
 def forward_sequence(
-    model, cache, token_ids: list[int], num_cached: int, block_table: list[int], min_query_len: int = 1
+    model,
+    cache,
+    token_ids: list[int],
+    num_cached: int,
+    block_table: list[int],
+    min_query_len: int = 1,
+    cpu_kernel: bool = False,
 ):
-    """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits."""
+    """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
+    cpu_kernel: attention by the C++ kernel rather than the PyTorch path."""
     from model.attention import build_metadata
 
     new = token_ids[num_cached:]
@@ -122,12 +130,14 @@ def forward_sequence(
         cache.block_size,
         sliding_window=model.config.sliding_window,
         min_query_len=min_query_len,
+        cpu_kernel=cpu_kernel,
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache)
         return model.compute_logits(hidden)
 
 
-@pytest.fixture
-def run_sequence():
-    return forward_sequence
+@pytest.fixture(params=["cpp", "torch"])
+def run_sequence(request):
+    """forward_sequence, once with each CPU attention path (the C++ kernel, PyTorch ops)."""
+    return functools.partial(forward_sequence, cpu_kernel=request.param == "cpp")
