@@ -156,31 +156,34 @@ def cmd_bench_offline(args) -> int:
 
 
 def cmd_bench_invariance(args) -> int:
-    from server.bench import bench_batch_invariance, print_json
+    def cost(r):
+        return {
+            "cost_percent": round(
+                100 * (1 - r["invariant_tokens_per_s"] / r["not_invariant_tokens_per_s"]), 1
+            )
+        }
 
-    kv = {"max_num_seqs": max(args.batch_sizes)}
-    engines = {
-        "invariant": build_engine(args, batch_invariant=True, **kv),
-        "not_invariant": build_engine(args, batch_invariant=False, **kv),
-    }
-    for b in args.batch_sizes:
-        result = bench_batch_invariance(engines, b, args.input_len, args.steps)
-        inv, not_inv = result["invariant_tokens_per_s"], result["not_invariant_tokens_per_s"]
-        dtype = str(engines["invariant"].runner.dtype).removeprefix("torch.")
-        print_json({"dtype": dtype, **result, "cost_percent": round(100 * (1 - inv / not_inv), 1)})
-    return 0
+    settings = {"invariant": {"batch_invariant": True}, "not_invariant": {"batch_invariant": False}}
+    return bench_interleaved(args, settings, cost)
 
 
 def cmd_bench_attention(args) -> int:
+    def speedup(r):
+        return {"speedup": round(r["cpp_tokens_per_s"] / r["torch_tokens_per_s"], 2)}
+
+    return bench_interleaved(args, {b: {"attention_backend": b} for b in ("cpp", "torch")}, speedup)
+
+
+def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
+    """One engine per named setting, their decode steps interleaved; a JSON line per batch size."""
     from server.bench import bench_batch_invariance, print_json
 
     kv = {"max_num_seqs": max(args.batch_sizes)}
-    engines = {b: build_engine(args, attention_backend=b, **kv) for b in ("cpp", "torch")}
+    engines = {name: build_engine(args, **s, **kv) for name, s in settings.items()}
+    dtype = str(next(iter(engines.values())).runner.dtype).removeprefix("torch.")
     for b in args.batch_sizes:
         result = bench_batch_invariance(engines, b, args.input_len, args.steps)
-        cpp, torch_path = result["cpp_tokens_per_s"], result["torch_tokens_per_s"]
-        dtype = str(engines["cpp"].runner.dtype).removeprefix("torch.")
-        print_json({"dtype": dtype, **result, "speedup": round(cpp / torch_path, 2)})
+        print_json({"dtype": dtype, **result, **summary(result)})
     return 0
 
 

@@ -71,26 +71,22 @@ def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
 
 
 @pytest.mark.timeout(120)
-def test_bench_invariance_reports_both_engines_per_batch_size(tiny_llama_dir):
+@pytest.mark.parametrize(
+    "command,a,b,summary",
+    [
+        ("bench-invariance", "invariant", "not_invariant", lambda a, b: round(100 * (1 - a / b), 1)),
+        ("bench-attention", "cpp", "torch", lambda a, b: round(a / b, 2)),
+    ],
+)
+def test_interleaved_benches_report_both_engines_per_batch_size(tiny_llama_dir, command, a, b, summary):
     import json
 
-    out = kvserve("bench-invariance", "--model", str(tiny_llama_dir), "--batch-sizes", "1", "3",
-                  "--steps", "5", "--input-len", "8", "--kv-cache-memory", "8MiB")  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["batch_size"] for r in rows] == [1, 3]
-    assert all(r["invariant_tokens_per_s"] > 0 and r["not_invariant_tokens_per_s"] > 0 for r in rows)
-
-
-@pytest.mark.timeout(120)
-def test_bench_attention_compares_the_kernel_with_the_pytorch_path(tiny_llama_dir):
-    import json
-
-    out = kvserve("bench-attention", "--model", str(tiny_llama_dir), "--batch-sizes", "1", "4",
+    out = kvserve(command, "--model", str(tiny_llama_dir), "--batch-sizes", "1", "3",
                   "--steps", "5", "--input-len", "20", "--kv-cache-memory", "8MiB")  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["batch_size"] for r in rows] == [1, 4]
+    assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
-        assert r["cpp_tokens_per_s"] > 0 and r["torch_tokens_per_s"] > 0
-        assert r["speedup"] == round(r["cpp_tokens_per_s"] / r["torch_tokens_per_s"], 2)
+        x, y = r[f"{a}_tokens_per_s"], r[f"{b}_tokens_per_s"]
+        assert x > 0 and y > 0
+        assert summary(x, y) in (r.get("cost_percent"), r.get("speedup"))
