@@ -157,11 +157,8 @@ def cmd_bench_offline(args) -> int:
 
 def cmd_bench_invariance(args) -> int:
     def cost(r):
-        return {
-            "cost_percent": round(
-                100 * (1 - r["invariant_tokens_per_s"] / r["not_invariant_tokens_per_s"]), 1
-            )
-        }
+        inv, not_inv = r["invariant_tokens_per_s"], r["not_invariant_tokens_per_s"]
+        return {"cost_percent": round(100 * (1 - inv / not_inv), 1)}
 
     settings = {"invariant": {"batch_invariant": True}, "not_invariant": {"batch_invariant": False}}
     return bench_interleaved(args, settings, cost)
