@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model.kernels import cpu_attention
+from model.kernels import cpu_kernels
 
 # CPU GEMMs may take other kernels (other summation orders) for fewer rows than some small count, which
 # depends on the library, the dtype and the weight layout (measured: rows_for_invariance). At most this.
@@ -184,7 +184,7 @@ def paged_attention(
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.seqs is not None:
         tables, seqs, window = meta.block_tables, meta.seqs, meta.window
-        kernel = cpu_attention().paged_attention
+        kernel = cpu_kernels().paged_attention
         return kernel(q, k_cache, v_cache, tables, seqs, meta.block_size, scale, window, KERNEL_CHUNK)
     KVH, _, D = k_cache.shape
     caches = (k_cache, v_cache)

@@ -1,8 +1,10 @@
-"""C++ kernels for the CPU, compiled at first use with torch.utils.cpp_extension and cached on disk.
+"""kvserve's C++ kernels for the CPU (model/csrc: paged attention, RMSNorm), compiled with
+torch.utils.cpp_extension and cached on disk.
 
-Where one cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs the PyTorch path
-instead; `--attention-backend torch` asks for that path outright. The build takes ~30 s once per machine and
-source version; TORCH_EXTENSIONS_DIR says where the builds are kept (default ~/.cache/torch_extensions).
+Where they cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs PyTorch ops
+instead; `--cpu-kernels off` asks for that outright. scripts/install.sh builds them (~30 s, once per machine
+and source version), else the first use does; TORCH_EXTENSIONS_DIR says where builds are kept (default
+~/.cache/torch_extensions).
 """
 
 import functools
@@ -32,8 +34,8 @@ def cpu_flags() -> list[str]:
 
 
 @functools.cache
-def cpu_attention():
-    """The compiled paged-attention module (model/csrc/paged_attention.cpp), or None where it cannot be built."""
+def cpu_kernels():
+    """The compiled module (paged_attention, rms_norm), or None where it cannot be built."""
     from torch.utils.cpp_extension import load
 
     try:  # the ninja that pip installed beside kvserve, also when its venv's bin/ is not on PATH
@@ -43,15 +45,16 @@ def cpu_attention():
     except ImportError:
         pass
     flags = cpu_flags()
-    name = "kvserve_paged_attention_" + (flags[0].removeprefix("-m") if flags else "generic")
+    name = "kvserve_cpu_kernels_" + (flags[0].removeprefix("-m") if flags else "generic")
+    sources = [str(SOURCES / f) for f in ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp")]
     try:
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the same libgomp, already loaded)
         return load(
             name,
-            [str(SOURCES / "paged_attention.cpp")],
+            sources,
             extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # compiler or ninja missing, build error: the PyTorch path still works
-        log.warning("the C++ attention kernel could not be built, using the PyTorch path: %s", e)
+        log.warning("the C++ CPU kernels could not be built, using PyTorch ops instead: %s", e)
         return None

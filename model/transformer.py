@@ -132,6 +132,8 @@ def calibrate_batch_invariance(model: "Transformer") -> int:
 
 
 class Norm(nn.Module):
+    kernels = None  # the C++ CPU kernels (model/kernels.py) where the runner enables them: RMSNorm in one op
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.eps = config.norm_eps
@@ -141,7 +143,17 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, None, self.weight, self.eps)[0]
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass with the C++ kernel."""
+        if self.bias is None and self.kernels is not None:
+            normed, x = self.kernels.rms_norm(x, residual, self.weight, self.eps)
+            return normed, x
+        x = x + residual
+        return self(x), x
 
 
 class Attention(nn.Module):
@@ -192,8 +204,8 @@ class Block(nn.Module):
         self.norm2, self.mlp = Norm(config), MLP(config)
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.norm2(x))
+        h, x = self.norm2.add_forward(x, self.attn(self.norm1(x), rope, k_cache, v_cache, meta))
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -235,6 +247,12 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, *kv_cache.layer(i), meta)
         return self.norm(x)
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """RMSNorm through the C++ kernels (model/kernels.py), or through PyTorch ops with None."""
+        for module in self.modules():
+            if isinstance(module, Norm):
+                module.kernels = kernels
 
     min_rows = 1  # the logits GEMM pads smaller batches to this many rows (calibrate_batch_invariance)
     logits_packed: torch.Tensor | None = None  # see pack_weights

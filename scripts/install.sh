@@ -60,9 +60,8 @@ EOF
     echo "kvserve's dependencies installed into $("$python" -c 'import sys; print(sys.prefix)')"
 else
     "${pip[@]}" -e ".$extras"
-    # The CPU attention kernel (model/csrc) is compiled here, once (~30 s), rather than at the first start of
-    # the server or in the middle of a test. Without a C++ compiler this warns and kvserve runs its PyTorch
-    # attention instead.
-    "$python" -c "from model.kernels import cpu_attention; cpu_attention()"
+    # The C++ CPU kernels (model/csrc) are compiled here, once (~30 s), rather than at the first start of the
+    # server or in the middle of a test. Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
+    "$python" -c "from model.kernels import cpu_kernels; cpu_kernels()"
     echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
 fi

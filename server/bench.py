@@ -98,7 +98,7 @@ def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> 
 def bench_batch_invariance(engines: dict[str, Engine], batch_size: int, input_len: int, steps: int) -> dict:
     """Median decode step time of each engine at `batch_size` sequences, the engines' steps interleaved so
     that the machine's drift hits them alike. Returns tokens/s per engine name (bench-invariance compares
-    batch invariance on and off, bench-attention the CPU attention backends)."""
+    batch invariance on and off, bench-kernels the C++ CPU kernels and PyTorch ops)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for name, engine in engines.items():
         reset_scheduler(engine)

@@ -1,5 +1,5 @@
 """kvserve's command line: serve, generate, fetch, convert-gguf, openapi, bench, bench-offline, bench-model,
-bench-invariance, bench-attention, chat.
+bench-invariance, bench-kernels, chat.
 
 Every flag also reads an environment variable KVSERVE_<FLAG> (dashes as underscores); the flag wins.
 """
@@ -52,10 +52,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
     g.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", False, bool))
     g.add_argument(
-        "--attention-backend",
-        default=env("attention_backend", "auto"),
-        choices=["auto", "cpp", "torch"],
-        help="CPU attention: the C++ kernel (built at first use) or PyTorch ops; auto = the kernel where it builds",
+        "--cpu-kernels",
+        default=env("cpu_kernels", "auto"),
+        choices=["auto", "on", "off"],
+        help="C++ attention and RMSNorm on CPU (built by install.sh or at first use): on, off (PyTorch ops), auto (on where they build)",
     )
     g.add_argument("--chat-template", default=env("chat_template"), help="a Jinja chat template, or a file")
     g.add_argument(
@@ -88,7 +88,7 @@ def engine_config(args, **overrides):
         device=args.device,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
+        cpu_kernels=args.cpu_kernels,
     )
     for k, v in overrides.items():
         setattr(config, k, v)
@@ -164,11 +164,11 @@ def cmd_bench_invariance(args) -> int:
     return bench_interleaved(args, settings, cost)
 
 
-def cmd_bench_attention(args) -> int:
+def cmd_bench_kernels(args) -> int:
     def speedup(r):
         return {"speedup": round(r["cpp_tokens_per_s"] / r["torch_tokens_per_s"], 2)}
 
-    return bench_interleaved(args, {b: {"attention_backend": b} for b in ("cpp", "torch")}, speedup)
+    return bench_interleaved(args, {"cpp": {"cpu_kernels": "on"}, "torch": {"cpu_kernels": "off"}}, speedup)
 
 
 def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
@@ -369,14 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench_invariance)
 
     p = sub.add_parser(
-        "bench-attention",
-        help="decode tokens/s with the C++ attention kernel and the PyTorch path, interleaved",
+        "bench-kernels",
+        help="decode tokens/s with the C++ CPU kernels and with PyTorch ops, interleaved",
     )
     add_model_flags(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100, help="decode steps measured per engine and batch size")
-    p.set_defaults(func=cmd_bench_attention)
+    p.set_defaults(func=cmd_bench_kernels)
 
     p = sub.add_parser("bench-model", help="prefill and single-stream decode tokens/s per dtype")
     add_model_flags(p)

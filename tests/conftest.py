@@ -119,8 +119,9 @@ def forward_sequence(
     cpu_kernel: bool = False,
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
-    cpu_kernel: attention by the C++ kernel rather than the PyTorch path."""
+    cpu_kernel: attention and RMSNorm by the C++ kernels rather than PyTorch ops."""
     from model.attention import build_metadata
+    from model.kernels import cpu_kernels
 
     new = token_ids[num_cached:]
     positions, meta = build_metadata(
@@ -132,6 +133,7 @@ def forward_sequence(
         min_query_len=min_query_len,
         cpu_kernel=cpu_kernel,
     )
+    model.use_cpu_kernels(cpu_kernels() if cpu_kernel else None)
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache)
         return model.compute_logits(hidden)
@@ -139,5 +141,5 @@ def forward_sequence(
 
 @pytest.fixture(params=["cpp", "torch"])
 def run_sequence(request):
-    """forward_sequence, once with each CPU attention path (the C++ kernel, PyTorch ops)."""
+    """forward_sequence, once with each CPU path (the C++ kernels, PyTorch ops)."""
     return functools.partial(forward_sequence, cpu_kernel=request.param == "cpp")

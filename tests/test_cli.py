@@ -75,7 +75,7 @@ def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
     "command,a,b,summary",
     [
         ("bench-invariance", "invariant", "not_invariant", lambda a, b: round(100 * (1 - a / b), 1)),
-        ("bench-attention", "cpp", "torch", lambda a, b: round(a / b, 2)),
+        ("bench-kernels", "cpp", "torch", lambda a, b: round(a / b, 2)),
     ],
 )
 def test_interleaved_benches_report_both_engines_per_batch_size(tiny_llama_dir, command, a, b, summary):

@@ -5,11 +5,8 @@
 // to absolute key positions, its softmax and weighted sum run over its own keys in ascending order, all in
 // float32. So a token's output has the same bits whether it is decoded alone, beside 63 others, or recomputed
 // inside a prompt chunk after a preemption (model/attention.py's PyTorch path needs padding to get that).
-//
-// Built at first use by model/kernels.py (torch.utils.cpp_extension); GCC vector extensions keep it portable:
-// the compiler lowers a 16-float vector to whatever SIMD the target has.
 
-#include <torch/extension.h>
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -19,28 +16,20 @@
 
 namespace {
 
-constexpr int KT = 16;  // keys per tile
-typedef float vkt __attribute__((vector_size(KT * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(KT * sizeof(int32_t))));
+constexpr int KT = VL;  // keys per tile
 
 // exp(x) for x <= 0: 2^k p(r) with k = round(x / ln2), r = x - k ln2 in [-ln2/2, ln2/2] (ln2 split in two
 // parts so k ln2 is exact), p the degree-6 Taylor polynomial (relative error < 2e-7 on that range).
 // Inputs below -87 give ~1e-38; callers zero what must be exactly 0.
-inline vkt exp_tile(vkt x) {
-  x = x < -87.0f ? vkt{} - 87.0f : x;
-  const vkt k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // adding 1.5 * 2^23 rounds
-  const vkt r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
-  const vkt p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+inline vfloat exp_tile(vfloat x) {
+  x = x < -87.0f ? vfloat{} - 87.0f : x;
+  const vfloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // adding 1.5 * 2^23 rounds
+  const vfloat r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
+  const vfloat p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
   const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
-  vkt two_k;
+  vfloat two_k;
   __builtin_memcpy(&two_k, &bits, sizeof(two_k));
   return p * two_k;
-}
-
-inline float hsum(vkt v) {  // a fixed tree, so the same bits every time
-  for (int w = KT / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) v[l] += v[l + w];
-  return v[0];
 }
 
 #if defined(__clang__)
@@ -51,30 +40,26 @@ inline float hsum(vkt v) {  // a fixed tree, so the same bits every time
 
 // out[l] = the sum of the lanes of part[l], by a fixed tree of pairwise half-sums: at each level two vectors
 // become one holding the halves of each input's partial sums added together
-inline vkt sum_each(const vkt* part) {
-  vkt p8[8], p4[4], p2[2];
+inline vfloat sum_each(const vfloat* part) {
+  vfloat p8[8], p4[4], p2[2];
   for (int i = 0; i < 8; ++i) {
-    const vkt a = part[2 * i], b = part[2 * i + 1];
+    const vfloat a = part[2 * i], b = part[2 * i + 1];
     p8[i] = SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
             SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
   for (int i = 0; i < 4; ++i) {
-    const vkt a = p8[2 * i], b = p8[2 * i + 1];
+    const vfloat a = p8[2 * i], b = p8[2 * i + 1];
     p4[i] = SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
             SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   }
   for (int i = 0; i < 2; ++i) {
-    const vkt a = p4[2 * i], b = p4[2 * i + 1];
+    const vfloat a = p4[2 * i], b = p4[2 * i + 1];
     p2[i] = SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
             SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   }
   return SHUFFLE(p2[0], p2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUFFLE(p2[0], p2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 struct Work {
   int64_t seq, head, first_query;
@@ -96,7 +81,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 
   // queries and key rows as float vectors, zero-padded to DV vectors of KT lanes
   const int64_t DV = (D + KT - 1) / KT;
-  std::vector<vkt> qv(nq * DV, vkt{}), keys(KT * DV), score_tiles(nq * L / KT), value_rows(D);
+  std::vector<vfloat> qv(nq * DV, vfloat{}), keys(KT * DV), score_tiles(nq * L / KT), value_rows(D);
   std::vector<float> acc(nq * D, 0.0f), total(nq);
   float* S = reinterpret_cast<float*>(score_tiles.data());
   float* values = reinterpret_cast<float*>(value_rows.data());  // KT value rows as [KT][D]
@@ -129,8 +114,8 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < n_pos; ++i) {
       if (t0 + KT <= first_key(pos0 + i)) continue;
       for (int64_t g = 0; g < G; ++g) {
-        const vkt* qrow = &qv[(i * G + g) * DV];
-        vkt part[KT];
+        const vfloat* qrow = &qv[(i * G + g) * DV];
+        vfloat part[KT];
         for (int l = 0; l < KT; ++l) {
           part[l] = qrow[0] * keys[l * DV];
           for (int64_t c = 1; c < DV; ++c) part[l] += qrow[c] * keys[l * DV + c];
@@ -146,18 +131,18 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     const int64_t a = first_key(pos), b = pos + 1;
     const int64_t a0 = a / KT * KT, b0 = (b + KT - 1) / KT * KT;
     float* s = &S[v * L - lo];  // indexed by key position
-    vkt* tiles = &score_tiles[(v * L + a0 - lo) / KT];
+    vfloat* tiles = &score_tiles[(v * L + a0 - lo) / KT];
     const int64_t n_tiles = (b0 - a0) / KT;
     for (int64_t j = a0; j < a; ++j) s[j] = -INFINITY;
     for (int64_t j = b; j < b0; ++j) s[j] = -INFINITY;
-    vkt vmax = tiles[0];
+    vfloat vmax = tiles[0];
     for (int64_t t = 1; t < n_tiles; ++t) vmax = vmax > tiles[t] ? vmax : tiles[t];
     float m = vmax[0];
     for (int l = 1; l < KT; ++l) m = std::max(m, vmax[l]);
     for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = exp_tile(tiles[t] - m);
     for (int64_t j = a0; j < a; ++j) s[j] = 0.0f;
     for (int64_t j = b; j < b0; ++j) s[j] = 0.0f;
-    vkt sum = {};
+    vfloat sum = {};
     for (int64_t t = 0; t < n_tiles; ++t) sum += tiles[t];
     total[v] = hsum(sum);
   }
@@ -175,10 +160,10 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
       const float* p = &S[v * L - lo];
       float* o = &acc[v * D];
       if constexpr (DC > 0 && DC % KT == 0) {
-        vkt o_reg[DC / KT];
+        vfloat o_reg[DC / KT];
         __builtin_memcpy(o_reg, o, sizeof(o_reg));
         for (int64_t j = a; j < b; ++j) {
-          const vkt* val = &value_rows[(j - t0) * D / KT];
+          const vfloat* val = &value_rows[(j - t0) * D / KT];
           for (int t = 0; t < DC / KT; ++t) o_reg[t] += p[j] * val[t];
         }
         __builtin_memcpy(o, o_reg, sizeof(o_reg));
@@ -245,8 +230,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     });
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
 }

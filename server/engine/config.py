@@ -17,4 +17,4 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: no graphs
-    attention_backend: str = "auto"  # auto: the C++ kernel on CPU where it builds, else torch | cpp | torch
+    cpu_kernels: str = "auto"  # C++ attention and RMSNorm on CPU: auto (where they build) | on | off

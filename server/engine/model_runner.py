@@ -8,7 +8,7 @@ import torch
 
 from model.attention import build_metadata, min_query_len_for_invariance
 from model.config import ModelConfig
-from model.kernels import cpu_attention
+from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
 from model.loader import load_model
 from model.sampling import SamplingTensors, sample
@@ -112,11 +112,11 @@ class ModelRunner:
         if invariant is None:
             invariant = self.dtype != torch.float32
         invariant = invariant and self.device.type == "cpu"
-        self.cpu_kernel = self._use_cpu_kernel(config.attention_backend)
+        self.cpu_kernels = self._use_cpu_kernels(config.cpu_kernels)
         self.min_query_len = 1
         if invariant:
             padded = calibrate_batch_invariance(self.model)
-            if not self.cpu_kernel:  # the C++ kernel is batch-invariant as it is
+            if not self.cpu_kernels:  # the C++ attention kernel is batch-invariant as it is
                 self.min_query_len = min_query_len_for_invariance(
                     mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
                 )
@@ -127,16 +127,18 @@ class ModelRunner:
             )
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
 
-    def _use_cpu_kernel(self, backend: str) -> bool:
-        if backend not in ("auto", "cpp", "torch"):
-            raise ValueError(f"unknown attention backend {backend!r}: use auto, cpp or torch")
-        if self.device.type != "cpu" or backend == "torch":
+    def _use_cpu_kernels(self, mode: str) -> bool:
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"unknown --cpu-kernels {mode!r}: use auto, on or off")
+        if self.device.type != "cpu" or mode == "off":
             return False
-        if cpu_attention() is None:
-            if backend == "cpp":
-                raise RuntimeError("--attention-backend cpp: the C++ kernel could not be built (see the log)")
+        kernels = cpu_kernels()
+        if kernels is None:
+            if mode == "on":
+                raise RuntimeError("--cpu-kernels on: the C++ kernels could not be built (see the log)")
             return False
-        log.info("attention: the C++ paged-attention kernel")
+        self.model.use_cpu_kernels(kernels)
+        log.info("attention and RMSNorm: kvserve's C++ CPU kernels")
         return True
 
     def _num_cache_blocks(self) -> int:
@@ -199,7 +201,7 @@ class ModelRunner:
                 sampled_reqs.append(req)
         positions, meta = build_metadata(
             query_lens, seq_lens, tables, self.block_size, self.device,
-            self.model_config.sliding_window, self.min_query_len, self.cpu_kernel,
+            self.model_config.sliding_window, self.min_query_len, self.cpu_kernels,
         )  # fmt: skip
         input_ids = torch.tensor(ids, dtype=torch.long)
         hidden = self.model(input_ids.to(self.device, non_blocking=True), positions, meta, self.kv_cache)

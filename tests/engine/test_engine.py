@@ -87,12 +87,12 @@ def test_default_model_batched_greedy_equals_alone(default_model_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype,batch_invariant", [("bfloat16", None), ("float32", True)])  # None: default
-@pytest.mark.parametrize("backend", ["cpp", "torch"])  # the C++ attention kernel, the PyTorch fallback
-def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant, backend):
+@pytest.mark.parametrize("kernels", ["on", "off"])  # the C++ CPU kernels, PyTorch ops
+def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_invariant, kernels):
     engine = tiny_engine_factory(
-        dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24, attention_backend=backend
+        dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24, cpu_kernels=kernels
     )
-    assert engine.runner.cpu_kernel == (backend == "cpp")
+    assert engine.runner.cpu_kernels == (kernels == "on")
     prompts = random_prompts(16, engine.vocab_size)
     assert run(engine, prompts) == alone(engine, prompts)
     assert_all_blocks_free(engine)
@@ -116,7 +116,7 @@ def test_batch_invariance_is_on_by_default_in_bfloat16_only(tiny_engine_factory,
 
     heads_per_kv = 2  # the tiny model: 4 query heads, 2 KV heads
     on = ({6}, 6 // heads_per_kv)
-    torch_path = {"attention_backend": "torch"}  # the C++ kernel needs no query padding
+    torch_path = {"cpu_kernels": "off"}  # the C++ attention kernel needs no query padding
     assert padding(tiny_engine_factory(dtype="bfloat16", **torch_path)) == on
     assert padding(tiny_engine_factory(dtype="bfloat16")) == ({6}, 1)
     assert padding(tiny_engine_factory(dtype="float32", batch_invariant=True, **torch_path)) == on

@@ -1,0 +1,88 @@
+"""The C++ CPU kernels' build and RMSNorm (the attention kernel is tested in test_attention.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import cpu_kernels
+
+
+@pytest.mark.timeout(120)
+def test_cpu_kernels_build_here():
+    """CI machines have a C++ compiler: the kernels must build there, not silently fall back."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    assert hasattr(kernels, "paged_attention") and hasattr(kernels, "rms_norm")
+
+
+def transformers_rms_norm(x, weight, eps):
+    """LlamaRMSNorm's arithmetic: float32 normalisation, rounded to x's dtype, then times the weight."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def close_in_float16(a, b) -> bool:
+    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hidden", [576, 64, 40, 7])  # multiples of the 16-float vector and not
+def test_rms_norm_kernel_computes_what_transformers_does(hidden):
+    torch.manual_seed(hidden)
+    x, residual = torch.randn(2, 33, hidden).unbind(0)
+    weight = torch.randn(hidden)
+    kernels = cpu_kernels()
+    # bfloat16: the same bits, the double rounding included; float16's finer steps show that the two sum the
+    # squares in other orders (1 step at most)
+    for dtype, same in ((torch.bfloat16, torch.equal), (torch.float16, close_in_float16)):
+        xd, rd, wd = x.to(dtype), residual.to(dtype), weight.to(dtype)
+        (y,) = kernels.rms_norm(xd, None, wd, 1e-5)
+        assert same(y, transformers_rms_norm(xd, wd, 1e-5))
+        y, total = kernels.rms_norm(xd, rd, wd, 1e-5)
+        assert torch.equal(total, xd + rd)
+        assert same(y, transformers_rms_norm(xd + rd, wd, 1e-5))
+    (y,) = kernels.rms_norm(x, None, weight, 1e-5)  # float32: the sum of squares in another order
+    torch.testing.assert_close(y, F.rms_norm(x, (hidden,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_rms_norm_kernel_gives_a_row_the_same_bits_in_any_batch():
+    torch.manual_seed(1)
+    x, residual = torch.randn(2, 300, 576).bfloat16().unbind(0)
+    weight = torch.randn(576).bfloat16()
+    kernels = cpu_kernels()
+    batch = kernels.rms_norm(x, residual, weight, 1e-6)
+    for rows in (slice(0, 1), slice(17, 18), slice(5, 37), slice(299, 300)):
+        alone = kernels.rms_norm(x[rows], residual[rows], weight, 1e-6)
+        assert all(torch.equal(a, b[rows]) for a, b in zip(alone, batch, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_rms_norm_kernel_refuses_what_it_cannot_take():
+    kernels = cpu_kernels()
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rms_norm(torch.randn(3, 8), None, torch.randn(9), 1e-6)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernels.rms_norm(
+            torch.randn(3, 8, dtype=torch.float64), None, torch.randn(8, dtype=torch.float64), 1e-6
+        )
+
+
+@pytest.mark.timeout(60)
+def test_cpu_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    import model.kernels
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model.kernels.cpu_kernels.cache_clear()
+    try:
+        assert model.kernels.cpu_kernels() is None
+        assert "could not be built" in caplog.text and "c++: command not found" in caplog.text
+    finally:
+        model.kernels.cpu_kernels.cache_clear()  # the next caller builds (loads) the real one again
