@@ -2,7 +2,7 @@
 torch.utils.cpp_extension and cached on disk.
 
 Where they cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs PyTorch ops
-instead; `--cpu-kernels off` asks for that outright. scripts/install.sh builds them (~30 s, once per machine
+instead; `--cpu-kernels off` asks for that outright. scripts/install.sh builds them (~40 s, once per machine
 and source version), else the first use does; TORCH_EXTENSIONS_DIR says where builds are kept (default
 ~/.cache/torch_extensions).
 """
