@@ -55,7 +55,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         default=env("cpu_kernels", "auto"),
         choices=["auto", "on", "off"],
-        help="C++ attention and RMSNorm on CPU (built by install.sh or at first use): on, off (PyTorch ops), auto (on where they build)",
+        help="C++ attention and RMSNorm on CPU: on, off (PyTorch ops), auto (on where they build)",
     )
     g.add_argument("--chat-template", default=env("chat_template"), help="a Jinja chat template, or a file")
     g.add_argument(

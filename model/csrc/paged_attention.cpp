@@ -81,7 +81,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 
   // queries and key rows as float vectors, zero-padded to DV vectors of KT lanes
   const int64_t DV = (D + KT - 1) / KT;
-  std::vector<vfloat> qv(nq * DV, vfloat{}), keys(KT * DV), score_tiles(nq * L / KT), value_rows(D);
+  std::vector<vfloat> qv(nq * DV, vfloat{}), keys(KT * DV, vfloat{}), score_tiles(nq * L / KT), value_rows(D);
   std::vector<float> acc(nq * D, 0.0f), total(nq);
   float* S = reinterpret_cast<float*>(score_tiles.data());
   float* values = reinterpret_cast<float*>(value_rows.data());  // KT value rows as [KT][D]
@@ -103,13 +103,14 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
   for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
     float* kf = reinterpret_cast<float*>(keys.data());
-    for (int64_t l = 0; l < KT; ++l) {
+    for (int64_t l = 0; l < KT; ++l) {  // lanes past D stay 0; keys past the last are 0 (their scores are masked)
       float* dst = kf + l * DV * KT;
       if (l < n) {
         const T* k = row(k_head, t0 + l);
         for (int64_t d = 0; d < D; ++d) dst[d] = to_float(k[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = 0.0f;
       }
-      for (int64_t d = l < n ? D : 0; d < DV * KT; ++d) dst[d] = 0.0f;
     }
     for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < n_pos; ++i) {
       if (t0 + KT <= first_key(pos0 + i)) continue;
