@@ -244,7 +244,7 @@ def cmd_openapi(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from server.client import chat_loop
+    from client.chat import chat_loop
 
     return chat_loop(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature)
 
@@ -252,7 +252,7 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     import asyncio
 
-    from server.client import bench_http
+    from client.bench import bench_http
 
     asyncio.run(bench_http(args))
     return 0

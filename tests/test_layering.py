@@ -1,4 +1,5 @@
-"""Imports point one way: server/cli -> server/api -> server/engine -> model; weights/ stands alone."""
+"""Imports point one way: server/cli -> server/api -> server/engine -> model; weights/ and client/ (the HTTP
+clients) stand alone."""
 
 import ast
 from pathlib import Path
@@ -9,7 +10,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # package prefix -> module prefixes it must never import
 FORBIDDEN = {
-    "model": ["server", "weights", "fastapi", "pydantic", "asyncio", "prometheus_client", "uvicorn"],
+    "model": [
+        "server",
+        "weights",
+        "client",
+        "fastapi",
+        "pydantic",
+        "asyncio",
+        "prometheus_client",
+        "uvicorn",
+    ],
     "server/engine": [
         "server.api",
         "server.cli",
@@ -18,9 +28,11 @@ FORBIDDEN = {
         "prometheus_client",
         "uvicorn",
         "weights",
+        "client",
     ],
-    "server/api": ["server.cli", "weights"],
-    "weights": ["model", "server"],
+    "server/api": ["server.cli", "weights", "client"],
+    "weights": ["model", "server", "client"],
+    "client": ["model", "server", "weights", "torch"],
 }
 
 

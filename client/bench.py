@@ -1,4 +1,4 @@
-"""Client tools for any OpenAI-compatible server: `kvserve bench` (serving benchmark) and `kvserve chat`."""
+"""`kvserve bench`: a serving benchmark against any OpenAI-compatible server (streamed completions at a concurrency)."""
 
 import asyncio
 import json
@@ -10,30 +10,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from client.http import first_model, headers, sse_events
+
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
     "number group problem fact river mountain city music story garden science letter window history market "
     "energy language ocean forest island bridge engine planet signal theory window morning evening summer"
 ).split()
-
-
-def _headers(api_key: str | None) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _first_model(url: str, api_key: str | None) -> str:
-    r = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
-
-
-async def _sse_events(response: httpx.Response):
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                return
-            yield json.loads(data)
 
 
 @dataclass
@@ -55,7 +38,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Resul
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for event in _sse_events(response):
+            async for event in sse_events(response):
                 if "error" in event:
                     result.error = str(event["error"])[:200]
                     return result
@@ -87,7 +70,7 @@ async def bench_http(args) -> dict:
     as many as start within that many seconds (at most `num_requests` if given). Prints a summary and a
     JSON line."""
     url = args.url.rstrip("/")
-    model = args.model or _first_model(url, args.api_key)
+    model = args.model or first_model(url, args.api_key)
     rng = random.Random(args.seed)
     limit = args.num_requests if args.num_requests is not None or args.duration else 64
     sent = 0
@@ -107,7 +90,7 @@ async def bench_http(args) -> dict:
 
     limits = httpx.Limits(max_connections=args.concurrency)
     start = time.perf_counter()
-    async with httpx.AsyncClient(headers=_headers(args.api_key), timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers(args.api_key), timeout=600, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
     wall = time.perf_counter() - start
     ok = [r for r in results if r.ok]
@@ -135,44 +118,3 @@ async def bench_http(args) -> dict:
             break
     print(json.dumps(summary), flush=True)
     return summary
-
-
-def chat_loop(
-    url: str, model: str | None, api_key: str | None, system: str | None, max_tokens: int, temperature: float
-) -> int:
-    """Read a line, stream the answer, keep the conversation; an empty line or EOF ends it."""
-    url = url.rstrip("/")
-    model = model or _first_model(url, api_key)
-    messages = [{"role": "system", "content": system}] if system else []
-    print(f"chatting with {model} at {url} (empty line to quit)")
-    with httpx.Client(headers=_headers(api_key), timeout=600) as client:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": True}  # fmt: skip
-            answer = ""
-            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    print(f"error: HTTP {response.status_code}: {response.read().decode(errors='replace')}")
-                    messages.pop()
-                    continue
-                for raw in response.iter_lines():
-                    if not raw.startswith("data: ") or raw == "data: [DONE]":
-                        continue
-                    event = json.loads(raw[len("data: ") :])
-                    if "error" in event:
-                        print(f"\nerror: {event['error'].get('message')}")
-                        break
-                    delta = event["choices"][0]["delta"].get("content") if event.get("choices") else None
-                    if delta:
-                        answer += delta
-                        print(delta, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": answer})
-    return 0
