@@ -1,76 +1,49 @@
-"""Paged attention: K/V written by slot, read back by block table, batch-invariant.
+"""Paged attention: a step's new K/V are written by slot, and every query reads its keys through block tables.
 
-On the CPU a C++ kernel (model/csrc/paged_attention.cpp, built by model/kernels.py) reads keys and values
-straight from the cache through the block tables. The PyTorch path below is the fallback where it cannot be
-built, and the path on GPUs (SDPA).
+Each backend owns its metadata and builds it once per step (`build`) from the step's sequences; the runner picks
+the backend once, at start. The model only calls `paged_attention`, which writes K/V and attends as the
+metadata says:
+- CpuKernelAttention (model/attention_cpu.py): kvserve's C++ kernel, the CPU default.
+- TorchAttention (here): PyTorch ops, the fallback where the kernel cannot be built, and the GPU path (SDPA).
 
-There, one step's tokens arrive flat and unpadded ([T, ...]) and are gathered into at most two padded groups:
-decode rows (one query each) and prefill rows (a chunk of queries each). Every row's numbers depend only on
-its own queries and keys, never on the padding its group needed: CPU GEMMs give bit-identical rows for any
-batch size and key padding as long as a matmul has enough rows (none for bfloat16, 4 for float32, measured
-on x86 with torch 2.13: min_query_len_for_invariance) and its key length is a multiple of KEY_TILE (the fused
-SDPA CPU kernel does not have this property). `min_query_len` pads every row's queries so that holds.
+TorchAttention gathers a step's flat, unpadded tokens ([T, ...]) into at most two padded groups: decode rows
+(one query each) and prefill rows (a chunk of queries each). Every row's numbers depend only on its own queries
+and keys, never on the padding its group needed: CPU GEMMs give bit-identical rows for any batch size and key
+padding as long as a matmul has enough rows (none for bfloat16, 4 for float32, measured on x86 with torch 2.13:
+min_query_len_for_invariance) and its key length is a multiple of KEY_TILE (the fused SDPA CPU kernel does not
+have this property). `min_query_len` pads every row's queries so that holds.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from model.kernels import cpu_kernels
+from model import invariance
 
-# CPU GEMMs may take other kernels (other summation orders) for fewer rows than some small count, which
-# depends on the library, the dtype and the weight layout (measured: rows_for_invariance). At most this.
-MIN_INVARIANT_ROWS = 12
 # Key lengths are padded to a multiple of this so no GEMM runs a short vector tail over the keys.
 KEY_TILE = 16
-# The C++ kernel's unit of work: one KV head of this many queries of one sequence.
-KERNEL_CHUNK = 16
 
 
-@dataclass
-class AttentionGroup:
-    query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
-    key_blocks: torch.Tensor  # [B, N] cache block of each run of block_size keys; padding -> block 0
-    masked: torch.Tensor  # [B, 1, Q, 1, L] bool, True = may NOT attend (future, beyond context, window)
-    valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
-    out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
-    whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
-    gather_index: torch.Tensor | None = None  # [B * KVH * N] rows of the cache to gather; set at first use
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D] (RoPE applied)
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [KVH, num_slots, D] this layer's keys
+    v_cache: torch.Tensor,
+    meta,  # the step's metadata, from the backend's build()
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    return meta.attend(q, k_cache, v_cache, scale)
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
-    groups: list[AttentionGroup]  # decode rows, then prefill rows (each may be absent); PyTorch path only
-    block_size: int
-    # the C++ kernel's inputs (model/csrc/paged_attention.cpp) when it is used, else None
-    block_tables: torch.Tensor | None = None  # [S, N] int32, padding -> block 0
-    seqs: torch.Tensor | None = None  # [S, 3] int32: first flat token, query length, sequence length
-    window: int = 0  # sliding window (keys per query), 0 = none
-
-
-def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions start..end-1 of a sequence (slot = block * block_size + offset)."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-def build_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-    sliding_window: int | None = None,
-    min_query_len: int = 1,
-    cpu_kernel: bool = False,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Flat positions [T] and the metadata for sequences whose last query_lens[i] of seq_lens[i] tokens are new.
-
-    The sequences' tokens must be laid out flat in the given order. cpu_kernel: build the C++ kernel's block
-    tables instead of the PyTorch path's padded groups.
-    """
+def flat_layout(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """(positions [T], cache slots [T], first flat token of each sequence) for sequences whose last
+    query_lens[i] of seq_lens[i] tokens are new this step, laid out flat in the given order."""
     positions: list[int] = []
     slots: list[int] = []
     starts = []
@@ -78,76 +51,120 @@ def build_metadata(
         starts.append(len(positions))
         positions.extend(range(slen - qlen, slen))
         slots.extend(slots_for(table, slen - qlen, slen, block_size))
-    if cpu_kernel:  # the kernel runs on the CPU: no device copies
-        n_blocks = [math.ceil(s / block_size) for s in seq_lens]
-        tables = torch.zeros(len(seq_lens), max(n_blocks), dtype=torch.int32)
-        for r, (n, table) in enumerate(zip(n_blocks, block_tables, strict=True)):
-            tables[r, :n] = torch.tensor(table[:n])
-        seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
-        meta = AttentionMetadata(torch.tensor(slots), [], block_size, tables, seqs, sliding_window or 0)
-        return torch.tensor(positions), meta
-    groups = []
-    for is_decode in (True, False):
-        rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
-        if rows:
-            lens = [(starts[i], query_lens[i], seq_lens[i], block_tables[i]) for i in rows]
-            groups.append(_build_group(lens, block_size, sliding_window, min_query_len, device))
-    # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
-    if len(groups) == 1:
-        groups[0].whole = groups[0].valid.numel() == groups[0].query_index.numel()
-    meta = AttentionMetadata(torch.tensor(slots).to(device, non_blocking=True), groups, block_size)
-    return torch.tensor(positions).to(device, non_blocking=True), meta
+    return positions, slots, starts
 
 
-def _build_group(rows, block_size, window, min_query_len, device) -> AttentionGroup:
-    q_max = max(min_query_len, max(q for _, q, _, _ in rows))
-    n_blocks = max(math.ceil(s / block_size) for _, _, s, _ in rows)
-    while (n_blocks * block_size) % KEY_TILE:
-        n_blocks += 1
-    L = n_blocks * block_size
-    key_blocks = torch.zeros(len(rows), n_blocks, dtype=torch.long)
-    for r, (_, _, s, table) in enumerate(rows):
-        t = table[: math.ceil(s / block_size)]
-        key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
-
-    start, qlen, slen = (torch.tensor([row[j] for row in rows]) for j in range(3))
-    q_off = torch.arange(q_max)
-    real = q_off < qlen[:, None]  # [B, Q]
-    # padded query slots repeat the row's first token: harmless to compute, dropped by `valid`
-    query_index = start[:, None] + torch.where(real, q_off, 0)
-    q_pos = (slen - qlen)[:, None] + torch.where(real, q_off, 0)  # [B, Q] position of each query
-    k_pos = torch.arange(L)
-    allowed = (k_pos <= q_pos[..., None]) & (k_pos < slen[:, None, None])  # [B, Q, L]
-    if window is not None:
-        allowed &= k_pos > q_pos[..., None] - window
-    valid = real.flatten().nonzero().squeeze(1)
-    return AttentionGroup(
-        query_index=query_index.to(device, non_blocking=True),
-        key_blocks=key_blocks.to(device, non_blocking=True),
-        masked=(~allowed)[:, None, :, None, :].to(device, non_blocking=True),
-        valid=valid.to(device, non_blocking=True),
-        out_index=query_index.flatten()[valid].to(device, non_blocking=True),
-    )
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions start..end-1 of a sequence (slot = block * block_size + offset)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def rows_for_invariance(fn, x: torch.Tensor, max_rows: int = MIN_INVARIANT_ROWS) -> int:
-    """The fewest rows a batch must be padded to so that fn (a GEMM over the rows of x) gives every row the
-    bits it gets inside the whole batch, alone or in any smaller batch.
+@dataclass
+class AttentionGroup:
+    query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
+    gather_index: torch.Tensor  # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]
+    masked: torch.Tensor  # [B, 1, Q, 1, L] bool, True = may NOT attend (future, beyond context, window)
+    valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
+    out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
+    whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
 
-    CPU GEMM libraries pick other kernels (other summation orders) for small row counts, and which shapes are
-    affected depends on the library, the CPU, the dtype and the weight's layout, so it is measured rather
-    than assumed. A kernel that differs does so on a few percent of rows, hence every row checked alone.
-    """
-    ref = fn(x)
-    for m in (1, 2, 4, 8):
-        if m >= max_rows:
-            break
-        alone = all(
-            torch.equal(fn(F.pad(x[i : i + 1], (0, 0, 0, m - 1)))[:1], ref[i : i + 1]) for i in range(len(x))
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
+    groups: list[AttentionGroup]  # decode rows, then prefill rows (each may be absent)
+    block_size: int
+    sdpa: bool  # torch's fused SDPA (GPUs) rather than two matmuls
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        KVH, _, D = k_cache.shape
+        fn = attend_sdpa if self.sdpa else attend
+        out = None
+        for g in self.groups:  # at most two: decodes, prefill chunks
+            B, Q = g.query_index.shape
+            keys, values = (
+                gather_blocks(c, g.gather_index, self.block_size).view(B, KVH, -1, D)
+                for c in (k_cache, v_cache)
+            )
+            queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
+            o = fn(queries, keys, values, g.masked, scale)  # [B, Q, H, D]
+            if g.whole:
+                return o.reshape(q.shape)
+            if out is None:
+                out = torch.empty_like(q)
+            out[g.out_index] = o.view(B * Q, *q.shape[1:])[g.valid]
+        return out
+
+
+class TorchAttention:
+    """Attention with PyTorch ops over K/V gathered by block table: two matmuls on CPU, fused SDPA on GPUs."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_kv_heads: int,
+        num_cache_blocks: int,
+        device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
+        min_query_len: int = 1,
+    ):
+        self.block_size, self.num_kv_heads, self.num_cache_blocks = block_size, num_kv_heads, num_cache_blocks
+        self.device = torch.device(device)
+        self.sliding_window = sliding_window
+        self.min_query_len = min_query_len
+
+    def build(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, TorchAttentionMetadata]:
+        """Flat positions [T] and the step's metadata (see flat_layout for the arguments)."""
+        positions, slots, starts = flat_layout(query_lens, seq_lens, block_tables, self.block_size)
+        groups = []
+        for is_decode in (True, False):
+            rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
+            if rows:
+                lens = [(starts[i], query_lens[i], seq_lens[i], block_tables[i]) for i in rows]
+                groups.append(self._group(lens))
+        # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
+        if len(groups) == 1:
+            groups[0].whole = groups[0].valid.numel() == groups[0].query_index.numel()
+        slot_mapping = torch.tensor(slots).to(self.device, non_blocking=True)
+        meta = TorchAttentionMetadata(slot_mapping, groups, self.block_size, sdpa=self.device.type != "cpu")
+        return torch.tensor(positions).to(self.device, non_blocking=True), meta
+
+    def _group(self, rows) -> AttentionGroup:
+        block_size, window, device = self.block_size, self.sliding_window, self.device
+        q_max = max(self.min_query_len, max(q for _, q, _, _ in rows))
+        n_blocks = max(math.ceil(s / block_size) for _, _, s, _ in rows)
+        while (n_blocks * block_size) % KEY_TILE:
+            n_blocks += 1
+        L = n_blocks * block_size
+        key_blocks = torch.zeros(len(rows), n_blocks, dtype=torch.long)  # padding -> block 0
+        for r, (_, _, s, table) in enumerate(rows):
+            t = table[: math.ceil(s / block_size)]
+            key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+
+        start, qlen, slen = (torch.tensor([row[j] for row in rows]) for j in range(3))
+        q_off = torch.arange(q_max)
+        real = q_off < qlen[:, None]  # [B, Q]
+        # padded query slots repeat the row's first token: harmless to compute, dropped by `valid`
+        query_index = start[:, None] + torch.where(real, q_off, 0)
+        q_pos = (slen - qlen)[:, None] + torch.where(real, q_off, 0)  # [B, Q] position of each query
+        k_pos = torch.arange(L)
+        allowed = (k_pos <= q_pos[..., None]) & (k_pos < slen[:, None, None])  # [B, Q, L]
+        if window is not None:
+            allowed &= k_pos > q_pos[..., None] - window
+        valid = real.flatten().nonzero().squeeze(1)
+        return AttentionGroup(
+            query_index=query_index.to(device, non_blocking=True),
+            gather_index=cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks).to(
+                device, non_blocking=True
+            ),
+            masked=(~allowed)[:, None, :, None, :].to(device, non_blocking=True),
+            valid=valid.to(device, non_blocking=True),
+            out_index=query_index.flatten()[valid].to(device, non_blocking=True),
         )
-        if alone and all(torch.equal(fn(x[:n]), ref[:n]) for n in range(m, max_rows + 1)):
-            return m
-    return max_rows
 
 
 def min_query_len_for_invariance(
@@ -166,43 +183,12 @@ def min_query_len_for_invariance(
         with torch.inference_mode():
             for x, y in ((q, k), (p, v)):
                 rows = max(
-                    rows, rows_for_invariance(lambda x, y=y: (x.expand(2, -1, -1) @ y).transpose(0, 1), x)
+                    rows,
+                    invariance.rows_for_invariance(
+                        lambda x, y=y: (x.expand(2, -1, -1) @ y).transpose(0, 1), x
+                    ),
                 )
     return math.ceil(rows / (num_heads // num_kv_heads))
-
-
-def paged_attention(
-    q: torch.Tensor,  # [T, H, D] (RoPE applied)
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [KVH, num_slots, D] this layer's keys
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    if meta.seqs is not None:
-        tables, seqs, window = meta.block_tables, meta.seqs, meta.window
-        kernel = cpu_kernels().paged_attention
-        return kernel(q, k_cache, v_cache, tables, seqs, meta.block_size, scale, window, KERNEL_CHUNK)
-    KVH, _, D = k_cache.shape
-    caches = (k_cache, v_cache)
-    fn = attend if q.device.type == "cpu" else attend_sdpa
-    out = None
-    for g in meta.groups:  # at most two: decodes, prefill chunks
-        B, Q = g.query_index.shape
-        if g.gather_index is None:  # the same for every layer of the step
-            g.gather_index = cache_rows(g.key_blocks, KVH, k_cache.shape[1] // meta.block_size)
-        keys, values = (gather_blocks(c, g.gather_index, meta.block_size).view(B, KVH, -1, D) for c in caches)
-        queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
-        o = fn(queries, keys, values, g.masked, scale)  # [B, Q, H, D]
-        if g.whole:
-            return o.reshape(q.shape)
-        if out is None:
-            out = torch.empty_like(q)
-        out[g.out_index] = o.view(B * Q, *q.shape[1:])[g.valid]
-    return out
 
 
 def cache_rows(key_blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:

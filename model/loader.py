@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into the Transformer.
 
 The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
-time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory.
+time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. Then each
+linear layer's method prepares its weight (packs it, measures its batch-invariance padding: model/linear.py).
 """
 
 import json
@@ -14,7 +15,8 @@ from safetensors import safe_open
 from torch import nn
 
 from model.config import ModelConfig
-from model.transformer import Transformer, rope_inv_freq
+from model.linear import Linear
+from model.transformer import Ops, Transformer, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +105,21 @@ def _source_names(name_map: dict, param: str) -> tuple[list[str], str] | None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: Ops | None = None,
 ) -> tuple[Transformer, ModelConfig]:
+    """The checkpoint in `path` as a Transformer whose ops run as `ops` says (default: PyTorch ops)."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, ops)
     ckpt = Checkpoint(path)
     name_map = GPT2_MAP if config.architecture == "gpt2" else LLAMA_MAP
     for param_name, param in list(model.named_parameters()):
+        if param_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the embedding's own parameter, below
         sources = _source_names(name_map, param_name)
         if sources is None:
             raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
@@ -133,12 +141,17 @@ def load_model(
             )
         _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
         del parts, tensor
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
     if config.positions == "rope":
         model.inv_freq = rope_inv_freq(config).to(device)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise WeightLoadError(f"parameters not loaded: {', '.join(still_meta)}")
     model.eval().requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.prepare(module)
     return model, config
 
 

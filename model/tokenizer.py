@@ -1,6 +1,7 @@
 """Tokenizer: the `tokenizers` library plus a Jinja chat template, and UTF-8 safe streaming detokenization."""
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Self
@@ -77,6 +78,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token, also for a token that holds only part of a UTF-8 character."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(token_id) or ""
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):  # SentencePiece byte fallback
+            return bytes([int(m[1], 16)])
+        if piece and all(ch in BYTE_LEVEL for ch in piece):
+            return bytes(BYTE_LEVEL[ch] for ch in piece)
+        return text.encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as a string; a partial UTF-8 character is spelled as OpenAI does, e.g. 'bytes:\\xe4\\xbd'."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -100,6 +121,17 @@ class Tokenizer:
             # The template is the model author's code run on the client's messages: any failure there (including
             # raise_exception) is a bad request, not a server fault.
             raise ValueError(f"chat template error: {e}") from e
+
+
+def _byte_level_table() -> dict[str, int]:
+    # Byte-level BPE (GPT-2 style) spells each byte as a visible character: printable Latin-1 bytes as
+    # themselves, the other 68 bytes as chr(256), chr(257), ... in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+BYTE_LEVEL = _byte_level_table()
 
 
 def _set_special_token_flags(tokenizer: HFTokenizer, special_tokens: dict[str, str], config: dict) -> None:

@@ -1,6 +1,5 @@
 """Offline benchmarks: the model alone (prefill, single-stream decode) and the engine under concurrency."""
 
-import dataclasses
 import json
 import random
 import statistics
@@ -8,7 +7,6 @@ import time
 
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
-from server.engine.scheduler import Scheduler
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -35,19 +33,14 @@ def run_requests(engine: Engine, prompts: list[list[int]], output_len: int, tag:
     return {"wall_s": wall, "output_tokens": num_tokens, "times": times}
 
 
-def reset_scheduler(engine: Engine, **changes) -> None:
-    """A fresh scheduler (empty prefix cache) over the same model, cache and kernels."""
-    config = dataclasses.replace(engine.config, **changes)
-    engine.scheduler = Scheduler(config, engine.runner.num_blocks, engine.max_model_len)
-
-
 def bench_offline(
     engine: Engine, num_requests: int, input_len: int, output_len: int, baseline_requests: int | None
 ) -> dict:
     vocab = engine.vocab_size
     run_requests(engine, random_prompts(2, input_len, vocab, seed=1), min(output_len, 8), "warmup")
     prompts = random_prompts(num_requests, input_len, vocab)
-    reset_scheduler(engine)
+    max_num_seqs = engine.config.max_num_seqs
+    engine.reset()  # an empty prefix cache
     main = run_requests(engine, prompts, output_len, "bench")
     result = {
         "requests": num_requests,
@@ -63,12 +56,12 @@ def bench_offline(
     result["ttft_p50_s"] = round(statistics.median(ttft), 3)
     n_base = num_requests if baseline_requests is None else min(baseline_requests, num_requests)
     if n_base > 0:
-        reset_scheduler(engine, max_num_seqs=1)
+        engine.reset(max_num_seqs=1)
         base = run_requests(engine, prompts[:n_base], output_len, "baseline")
         result["baseline_requests"] = n_base
         result["baseline_output_tokens_per_s"] = round(base["output_tokens"] / base["wall_s"], 1)
         result["speedup"] = round(result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"], 2)
-    reset_scheduler(engine)
+    engine.reset(max_num_seqs=max_num_seqs)
     return result
 
 
@@ -77,7 +70,7 @@ def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> 
     vocab = engine.vocab_size
     prefill, decode = [], []
     for i in range(runs + 1):  # run 0 is the warm-up
-        reset_scheduler(engine)  # no prefix-cache hits between runs
+        engine.reset()  # no prefix-cache hits between runs
         r = run_requests(engine, random_prompts(1, prompt_len, vocab, seed=100 + i), output_len, f"m{i}")
         t = r["times"][0]
         if i == 0:
@@ -95,17 +88,18 @@ def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> 
     }
 
 
-def bench_batch_invariance(engines: dict[str, Engine], batch_size: int, input_len: int, steps: int) -> dict:
+def bench_steps(engines: dict[str, Engine], batch_size: int, input_len: int, steps: int) -> dict:
     """Median decode step time of each engine at `batch_size` sequences, the engines' steps interleaved so
     that the machine's drift hits them alike. Returns tokens/s per engine name (bench-invariance compares
     batch invariance on and off, bench-kernels the C++ CPU kernels and PyTorch ops)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for name, engine in engines.items():
-        reset_scheduler(engine)
-        for i, p in enumerate(random_prompts(batch_size, input_len, engine.vocab_size)):
-            engine.add_request(f"{name}-{i}", p, params)
-        while not all(r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()  # prefill, until every sequence decodes
+        engine.reset()
+        ids = {f"{name}-{i}" for i in range(batch_size)}
+        for rid, p in zip(sorted(ids), random_prompts(batch_size, input_len, engine.vocab_size), strict=True):
+            engine.add_request(rid, p, params)
+        while ids:  # prefill, until every sequence decodes
+            ids -= {out.request_id for out in engine.step()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, engine in engines.items():

@@ -1,6 +1,5 @@
 """Shared fixtures: tiny random Hugging Face models built on the fly, and the real default model."""
 
-import functools
 import os
 from pathlib import Path
 
@@ -119,27 +118,50 @@ def forward_sequence(
     cpu_kernel: bool = False,
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
-    cpu_kernel: attention and RMSNorm by the C++ kernels rather than PyTorch ops."""
-    from model.attention import build_metadata
+    cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice)."""
+    from model.attention import TorchAttention
+    from model.attention_cpu import CpuKernelAttention
     from model.kernels import cpu_kernels
 
+    config = model.config
+    if cpu_kernel:
+        attention = CpuKernelAttention(cpu_kernels(), cache.block_size, config.sliding_window)
+    else:
+        attention = TorchAttention(
+            cache.block_size,
+            config.num_kv_heads,
+            cache.num_blocks,
+            "cpu",
+            config.sliding_window,
+            min_query_len,
+        )
     new = token_ids[num_cached:]
-    positions, meta = build_metadata(
-        [len(new)],
-        [len(token_ids)],
-        [block_table],
-        cache.block_size,
-        sliding_window=model.config.sliding_window,
-        min_query_len=min_query_len,
-        cpu_kernel=cpu_kernel,
-    )
-    model.use_cpu_kernels(cpu_kernels() if cpu_kernel else None)
+    positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache)
         return model.compute_logits(hidden)
 
 
+class CpuPath:
+    """Load and run models with the C++ CPU kernels (attention and RMSNorm) or with PyTorch ops."""
+
+    def __init__(self, kernels: bool):
+        self.kernels = kernels
+
+    def load(self, path, dtype=torch.float32, linear=None):
+        from model.kernels import cpu_kernels
+        from model.linear import PlainLinear
+        from model.loader import load_model
+        from model.transformer import Ops
+
+        rms_norm = cpu_kernels().rms_norm if self.kernels else None
+        return load_model(path, dtype, "cpu", Ops(linear or PlainLinear(), rms_norm))
+
+    def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
+        return forward_sequence(model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels)
+
+
 @pytest.fixture(params=["cpp", "torch"])
-def run_sequence(request):
-    """forward_sequence, once with each CPU path (the C++ kernels, PyTorch ops)."""
-    return functools.partial(forward_sequence, cpu_kernel=request.param == "cpp")
+def cpu_path(request) -> CpuPath:
+    """Each model test runs once with each CPU path (the C++ kernels, PyTorch ops)."""
+    return CpuPath(request.param == "cpp")

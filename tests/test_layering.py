@@ -1,5 +1,5 @@
-"""Imports point one way: server/cli -> server/api -> server/engine -> model; weights/ and client/ (the HTTP
-clients) stand alone."""
+"""Imports point one way: server/cli (+ server/commands) -> server/api -> server/engine -> model; weights/ and
+client/ (the HTTP clients) stand alone."""
 
 import ast
 from pathlib import Path
@@ -23,6 +23,7 @@ FORBIDDEN = {
     "server/engine": [
         "server.api",
         "server.cli",
+        "server.commands",
         "fastapi",
         "pydantic",
         "prometheus_client",
@@ -30,7 +31,7 @@ FORBIDDEN = {
         "weights",
         "client",
     ],
-    "server/api": ["server.cli", "weights", "client"],
+    "server/api": ["server.cli", "server.commands", "weights", "client"],
     "weights": ["model", "server", "client"],
     "client": ["model", "server", "weights", "torch"],
 }
@@ -57,4 +58,25 @@ def test_imports_point_one_way(package):
         for name in imports_of(f)
         if any(name == p or name.startswith(p + ".") for p in FORBIDDEN[package])
     ]
+    assert not bad, "\n".join(bad)
+
+
+# What the API may see of the engine: its client (AsyncEngine) and the plain records it hands out.
+ENGINE_CLIENT = {"server.engine.async_engine", "server.engine.request", "server.engine.stats"}
+
+
+@pytest.mark.timeout(30)
+def test_the_api_talks_to_the_engine_client_only():
+    files = sorted((ROOT / "server" / "api").rglob("*.py"))
+    bad = []
+    for f in files:
+        tree = ast.parse(f.read_text(), str(f))
+        for name in imports_of(f):
+            if name == "model" or name.startswith("model."):
+                bad.append(f"{f.relative_to(ROOT)} imports {name} (the model is two floors down)")
+            elif name.startswith("server.engine") and name not in ENGINE_CLIENT:
+                bad.append(f"{f.relative_to(ROOT)} imports {name} (past the engine client)")
+        for node in ast.walk(tree):  # nor reaches into the client's private parts (x.engine._engine)
+            if isinstance(node, ast.Attribute) and node.attr == "_engine":
+                bad.append(f"{f.relative_to(ROOT)}:{node.lineno} reads ._engine")
     assert not bad, "\n".join(bad)

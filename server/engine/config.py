@@ -16,5 +16,4 @@ class EngineConfig:
     # None = on for 16-bit dtypes on CPU (nearly free there), off for float32
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    enforce_eager: bool = False  # CUDA: no graphs
     cpu_kernels: str = "auto"  # C++ attention and RMSNorm on CPU: auto (where they build) | on | off

@@ -117,11 +117,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # timestamps (time.monotonic) for metrics
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_time: float | None = None
+    scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
 
     @property
     def all_token_ids(self) -> list[int]:

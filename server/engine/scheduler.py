@@ -1,10 +1,12 @@
 """Scheduler: which tokens of which requests run in the next step.
 
 Tokens, not phases: a request's `num_computed_tokens` catches up with its `num_tokens` (prompt + output).
-A step mixes decodes (1 token) and prefill chunks under one token budget. A scheduled pair
-(request, n) means: compute `request.all_token_ids[c : c + n]` at positions c .. c + n - 1, where
-c = request.num_computed_tokens as it is before update(); the step samples a token for the request only
-when its chunk reaches the end of its known tokens (c + n == request.num_tokens).
+A step mixes decodes (1 token) and prefill chunks under one token budget. Each ScheduledChunk says which tokens
+of which request run and what the step does with them (draw a token after them, score the prompt tokens).
+
+One step: schedule() -> the runner executes the chunks -> the output stage decides which requests finished
+(server/engine/output_processor.py) -> update() advances the requests, appends the drawn tokens and frees
+the finished requests' blocks. The scheduler never decides why a request finishes; it frees from that decision.
 """
 
 import time
@@ -17,21 +19,43 @@ from server.engine.request import FinishReason, Request, RequestStatus
 from server.engine.stats import EngineStats
 
 
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Compute `request.all_token_ids[start : start + num_tokens]` at those positions."""
+
+    request: Request
+    start: int  # the request's num_computed_tokens when scheduled
+    num_tokens: int
+    sample: bool  # the chunk reaches the end of the known tokens: the step draws the next token after it
+    prompt_logprobs: bool  # also score the prompt tokens it covers (completions' echo with logprobs)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token of a request that is generating (anything else is a prefill chunk)."""
+        return self.num_tokens == 1 and self.sample and self.start >= self.request.num_prompt_tokens
+
+
+def chunk(request: Request, num_tokens: int) -> ScheduledChunk:
+    start = request.num_computed_tokens
+    wants_prompt_logprobs = request.params.prompt_logprobs and not request.output_token_ids
+    return ScheduledChunk(
+        request,
+        start,
+        num_tokens,
+        sample=start + num_tokens == request.num_tokens,
+        prompt_logprobs=wants_prompt_logprobs and start < request.num_prompt_tokens,
+    )
+
+
 @dataclass
 class SchedulerOutput:
-    # (request, num_new_tokens) in batch order: running decodes, running prefill chunks, newly admitted
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # running decodes, running prefills, admitted
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-def is_sampled(request: Request, num_new_tokens: int) -> bool:
-    """Whether a scheduled chunk yields a token; valid between schedule() and update()."""
-    return request.num_computed_tokens + num_new_tokens == request.num_tokens
+        return not self.chunks
 
 
 class Scheduler:
@@ -103,7 +127,6 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.finish_time = time.monotonic()
         del self.requests[request.request_id]
 
     def schedule(self) -> SchedulerOutput:
@@ -121,7 +144,7 @@ class Scheduler:
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, out):
-                out.scheduled.append((request, n))
+                out.chunks.append(chunk(request, n))
                 out.num_batched_tokens += n
 
         # Admit waiting requests in order. Not in a step that preempted: the blocks just freed belong to
@@ -146,10 +169,10 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, n))
+            out.chunks.append(chunk(request, n))
             out.num_batched_tokens += n
 
-        if out.scheduled:
+        if out.chunks:
             self.num_steps += 1
         return out
 
@@ -173,43 +196,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by their chunks, append the sampled tokens and apply the stop
-        rules. Returns the requests that finished in this step (their blocks already freed)."""
-        finished = []
-        now = time.monotonic()
-        for request, n in out.scheduled:
-            if request.status != RequestStatus.RUNNING:  # aborted since schedule()
+    def update(
+        self, out: SchedulerOutput, token_ids: dict[str, int], finished: dict[str, FinishReason]
+    ) -> None:
+        """Advance the scheduled requests by their chunks, append the tokens drawn for them (request id ->
+        token) and finish the requests the output stage ended (request id -> why), freeing their blocks."""
+        for c in out.chunks:
+            request = c.request
+            if request.is_finished:  # aborted since schedule() (the engine applies aborts between steps)
                 continue
-            request.num_computed_tokens += n
+            request.num_computed_tokens += c.num_tokens
             self.block_manager.cache_full_blocks(request)
-            token_id = sampled_token_ids.get(request.request_id)
+            token_id = token_ids.get(request.request_id)
             if token_id is None:
                 continue
             assert request.num_computed_tokens == request.num_tokens, "sampled a request mid-prefill"
             request.output_token_ids.append(token_id)
             self.num_generation_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            reason = self._check_stop(request, token_id)
+            reason = finished.get(request.request_id)
             if reason is not None:
                 self.finish_request(request, reason)
-                finished.append(request)
-        return finished
-
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.params
-        num_output = len(request.output_token_ids)
-        # a stop token that ends the output wins over the length limit reached by the same token
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.api.app import ServerConfig, create_app
+from server.api.app import create_app
+from server.api.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine

@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from server.api import serving
+from server.api import routes
 from server.api.app import begin_drain, drain, set_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,7 +202,7 @@ def test_500_is_generic(tiny_engine, start_server, monkeypatch):
     async def broken(*args):
         raise RuntimeError("secret detail in /srv/kvserve/server/api/serving.py")
 
-    monkeypatch.setattr(serving, "completion", broken)
+    monkeypatch.setattr(routes, "completion", broken)
     error = assert_error(httpx.post(f"{url}/v1/completions", json=PROMPT), 500)
     assert "secret" not in error["message"]
 
@@ -233,7 +233,7 @@ def test_cors_headers_only_when_origins_are_allowed(tiny_engine, start_server):
 
 def test_one_log_line_per_request_without_the_prompt(tiny_engine, start_server, caplog):
     url, _ = start_server(tiny_engine)
-    with caplog.at_level(logging.INFO, logger="server.api.serving"):
+    with caplog.at_level(logging.INFO, logger="server.api.choices"):
         body = {"prompt": "my secret prompt", "max_tokens": 3, "n": 2, "ignore_eos": True}
         httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "log-1"})
     (line,) = [r.getMessage() for r in caplog.records if "log-1" in r.getMessage()]

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.api.app import ServerConfig, create_app, openapi_yaml
+from server.api.app import create_app
+from server.api.config import ServerConfig
+from server.api.openapi import openapi_yaml
 
 pytestmark = pytest.mark.timeout(30)
 

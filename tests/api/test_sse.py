@@ -78,7 +78,7 @@ def test_an_engine_failure_after_the_start_is_one_error_event(
     tiny_llama_dir, new_engine, start_server, sse_events, wait_for
 ):
     engine = new_engine(tiny_llama_dir)
-    step, calls = engine.engine.step, []
+    step, calls = engine._engine.step, []
 
     def failing_step():
         calls.append(1)
@@ -86,7 +86,7 @@ def test_an_engine_failure_after_the_start_is_one_error_event(
             raise RuntimeError("simulated fault in /some/file.py")
         return step()
 
-    engine.engine.step = failing_step
+    engine._engine.step = failing_step
     url, _ = start_server(engine)
     # ignore_eos: an unseeded random model could otherwise end before the failing step
     chunks = sse_events(

@@ -92,7 +92,9 @@ def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_in
     engine = tiny_engine_factory(
         dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=24, cpu_kernels=kernels
     )
-    assert engine.runner.cpu_kernels == (kernels == "on")
+    from model.attention_cpu import CpuKernelAttention
+
+    assert isinstance(engine.runner.attention, CpuKernelAttention) == (kernels == "on")
     prompts = random_prompts(16, engine.vocab_size)
     assert run(engine, prompts) == alone(engine, prompts)
     assert_all_blocks_free(engine)
@@ -100,19 +102,17 @@ def test_batched_equals_alone_with_chunking(tiny_engine_factory, dtype, batch_in
 
 @pytest.mark.timeout(120)
 def test_batch_invariance_is_on_by_default_in_bfloat16_only(tiny_engine_factory, monkeypatch):
-    import model.attention
-    import model.transformer
-    from model.transformer import Linear
+    import model.invariance
+    from model.linear import Linear
 
     # a CPU on which every GEMM needs 6 rows: what the engine pads then shows whether it calibrated
-    for module in (model.attention, model.transformer):
-        monkeypatch.setattr(module, "rows_for_invariance", lambda fn, x: 6)
+    monkeypatch.setattr(model.invariance, "rows_for_invariance", lambda fn, x: 6)
 
     def padding(engine):
         m = engine.runner.model
-        return {x.min_rows for x in m.modules() if isinstance(x, Linear)} | {
-            m.min_rows
-        }, engine.runner.min_query_len
+        return {
+            x.min_rows for x in m.modules() if isinstance(x, Linear)
+        }, engine.runner.attention.min_query_len
 
     heads_per_kv = 2  # the tiny model: 4 query heads, 2 KV heads
     on = ({6}, 6 // heads_per_kv)

@@ -4,8 +4,9 @@ from collections.abc import Callable
 import pytest
 
 from server.engine.config import EngineConfig
+from server.engine.output_processor import token_stop_reason
 from server.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from server.engine.scheduler import Scheduler, SchedulerOutput, is_sampled
+from server.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 FILLER = 7  # a token that stops nothing
@@ -38,14 +39,25 @@ def make_request(request_id: str, prompt: int | list[int], max_tokens: int = 8, 
 def step(
     sched: Scheduler, token: Callable[[Request], int] = lambda r: FILLER
 ) -> tuple[SchedulerOutput, list[Request]]:
-    """One engine step with a fake model: every request whose chunk reaches its end gets token(request)."""
+    """One engine step with a fake model: every request whose chunk reaches its end gets token(request), and
+    the output stage's token rules decide who finished. Returns the finished requests too."""
     out = sched.schedule()
-    sampled = {r.request_id: token(r) for r, n in out.scheduled if is_sampled(r, n)}
-    return out, sched.update(out, sampled)
+    sampled = {c.request.request_id: token(c.request) for c in out.chunks if c.sample}
+    finished = decide(sched, out, sampled)
+    sched.update(out, sampled, finished)
+    return out, [c.request for c in out.chunks if c.request.request_id in finished]
+
+
+def decide(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> dict[str, FinishReason]:
+    """What the output stage decides from the token rules alone (no stop strings here)."""
+    reasons = {c.request.request_id: token_stop_reason(c.request, sampled[c.request.request_id],
+                                                       sched.max_model_len)
+               for c in out.chunks if c.request.request_id in sampled}  # fmt: skip
+    return {rid: r for rid, r in reasons.items() if r is not None}
 
 
 def pairs(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in out.scheduled]
+    return [(c.request.request_id, c.num_tokens) for c in out.chunks]
 
 
 def run_to_end(
@@ -91,7 +103,7 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_flowing():
     assert history == [[("a", 1), ("b", 7)], [("a", 1), ("b", 7)], [("a", 1), ("b", 6)]]
     assert len(a.output_token_ids) == 4  # one token per step, prefill or not
     assert len(b.output_token_ids) == 1  # sampled only once its whole prompt was computed
-    assert b.first_token_time is not None and b.num_computed_tokens == 20
+    assert b.num_computed_tokens == 20
 
 
 @pytest.mark.timeout(30)
@@ -203,7 +215,7 @@ def test_max_tokens_finishes_with_length():
     finished_at = [i for i in range(4) if step(sched)[1]]
     assert finished_at == [3]
     assert r.finish_reason == FinishReason.LENGTH and len(r.output_token_ids) == 4
-    assert r.status == RequestStatus.FINISHED and r.finish_time is not None
+    assert r.status == RequestStatus.FINISHED
     assert not sched.has_unfinished_requests()
     assert_all_blocks_free(sched)
 
@@ -277,9 +289,9 @@ def test_abort_between_schedule_and_update_is_skipped():
     sched.add_request(b)
     out = sched.schedule()
     sched.abort_request("a")
-    finished = sched.update(out, {"a": FILLER, "b": FILLER})
-    assert finished == [] and a.output_token_ids == [] and b.output_token_ids == [FILLER]
-    sched.finish_request(b, FinishReason.STOP)  # what the engine does when a stop string matched
+    sched.update(out, {"a": FILLER, "b": FILLER}, {"b": FinishReason.STOP})  # as on a stop string
+    assert a.output_token_ids == [] and b.output_token_ids == [FILLER]
+    assert a.finish_reason == FinishReason.ABORT
     assert b.finish_reason == FinishReason.STOP and not sched.has_unfinished_requests()
     assert_all_blocks_free(sched)
 
@@ -359,9 +371,10 @@ def test_random_workloads_finish_cleanly(seed: int):
 
         out = sched.schedule()
         config = sched.config
-        assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= config.max_num_batched_tokens
-        assert len(out.scheduled) <= sched.num_running <= config.max_num_seqs
-        assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
+        scheduled = [(c.request, c.num_tokens) for c in out.chunks]
+        assert out.num_batched_tokens == sum(n for _, n in scheduled) <= config.max_num_batched_tokens
+        assert len(scheduled) <= sched.num_running <= config.max_num_seqs
+        assert len({r.request_id for r, _ in scheduled}) == len(scheduled)
         # ref counts match the live block tables; a block in two tables is a shared, cached, full block
         holders: dict[int, int] = {}
         for r in sched.running:
@@ -372,7 +385,7 @@ def test_random_workloads_finish_cleanly(seed: int):
         assert all(not r.block_table for r in sched.waiting)
         # the fake model: write the chunk's K/V, only ever into unshared blocks, then read the whole context back
         written = set()
-        for r, n in out.scheduled:
+        for r, n in scheduled:
             start = r.num_computed_tokens
             assert r.num_tokens - start >= n >= 1
             tokens = r.all_token_ids
@@ -382,13 +395,13 @@ def test_random_workloads_finish_cleanly(seed: int):
                 assert s not in written and bm.ref_counts[block_id] == 1 and bm.block_hashes[block_id] is None
                 written.add(s)
                 kv[s] = (p, tokens[p])
-        for r, n in out.scheduled:
+        for r, n in scheduled:
             tokens = r.all_token_ids
             assert all(kv[slot(r, p)] == (p, tokens[p]) for p in range(r.num_computed_tokens + n))
-        tokens_out = {r.request_id: rng.choice([EOS, 3, 4, 5]) for r, n in out.scheduled if is_sampled(r, n)}
+        tokens_out = {c.request.request_id: rng.choice([EOS, 3, 4, 5]) for c in out.chunks if c.sample}
         for rid, t in tokens_out.items():
             sampled[rid].append(t)
-        sched.update(out, tokens_out)
+        sched.update(out, tokens_out, decide(sched, out, tokens_out))
         bm.check_invariants()
         # why admission order puts decodes first: only the newest running request can be mid-prefill
         assert all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running[:-1])

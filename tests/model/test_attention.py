@@ -2,15 +2,38 @@ import pytest
 import torch
 
 from model.attention import (
-    MIN_INVARIANT_ROWS,
+    TorchAttention,
     attend,
     attend_sdpa,
-    build_metadata,
     min_query_len_for_invariance,
     naive_attention,
     paged_attention,
-    rows_for_invariance,
 )
+from model.attention_cpu import CpuKernelAttention, CpuKernelMetadata
+from model.invariance import MIN_INVARIANT_ROWS, rows_for_invariance
+from model.kernels import cpu_kernels
+
+
+def build_metadata(
+    query_lens,
+    seq_lens,
+    tables,
+    block_size,
+    sliding_window=None,
+    min_query_len=1,
+    cpu_kernel=False,
+    cache=None,
+):
+    """The step's positions and metadata from the C++ kernel's backend or the PyTorch one (which needs the
+    geometry of the cache it will read: pass it)."""
+    if cpu_kernel:
+        backend = CpuKernelAttention(cpu_kernels(), block_size, sliding_window)
+    else:
+        kv_heads, num_slots = cache.shape[:2] if cache is not None else (1, block_size)
+        backend = TorchAttention(
+            block_size, kv_heads, num_slots // block_size, "cpu", sliding_window, min_query_len
+        )
+    return backend.build(query_lens, seq_lens, tables)
 
 
 def empty_cache(num_slots, kv_heads, head_dim, dtype):
@@ -36,7 +59,7 @@ def test_paged_attention_equals_textbook_formula(heads, kv_heads, head_dim, q_le
         _, prefix = build_metadata([ctx_len - q_len], [ctx_len - q_len], [table], block_size)
         k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1))
         v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
-    _, meta = build_metadata([q_len], [ctx_len], [table], block_size)
+    _, meta = build_metadata([q_len], [ctx_len], [table], block_size, cache=k_cache)
     scale = head_dim**-0.5
     out = paged_attention(q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, meta, scale)
     ref = naive_attention(q, k_all, v_all, scale, causal_offset=ctx_len - q_len)
@@ -49,7 +72,7 @@ def test_sliding_window_limits_the_keys():
     H, D, bs, n, window = 2, 8, 4, 20, 5
     k, v, q = (torch.randn(n, H, D, dtype=torch.float64) for _ in range(3))
     k_cache, v_cache = empty_cache(32, H, D, torch.float64)
-    _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window)
+    _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window, cache=k_cache)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3)
     for i in (0, 7, 19):  # query i sees keys i-window+1 .. i
         lo = max(0, i - window + 1)
@@ -71,12 +94,12 @@ def test_mixed_batch_equals_each_sequence_alone(dtype):
     T = sum(q for q, _ in lens)
     q, k, v = (torch.randn(T, h, D).to(dtype) for h in (H, KVH, KVH))
     _, meta = build_metadata(
-        [a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len
+        [a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len, cache=k_cache
     )
     out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5)
     start = 0
     for (qlen, ctx), table in zip(lens, tables, strict=True):
-        _, m1 = build_metadata([qlen], [ctx], [table], bs, min_query_len=min_query_len)
+        _, m1 = build_metadata([qlen], [ctx], [table], bs, min_query_len=min_query_len, cache=k_cache)
         s = slice(start, start + qlen)
         alone = paged_attention(q[s], k[s], v[s], k_cache.clone(), v_cache.clone(), m1, D**-0.5)
         assert torch.equal(out[s], alone)
@@ -98,7 +121,7 @@ def test_chunked_queries_equal_one_chunk(dtype):
         k_cache, v_cache = empty_cache(64, KVH, D, dtype)
         outs, done = [], 0
         for c in chunks:
-            _, meta = build_metadata([c], [done + c], [table], bs, min_query_len=min_query_len)
+            _, meta = build_metadata([c], [done + c], [table], bs, min_query_len=min_query_len, cache=k_cache)
             s = slice(done, done + c)
             outs.append(paged_attention(q[s], k[s], v[s], k_cache, v_cache, meta, D**-0.5))
             done += c
@@ -150,7 +173,7 @@ def kernel_attention(q, k, v, k_cache, v_cache, lens, tables, block_size, window
     _, meta = build_metadata(
         [a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window, cpu_kernel=True
     )
-    assert meta.seqs is not None and not meta.groups
+    assert isinstance(meta, CpuKernelMetadata)
     return paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
 
 

@@ -26,18 +26,25 @@ def reference(default_model_dir):
 
 @pytest.fixture(scope="module")
 def ours(default_model_dir):
-    return load_model(default_model_dir, torch.float32)
+    """The model in float32, once with each CPU path (its RMSNorm is chosen at construction)."""
+    from model.kernels import cpu_kernels
+    from model.transformer import Ops
+
+    return {
+        "cpp": load_model(default_model_dir, torch.float32, ops=Ops(rms_norm=cpu_kernels().rms_norm)),
+        "torch": load_model(default_model_dir, torch.float32),
+    }
 
 
 @pytest.mark.timeout(300)
-def test_logits_match_transformers_on_a_chat_prompt(default_model_dir, reference, ours, run_sequence):
-    model, config = ours
+def test_logits_match_transformers_on_a_chat_prompt(default_model_dir, reference, ours, cpu_path):
+    model, config = ours["cpp" if cpu_path.kernels else "torch"]
     tok = Tokenizer.from_dir(default_model_dir)
     ids = tok.encode(tok.apply_chat_template(CONVERSATION))
     assert len(ids) >= 64
     with torch.no_grad():
         ref = reference(torch.tensor([ids])).logits[0]
-    got = run_sequence(model, KVCache(config, 16, 16, torch.float32, "cpu"), ids, 0, list(range(16)))
+    got = cpu_path.run(model, KVCache(config, 16, 16, torch.float32, "cpu"), ids, 0, list(range(16)))
     diff = (got - ref).abs().max().item()
     print(f"max abs logit diff over {len(ids)} positions: {diff:.2e}")
     assert diff < 1e-3
@@ -45,8 +52,8 @@ def test_logits_match_transformers_on_a_chat_prompt(default_model_dir, reference
 
 
 @pytest.mark.timeout(300)
-def test_32_greedy_tokens_match_transformers(default_model_dir, reference, ours, run_sequence):
-    model, config = ours
+def test_32_greedy_tokens_match_transformers(default_model_dir, reference, ours, cpu_path):
+    model, config = ours["cpp" if cpu_path.kernels else "torch"]
     tok = Tokenizer.from_dir(default_model_dir)
     ids = tok.encode(tok.apply_chat_template(CONVERSATION))
     with torch.no_grad():
@@ -56,10 +63,10 @@ def test_32_greedy_tokens_match_transformers(default_model_dir, reference, ours,
     expected = expected[0, len(ids) :].tolist()
     cache = KVCache(config, 16, 16, torch.float32, "cpu")
     seq = list(ids)
-    logits = run_sequence(model, cache, seq, 0, list(range(16)))
+    logits = cpu_path.run(model, cache, seq, 0, list(range(16)))
     for _ in range(32):
         seq.append(int(logits[-1].argmax()))
-        logits = run_sequence(model, cache, seq, len(seq) - 1, list(range(16)))
+        logits = cpu_path.run(model, cache, seq, len(seq) - 1, list(range(16)))
     assert seq[len(ids) :] == expected
 
 

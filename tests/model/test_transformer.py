@@ -21,19 +21,19 @@ def reference_logits(model_dir, ids):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
-def test_tiny_models_match_transformers(tiny_model_factory, run_sequence, arch):
+def test_tiny_models_match_transformers(tiny_model_factory, cpu_path, arch):
     path = tiny_model_factory(arch)
-    model, config = load_model(path)
+    model, config = cpu_path.load(path)
     ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     table = list(range(16))
-    ours = run_sequence(model, new_cache(config), ids, 0, table)
+    ours = cpu_path.run(model, new_cache(config), ids, 0, table)
     ref = reference_logits(path, ids)
     assert (ours - ref).abs().max().item() < 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.timeout(120)
-def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, run_sequence):
+def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, cpu_path):
     scaling = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -42,39 +42,39 @@ def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, run_sequen
         "original_max_position_embeddings": 32,
     }
     path = tiny_model_factory("llama", rope_scaling=scaling, rope_theta=500000.0)
-    model, config = load_model(path)
+    model, config = cpu_path.load(path)
     assert dict(config.rope_scaling)["factor"] == 8.0
     ids = list(range(3, 103))
-    ours = run_sequence(model, new_cache(config), ids, 0, list(range(32)))
+    ours = cpu_path.run(model, new_cache(config), ids, 0, list(range(32)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_causality_later_tokens_never_change_earlier_logits(tiny_model_factory, run_sequence, arch):
-    model, config = load_model(tiny_model_factory(arch))
+def test_causality_later_tokens_never_change_earlier_logits(tiny_model_factory, cpu_path, arch):
+    model, config = cpu_path.load(tiny_model_factory(arch))
     ids = list(range(5, 35))
     changed = ids[:20] + [t + 7 for t in ids[20:]]
-    a = run_sequence(model, new_cache(config), ids, 0, list(range(16)))
-    b = run_sequence(model, new_cache(config), changed, 0, list(range(16)))
+    a = cpu_path.run(model, new_cache(config), ids, 0, list(range(16)))
+    b = cpu_path.run(model, new_cache(config), changed, 0, list(range(16)))
     assert torch.equal(a[:20], b[:20])
     assert not torch.equal(a[20:], b[20:])
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_then_decode_equals_one_pass(tiny_model_factory, run_sequence, dtype):
+def test_prefill_then_decode_equals_one_pass(tiny_model_factory, cpu_path, dtype):
     """N prompt tokens then M single-token decode steps give the logits of one forward over N+M tokens."""
-    model, config = load_model(tiny_model_factory("llama"), dtype=dtype)
+    model, config = cpu_path.load(tiny_model_factory("llama"), dtype=dtype)
     ids = list(range(10, 60))
     N = 23
     table = [9, 3, 14, 0, 7, 12, 1, 5, 2, 11, 4, 6, 8, 10, 13]  # scattered blocks
     cache = new_cache(config, dtype)
-    steps = [run_sequence(model, cache, ids[:N], 0, table)[-1:]]
+    steps = [cpu_path.run(model, cache, ids[:N], 0, table)[-1:]]
     for n in range(N + 1, len(ids) + 1):
-        steps.append(run_sequence(model, cache, ids[:n], n - 1, table))
+        steps.append(cpu_path.run(model, cache, ids[:n], n - 1, table))
     incremental = torch.cat(steps)
-    full = run_sequence(model, new_cache(config, dtype), ids, 0, list(range(15)))[N - 1 :]
+    full = cpu_path.run(model, new_cache(config, dtype), ids, 0, list(range(15)))[N - 1 :]
     # float32: summation order differs between a 1-row and a many-row GEMM; bfloat16 rows are bit-identical
     tolerance = 1e-5 if dtype == torch.float32 else 0.0
     assert (incremental - full).abs().max().item() <= tolerance
@@ -82,23 +82,21 @@ def test_prefill_then_decode_equals_one_pass(tiny_model_factory, run_sequence, d
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_weights_give_the_plain_gemm_results(tiny_model_factory, run_sequence, dtype):
+def test_packed_weights_give_the_plain_gemm_results(tiny_model_factory, cpu_path, dtype):
     """oneDNN's packed weights compute the same logits, the plain block weights are dropped, and calibration
     pads exactly the GEMMs whose rows would otherwise depend on their batch."""
-    from model.transformer import Linear, calibrate_batch_invariance, pack_weights
+    from model.linear import Linear, OneDnnLinear
 
     path = tiny_model_factory("qwen2")  # biases on q/k/v, untied LM head
     ids = list(range(10, 50))
-    plain, config = load_model(path, dtype=dtype)
-    packed, _ = load_model(path, dtype=dtype)
-    assert pack_weights(packed)
+    plain, config = cpu_path.load(path, dtype=dtype)
+    packed, _ = cpu_path.load(path, dtype=dtype, linear=OneDnnLinear(batch_invariant=True))
     linears = [m for m in packed.layers.modules() if isinstance(m, Linear)]
     assert all(m.weight.is_meta and m.packed is not None for m in linears)
-    a = run_sequence(plain, new_cache(config, dtype), ids, 0, list(range(16)))
-    b = run_sequence(packed, new_cache(config, dtype), ids, 0, list(range(16)))
+    a = cpu_path.run(plain, new_cache(config, dtype), ids, 0, list(range(16)))
+    b = cpu_path.run(packed, new_cache(config, dtype), ids, 0, list(range(16)))
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5 if dtype == torch.float32 else 0.0)
 
-    calibrate_batch_invariance(packed)
     g = torch.Generator().manual_seed(1)
     for m in linears:
         x = torch.randn(16, m.in_features, generator=g).to(dtype)
@@ -129,7 +127,7 @@ def test_missing_and_mismatched_tensors_are_named(tiny_model_factory, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path, run_sequence):
+def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path, cpu_path):
     import transformers
 
     src = tiny_model_factory("qwen2")
@@ -138,12 +136,12 @@ def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path, run_sequence):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).write_bytes((src / f).read_bytes())
     assert (tmp_path / "model.safetensors.index.json").exists()
-    a, config = load_model(src)
-    b, _ = load_model(tmp_path)
+    a, config = cpu_path.load(src)
+    b, _ = cpu_path.load(tmp_path)
     ids = list(range(3, 20))
     assert torch.equal(
-        run_sequence(a, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
-        run_sequence(b, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
+        cpu_path.run(a, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
+        cpu_path.run(b, new_cache(config), ids, 0, [0, 1, 2, 3, 4]),
     )
 
 
@@ -187,18 +185,18 @@ def test_config_reads_transformers_4_and_5_layouts_alike():
 
 
 @pytest.mark.timeout(120)
-def test_mistral_sliding_window_matches_transformers(tiny_model_factory, run_sequence):
+def test_mistral_sliding_window_matches_transformers(tiny_model_factory, cpu_path):
     path = tiny_model_factory("mistral", sliding_window=8)
-    model, config = load_model(path)
+    model, config = cpu_path.load(path)
     assert config.sliding_window == 8
     ids = list(range(3, 43))
-    ours = run_sequence(model, new_cache(config), ids, 0, list(range(16)))
+    ours = cpu_path.run(model, new_cache(config), ids, 0, list(range(16)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
 
 
 def test_row_buckets_bound_the_gemm_shapes():
     """Padded row counts never shrink, add at most 25%, and stay few (oneDNN keeps memory per shape)."""
-    from model.transformer import row_bucket
+    from model.linear import row_bucket
 
     assert [row_bucket(n) for n in range(1, 9)] == list(range(1, 9))
     assert all(n <= row_bucket(n) <= 1.25 * n for n in range(1, 5000))

@@ -5,7 +5,7 @@ import httpx
 import pytest
 from live_server import MODEL_NAME, assert_openai_error
 
-from server import cli
+from server import cli, commands
 from server.api import protocol as p
 
 KEY = "sk-kvserve-test-7c1f9e0a5b"
@@ -99,7 +99,7 @@ def test_defaults_bind_loopback_and_time_out_reads(monkeypatch):
     assert cli.main(["serve", "--model", "unused"]) == 0
     assert parsed[0].host == "127.0.0.1"
     assert parsed[0].read_timeout == 30.0
-    assert cli.server_config(parsed[0], "unused").read_timeout == 30.0
+    assert commands.server_config(parsed[0], "unused").read_timeout == 30.0
     monkeypatch.setenv("KVSERVE_READ_TIMEOUT", "5")
     assert cli.main(["serve", "--model", "unused"]) == 0
     assert parsed[1].read_timeout == 5.0

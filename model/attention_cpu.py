@@ -1,0 +1,63 @@
+"""Attention by kvserve's C++ CPU kernel (model/csrc/paged_attention.cpp), the CPU default.
+
+The kernel does one layer's attention for every sequence of a step in one call, reading K/V straight from the
+cache through the block tables. Its key tiles are aligned to absolute positions and every sum runs in a fixed
+order, so a query gets the same bits in any batch or chunking without padding.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from model.attention import flat_layout
+
+# The kernel's unit of work: one KV head of this many queries of one sequence.
+KERNEL_CHUNK = 16
+
+
+@dataclass
+class CpuKernelMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
+    block_tables: torch.Tensor  # [S, N] int32, padding -> block 0
+    seqs: torch.Tensor  # [S, 3] int32: first flat token, query length, sequence length
+    block_size: int
+    window: int  # sliding window (keys per query), 0 = none
+    kernel: object  # the compiled paged_attention
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return self.kernel(
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seqs,
+            self.block_size,
+            scale,
+            self.window,
+            KERNEL_CHUNK,
+        )
+
+
+class CpuKernelAttention:
+    min_query_len = 1  # batch-invariant by construction: no query padding
+
+    def __init__(self, kernels, block_size: int, sliding_window: int | None = None):
+        """kernels: the compiled module (model/kernels.py cpu_kernels())."""
+        self.kernel = kernels.paged_attention
+        self.block_size = block_size
+        self.window = sliding_window or 0
+
+    def build(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, CpuKernelMetadata]:
+        """Flat positions [T] and the step's metadata (see flat_layout); all on the CPU, no device copies."""
+        positions, slots, starts = flat_layout(query_lens, seq_lens, block_tables, self.block_size)
+        n_blocks = [-(-s // self.block_size) for s in seq_lens]
+        tables = torch.zeros(len(seq_lens), max(n_blocks), dtype=torch.int32)
+        for r, (n, table) in enumerate(zip(n_blocks, block_tables, strict=True)):
+            tables[r, :n] = torch.tensor(table[:n])
+        seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
+        meta = CpuKernelMetadata(torch.tensor(slots), tables, seqs, self.block_size, self.window, self.kernel)
+        return torch.tensor(positions), meta

@@ -1,0 +1,293 @@
+"""What completions and chat share: a request's choices as engine requests, run concurrently, answered either as
+an SSE stream of chunks or as one body that is the fold of the same deltas (so the two cannot drift apart).
+
+An endpoint says only what differs: how it builds its prompt, and its Shape (the chunk, choice and response
+types and how a delta becomes a choice).
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from server.api import protocol as p
+from server.api.errors import ApiError
+from server.api.metrics import Metrics
+from server.engine.async_engine import AsyncEngine
+from server.engine.request import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Disconnected = Callable[[], Awaitable[None]]
+PARAM_NAMES = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
+
+
+@dataclass
+class ServingState:
+    engine: AsyncEngine
+    model_name: str
+    system_prompt: str | None
+    max_queue: int
+    metrics: Metrics
+
+
+@dataclass
+class Choice:
+    """One engine request: one choice of one prompt."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    counts_prompt: bool = True  # usage counts each prompt once, on its first choice
+    prompt_text: str = ""  # for completions' echo
+    started: bool = False  # a delta went out (completions' echo goes with the first)
+    text_offset: int = 0  # completions' logprobs: where the next token starts in the choice's text
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_output_time: float | None = None
+    last_output_time: float | None = None
+    request_time: float = field(default_factory=time.monotonic)
+    outputs: AsyncIterator[RequestOutput] | None = None  # the engine stream, once queued
+
+
+class Shape(Protocol):
+    """What an endpoint's answer looks like: its chunks, its choices, its body."""
+
+    def delta(self, c: Choice, out: RequestOutput) -> BaseModel | None:
+        """The chunk choice for one engine output, or None when there is nothing to send."""
+
+    def opening(self, choices: list[Choice]) -> list[BaseModel]:
+        """Chunk choices sent before any output (chat: each choice's role)."""
+
+    def chunk(self, choices: list[BaseModel], usage: p.Usage | None = None) -> BaseModel:
+        """One SSE event."""
+
+    def empty(self, c: Choice) -> BaseModel:
+        """A non-streamed choice before any delta."""
+
+    def add(self, total: BaseModel, delta: BaseModel) -> None:
+        """Fold one delta into the non-streamed choice."""
+
+    def response(self, choices: list[BaseModel], usage: p.Usage) -> BaseModel:
+        """The non-streamed body."""
+
+
+def check_model(state: ServingState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        why = f"model {model[:100]!r} does not exist; this server serves {state.model_name!r}"
+        raise ApiError(404, why, "not_found_error", param="model", code="model_not_found")
+
+
+def check_queue(state: ServingState) -> None:
+    if state.engine.stats().num_waiting >= state.max_queue:
+        why = f"the server is busy ({state.max_queue} requests waiting); retry shortly"
+        raise ApiError(429, why, "rate_limit_error", headers={"Retry-After": "1"})
+
+
+def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        logit_bias=body.logit_bias or {},
+    )
+
+
+def new_choices(
+    state: ServingState, response_id: str, first_index: int, ids: list[int], params: SamplingParams, n: int
+) -> list[Choice]:
+    """n choices of one prompt, validated once now, so that a bad request is a 400 before any stream starts."""
+    try:
+        state.engine.validate(ids, params)
+    except ValueError as e:
+        message = str(e)
+        word = message.split(" ", 1)[0]
+        raise ApiError(400, message, param=word if word in PARAM_NAMES else None) from None
+    choices = []
+    for j in range(n):
+        choice_params = params
+        if params.seed is not None and j:  # seeded choices differ from each other, yet each is reproducible
+            choice_params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)  # stays in int64
+        index = first_index + j
+        choices.append(Choice(index, f"{response_id}-{index}", ids, choice_params, counts_prompt=j == 0))
+    return choices
+
+
+async def answer(
+    state: ServingState,
+    body: p.SamplingFields,
+    choices: list[Choice],
+    shape: Shape,
+    log_id: str,
+    disconnected: Disconnected,
+) -> BaseModel | AsyncIterator[str] | None:
+    """Queue the choices and answer: an SSE stream of strings, the body, or None when the client went away."""
+    # Handed to the engine now, while the request is being answered, so that the waiting count the next
+    # request's 429 check reads already includes them.
+    for c in choices:
+        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return stream(state, choices, shape, log_id, include_usage)
+    results = [shape.empty(c) for c in choices]
+    async with contextlib.aclosing(run(state, choices, log_id, disconnected())) as outputs:
+        async for c, out in outputs:
+            if (d := shape.delta(c, out)) is not None:
+                shape.add(results[c.index], d)
+    if any(c.finish_reason is None for c in choices):
+        return None
+    return shape.response(results, usage(choices))
+
+
+async def run(
+    state: ServingState, choices: list[Choice], log_id: str, until: Awaitable | None = None
+) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Run the choices concurrently; yield each delta with its choice. Raises ApiError(500) on an engine failure."""
+    streams = [c.outputs for c in choices]
+    try:
+        async with contextlib.aclosing(merge(streams, until)) as outputs:
+            async for i, out in outputs:
+                c = choices[i]
+                now = time.monotonic()
+                if c.last_output_time is None:
+                    c.first_output_time = now
+                elif out.new_token_ids:
+                    state.metrics.inter_token_latency.observe(now - c.last_output_time)
+                c.last_output_time = now
+                c.num_output_tokens = out.num_output_tokens
+                c.num_cached_tokens = out.num_cached_tokens
+                if out.error is not None:
+                    raise ApiError(500, "internal error while generating", type="internal_error")
+                if out.finished:
+                    c.finish_reason = out.finish_reason.value
+                    state.metrics.request_finished(c.finish_reason, out.times)
+                yield c, out
+    finally:
+        for c in choices:
+            if c.finish_reason is None:  # the client went away; the engine's abort output never reaches us
+                state.metrics.request_finished("abort", None)
+        log_request(log_id, choices)
+
+
+def stream(
+    state: ServingState, choices: list[Choice], shape: Shape, log_id: str, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE events: opening chunks, one chunk per delta, the usage chunk if asked for, then [DONE]. A client that
+    goes away cancels the iteration (Starlette listens for the disconnect), which aborts the engine requests."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for d in shape.opening(choices):
+                yield sse(shape.chunk([d]))
+            async with contextlib.aclosing(run(state, choices, log_id)) as outputs:
+                async for c, out in outputs:
+                    d = shape.delta(c, out)
+                    if d is not None:
+                        yield sse(shape.chunk([d]))
+            if include_usage:
+                yield sse(shape.chunk([], usage(choices)))
+        except ApiError as e:
+            yield sse(e.body())
+        except Exception:
+            log.exception("request %s failed while streaming", log_id)
+            yield sse(ApiError(500, "internal server error", type="internal_error").body())
+        yield "data: [DONE]\n\n"
+
+    return events()
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def usage(choices: list[Choice]) -> p.Usage:
+    firsts = [c for c in choices if c.counts_prompt]  # a prompt counts once however many choices it has
+    prompt_tokens = sum(len(c.prompt_ids) for c in firsts)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return p.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.num_cached_tokens for c in firsts)),
+    )
+
+
+def log_request(log_id: str, choices: list[Choice]) -> None:
+    u, c = usage(choices), choices[0]
+    ttft = f"{c.first_output_time - c.request_time:.3f}s" if c.first_output_time else "-"
+    reasons = ",".join(sorted({x.finish_reason or "abort (client gone)" for x in choices}))
+    took = time.monotonic() - c.request_time
+    log.info(
+        "request %s: %d prompt + %d output tokens (%d cached), ttft %s, %.3fs, finish %s",
+        *(
+            log_id,
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.prompt_tokens_details.cached_tokens,
+            ttft,
+            took,
+            reasons,
+        ),
+    )
+    if log.isEnabledFor(logging.DEBUG):  # prompts are the users' data: only when asked for
+        log.debug("request %s prompt ids: %s", log_id, c.prompt_ids)
+
+
+async def merge(
+    streams: list[AsyncIterator], until: Awaitable | None = None
+) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async iterators as they come (the n choices of one HTTP request), each with its
+    stream's index. Ends early when `until` completes (the client went away); an exception in a stream is
+    raised here. On exit the streams are cancelled, which aborts their unfinished requests in the engine.
+    """
+    inbox: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                inbox.put_nowait((i, item))
+        except Exception as e:
+            inbox.put_nowait((i, e))
+        inbox.put_nowait((i, end))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    if until is not None:
+        watcher = asyncio.ensure_future(until)
+        watcher.add_done_callback(lambda f: f.cancelled() or inbox.put_nowait((-1, end)))
+        tasks.append(watcher)
+    num_open = len(streams)
+    try:
+        while num_open:
+            i, item = await inbox.get()
+            if i < 0:
+                return
+            if item is end:
+                num_open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        # No await here: under a cancelled (anyio) scope it would be cancelled again at once. The tasks
+        # run their own cleanup (generate()'s abort) on the next loop turn.
+        for task in tasks:
+            task.cancel()

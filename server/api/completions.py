@@ -1,0 +1,114 @@
+"""/v1/completions: prompts as text or token ids, each with n choices; echo and logprobs in OpenAI's legacy shape."""
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from server.api import protocol as p
+from server.api.choices import (
+    Choice,
+    Disconnected,
+    ServingState,
+    answer,
+    check_model,
+    check_queue,
+    new_choices,
+    sampling_params,
+)
+from server.api.errors import ApiError
+from server.engine.request import RequestOutput, TokenLogprob
+
+MAX_PROMPTS = 256  # prompts in one completion request; each becomes n engine requests
+LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+async def completion(state: ServingState, body: p.CompletionRequest, log_id: str, disconnected: Disconnected):
+    """A CompletionResponse, an SSE stream of strings, or None when the client went away."""
+    check_model(state, body.model)
+    check_queue(state)
+    tokenizer = state.engine.tokenizer
+    prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
+    if isinstance(prompts[0], int):
+        prompts = [prompts]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    params.prompt_logprobs = body.echo and body.logprobs is not None
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    choices = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+        for c in new_choices(state, response_id, len(choices), ids, params, body.n):
+            if body.echo:
+                c.prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+            choices.append(c)
+    shape = CompletionShape(state, body, response_id, int(time.time()))
+    return await answer(state, body, choices, shape, log_id, disconnected)
+
+
+@dataclass
+class CompletionShape:
+    state: ServingState
+    body: p.CompletionRequest
+    response_id: str
+    created: int
+
+    def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
+        body = self.body
+        text, logprobs = out.text, None
+        if body.logprobs is not None:
+            logprobs = p.CompletionLogprobs()
+            if body.echo and not c.started:
+                entries = out.prompt_logprobs or [None] * len(c.prompt_ids)
+                self._add_logprobs(c, logprobs, c.prompt_ids, entries)
+            self._add_logprobs(c, logprobs, out.new_token_ids, out.logprobs or [])
+        if body.echo and not c.started:
+            text = c.prompt_text + text
+        c.started = True
+        if not text and not (logprobs and logprobs.tokens) and not out.finished:
+            return None
+        return p.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
+
+    def _add_logprobs(
+        self, c: Choice, out: p.CompletionLogprobs, ids: list[int], entries: list[TokenLogprob | None]
+    ) -> None:
+        tokenizer = self.state.engine.tokenizer
+        for token_id, entry in zip(ids, entries, strict=True):
+            token = tokenizer.token_text(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(entry.logprob if entry else None)
+            out.top_logprobs.append({tokenizer.token_text(t): lp for t, lp in entry.top} if entry else None)
+            out.text_offset.append(c.text_offset)
+            c.text_offset += len(token)
+
+    def opening(self, choices: list[Choice]) -> list:
+        return []
+
+    def chunk(self, choices: list[p.CompletionChoice], usage: p.Usage | None = None):
+        return p.CompletionStreamResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+        )
+
+    def empty(self, c: Choice) -> p.CompletionChoice:
+        logprobs = p.CompletionLogprobs() if self.body.logprobs is not None else None
+        return p.CompletionChoice(index=c.index, text="", logprobs=logprobs)
+
+    def add(self, total: p.CompletionChoice, delta: p.CompletionChoice) -> None:
+        total.text += delta.text
+        total.finish_reason = delta.finish_reason
+        if total.logprobs is not None:
+            for name in LOGPROB_FIELDS:
+                getattr(total.logprobs, name).extend(getattr(delta.logprobs, name))
+
+    def response(self, choices: list[p.CompletionChoice], usage: p.Usage) -> p.CompletionResponse:
+        return p.CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+        )

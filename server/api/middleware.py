@@ -1,0 +1,81 @@
+"""The one middleware: request ids, body size and read-time limits, before the app reads a byte."""
+
+import asyncio
+import re
+import uuid
+
+from server.api.errors import ApiError, error_response
+
+REQUEST_ID = re.compile(r"[\w.:@/+=-]{1,128}")  # an X-Request-Id echoed as given; anything else is replaced
+
+
+class RequestGuard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would stand between a stream and the client's disconnect):
+    gives every request an X-Request-Id, echoed in the response, and refuses bodies over the size limit,
+    by Content-Length and by counting what actually arrives, before the app reads any of it. A body that
+    has not arrived in full within read_timeout seconds gets 408 and the connection is closed; the engine
+    never sees a request before its whole body is here, so a stalled client holds no engine resources."""
+
+    def __init__(self, app, max_request_bytes: int, read_timeout: float = 30.0):
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.read_timeout = read_timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send_with_id)
+        too_large = ApiError(
+            413, f"the request body is over {self.max_request_bytes} bytes", code="request_too_large"
+        )
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_request_bytes:
+            return await error_response(too_large)(scope, receive, send_with_id)
+        chunks, size, more = [], 0, True
+        try:
+            async with asyncio.timeout(self.read_timeout):  # for the whole body: trickling does not reset it
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+                    if size > self.max_request_bytes:
+                        return await error_response(too_large)(scope, receive, send_with_id)
+        except TimeoutError:
+            slow = ApiError(
+                408,
+                f"the request body did not arrive within {self.read_timeout:g} s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            return await error_response(slow)(scope, receive, send_with_id)
+        body = b"".join(chunks)
+        try:
+            body.decode()  # JSON is UTF-8; say so rather than FastAPI's "error parsing the body"
+        except UnicodeDecodeError:
+            return await error_response(ApiError(400, "the body is not valid UTF-8"))(
+                scope, receive, send_with_id
+            )
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send_with_id)

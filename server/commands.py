@@ -1,0 +1,235 @@
+"""What each kvserve command does, and how it builds the layers from the parsed flags (server/cli.py parses)."""
+
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("kvserve")
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+# --- building the layers -------------------------------------------------------------------------
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5G', or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+             "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}  # fmt: skip
+    s = str(text).strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(num) :].strip()
+    if unit not in units or not num:
+        raise ValueError(f"cannot read {text!r} as a size (use e.g. 2GiB, 512MiB, 1.5GB)")
+    return int(float(num) * units[unit])
+
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    from weights.fetch import ensure_default_model
+    from weights.store import weights_dir
+
+    return str(ensure_default_model(weights_dir(args.weights_dir)))
+
+
+def engine_config(args, **overrides):
+    from server.engine.config import EngineConfig
+
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
+        device=args.device,
+        dtype=args.dtype,
+        cpu_kernels=args.cpu_kernels,
+    )
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def build_engine(args, **overrides):
+    from server.engine.engine import Engine
+
+    return Engine(resolve_model(args), engine_config(args, **overrides), args.chat_template)
+
+
+def server_config(args, model_path: str | None):
+    from server.api.config import ServerConfig
+
+    name = args.served_model_name or (Path(model_path).name if model_path else DEFAULT_MODEL_NAME)
+    return ServerConfig(
+        served_model_name=name,
+        api_key=args.api_key,
+        allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
+        max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        system_prompt=args.system_prompt,
+    )
+
+
+# --- the commands --------------------------------------------------------------------------------
+
+
+def cmd_serve(args) -> int:
+    import threading
+
+    import uvicorn
+
+    from server.api.app import create_app, set_engine
+    from server.api.uvicorn_server import DrainingServer, log_stats_periodically
+    from server.engine.async_engine import AsyncEngine
+
+    app = create_app(None, server_config(args, args.model))
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False), app
+    )
+    failed = threading.Event()
+
+    def load() -> None:  # the listener is up meanwhile: /health answers 503 until the engine is set
+        try:
+            engine = AsyncEngine(lambda: build_engine(args))  # built on its stepping thread
+        except Exception as e:
+            log.error("could not load the model: %s", e, exc_info=args.log_level == "debug")
+            failed.set()
+            server.should_exit = True
+            return
+        set_engine(app, engine)
+        log.info(
+            "ready: serving %s at http://%s:%d/v1", app.state.config.served_model_name, args.host, args.port
+        )
+        log_stats_periodically(engine, server)
+
+    threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+    server.run()
+    if app.state.engine is not None:
+        app.state.engine.shutdown()
+    return 1 if failed.is_set() or not server.started else 0
+
+
+def cmd_generate(args) -> int:
+    from server.engine.request import SamplingParams
+
+    engine = build_engine(args)
+    tok = engine.tokenizer
+    if args.raw or not tok.has_chat_template:
+        prompt = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    engine.add_request("generate", tok.encode(prompt), params)
+    while engine.has_work():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from weights.fetch import ensure_default_model
+    from weights.store import weights_dir
+
+    print(ensure_default_model(weights_dir(args.weights_dir)))
+    return 0
+
+
+def cmd_convert_gguf(args) -> int:
+    from weights.gguf_convert import convert_gguf
+
+    convert_gguf(Path(args.src), Path(args.dst))
+    print(args.dst)
+    return 0
+
+
+def cmd_openapi(args) -> int:
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
+    from server.api.openapi import openapi_yaml
+
+    sys.stdout.write(openapi_yaml(create_app(None, ServerConfig())))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from client.chat import chat_loop
+
+    return chat_loop(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature)
+
+
+def cmd_bench(args) -> int:
+    import asyncio
+
+    from client.bench import bench_http
+
+    asyncio.run(bench_http(args))
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from server.bench import bench_offline, print_json
+
+    engine = build_engine(args)
+    print_json(
+        bench_offline(engine, args.num_requests, args.input_len, args.output_len, args.baseline_requests)
+    )
+    return 0
+
+
+def cmd_bench_model(args) -> int:
+    from server.bench import bench_model, print_json
+
+    dtypes = args.dtypes or ([args.dtype] if args.dtype != "auto" else ["float32", "bfloat16"])
+    for dtype in dtypes:
+        args.dtype = dtype
+        engine = build_engine(args, max_num_seqs=1)
+        print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
+        del engine
+    return 0
+
+
+def cmd_bench_invariance(args) -> int:
+    def cost(r):
+        inv, not_inv = r["invariant_tokens_per_s"], r["not_invariant_tokens_per_s"]
+        return {"cost_percent": round(100 * (1 - inv / not_inv), 1)}
+
+    settings = {"invariant": {"batch_invariant": True}, "not_invariant": {"batch_invariant": False}}
+    return bench_interleaved(args, settings, cost)
+
+
+def cmd_bench_kernels(args) -> int:
+    def speedup(r):
+        return {"speedup": round(r["cpp_tokens_per_s"] / r["torch_tokens_per_s"], 2)}
+
+    return bench_interleaved(args, {"cpp": {"cpu_kernels": "on"}, "torch": {"cpu_kernels": "off"}}, speedup)
+
+
+def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
+    """One engine per named setting, their decode steps interleaved; a JSON line per batch size."""
+    from server.bench import bench_steps, print_json
+
+    kv = {"max_num_seqs": max(args.batch_sizes)}
+    engines = {name: build_engine(args, **s, **kv) for name, s in settings.items()}
+    dtype = str(next(iter(engines.values())).runner.dtype).removeprefix("torch.")
+    for b in args.batch_sizes:
+        result = bench_steps(engines, b, args.input_len, args.steps)
+        print_json({"dtype": dtype, **result, **summary(result)})
+    return 0

@@ -1,0 +1,144 @@
+"""The output stage of a step: what the runner computed in, one delta per request out, and the one place that
+decides why a request finishes.
+
+Per request it keeps the text so far (an incremental detokenizer, plus text held back while it may begin a
+stop string), the prompt logprobs not yet sent and when the first token came. A request finishes, in this
+order of precedence: on a stop string in its text, on a stop token (EOS or stop_token_ids, once min_tokens
+are out), on its length (max_tokens or the context), or when aborted. The scheduler frees its blocks from that
+decision.
+"""
+
+import time
+from dataclasses import dataclass
+
+from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from server.engine.model_runner import ModelOutput
+from server.engine.request import FinishReason, Request, RequestOutput, RequestTimes, TokenLogprob
+from server.engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class RequestState:
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    include_stop: bool
+    held: str = ""  # text not yet sent: it may be the start of a stop string
+    # the prompt's logprobs by position, filled over its chunks (a preempted prefill recomputes some: they land
+    # in the same places) until the first output carries them; None = not asked for, or sent
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_token_time: float | None = None
+
+    def release(self, new_text: str, final: bool) -> tuple[str, bool]:
+        """(text that can be sent now, whether a stop string ended the output)."""
+        text = self.held + new_text
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.held = ""
+            return text[: i + len(s)] if self.include_stop else text[:i], True
+        keep = 0 if final or not self.stop else max(len(s) for s in self.stop) - 1
+        keep = min(keep, len(text))
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
+
+
+def token_stop_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+    """Why the token just drawn for `request` (not yet appended) ends it, by the token rules."""
+    params = request.params
+    num_output = len(request.output_token_ids) + 1
+    # a stop token that ends the output wins over the length limit reached by the same token
+    if num_output >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return FinishReason.STOP
+    if num_output >= params.max_tokens or request.num_tokens + 1 >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request: Request) -> None:
+        params = request.params
+        self.states[request.request_id] = RequestState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            params.stop,
+            params.include_stop_str_in_output,
+            # the first prompt token has none: nothing comes before it
+            prompt_logprobs=[None] * request.num_prompt_tokens if params.prompt_logprobs else None,
+        )
+
+    def process(
+        self, out: SchedulerOutput, model_output: ModelOutput
+    ) -> tuple[list[RequestOutput], dict[str, FinishReason]]:
+        """The step's deltas, and the requests it finished (request id -> why)."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        finished: dict[str, FinishReason] = {}
+        for c in out.chunks:
+            request = c.request
+            state = self.states[request.request_id]
+            scored = model_output.prompt_logprobs.get(request.request_id)
+            if scored is not None and state.prompt_logprobs is not None:
+                # the logits at position p score the prompt token at p + 1
+                state.prompt_logprobs[c.start + 1 : c.start + 1 + len(scored)] = scored
+            sampled = model_output.sampled.get(request.request_id)
+            if sampled is None:
+                continue
+            reason = token_stop_reason(request, sampled.token_id, self.max_model_len)
+            new_text = state.detokenizer.add([sampled.token_id])
+            if reason is not None:
+                new_text += state.detokenizer.flush()
+            text, stopped = state.release(new_text, final=reason is not None)
+            if stopped:
+                reason = FinishReason.STOP
+            if state.first_token_time is None:
+                state.first_token_time = now
+            output = RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[sampled.token_id],
+                text=text,
+                finished=reason is not None,
+                finish_reason=reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=len(request.output_token_ids) + 1,  # with this token, appended by update()
+                num_cached_tokens=request.num_cached_tokens,
+                logprobs=[sampled.logprob] if sampled.logprob is not None else None,
+                prompt_logprobs=state.take_prompt_logprobs(),
+            )
+            if reason is not None:
+                finished[request.request_id] = reason
+                output.times = self._times(request, state, now)
+                del self.states[request.request_id]
+            outputs.append(output)
+        return outputs, finished
+
+    def abort(self, request: Request) -> RequestOutput:
+        """The last output of a request ended before it finished (client gone, shutdown, engine error)."""
+        state = self.states.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            text="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=state.take_prompt_logprobs() if state else None,
+            times=self._times(request, state, time.monotonic()),
+        )
+
+    @staticmethod
+    def _times(request: Request, state: RequestState | None, now: float) -> RequestTimes:
+        first = state.first_token_time if state else None
+        return RequestTimes(request.arrival_time, request.scheduled_time, first, now)

@@ -1,0 +1,160 @@
+"""What the engine decides once, at start: device, dtype, kernels, weight format, KV-cache size, context length.
+
+build_runner() makes every choice here, in this order, and hands the ModelRunner what it chose; nothing is
+switched later.
+"""
+
+import logging
+import os
+
+import torch
+
+from model.attention import TorchAttention, min_query_len_for_invariance
+from model.attention_cpu import CpuKernelAttention
+from model.config import ModelConfig
+from model.kernels import cpu_kernels
+from model.kv_cache import KVCache
+from model.linear import OneDnnLinear, PlainLinear
+from model.loader import load_model
+from model.transformer import Ops
+from server.engine.config import EngineConfig
+from server.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# default cache on CPU: 2 GiB, zeroed (so resident) at start: a machine short of memory fails then, not under load
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
+    bound_onednn_caches()
+    device = select_device(config.device)
+    dtype = select_dtype(config.dtype, device)
+    # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders) for
+    # small row counts: the GEMMs that do pad small batches (measured per weight shape at load). By default
+    # for 16-bit dtypes (the CPU default), where it is nearly free, not for float32, where more GEMMs pad.
+    invariant = config.batch_invariant if config.batch_invariant is not None else dtype != torch.float32
+    invariant = invariant and device.type == "cpu"
+    kernels = select_cpu_kernels(config.cpu_kernels, device)
+    linear = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
+    ops = Ops(linear=linear(batch_invariant=invariant), rms_norm=kernels.rms_norm if kernels else None)
+    log.info("loading %s on %s in %s", model_path, device, str(dtype).removeprefix("torch."))
+    model, model_config = load_model(model_path, dtype, device, ops)
+    log.info(
+        "GEMMs: %s%s; attention and RMSNorm: %s",
+        "weights packed for oneDNN" if linear is OneDnnLinear else "F.linear",
+        ", small batches padded for batch invariance" if invariant else "",
+        "kvserve's C++ CPU kernels" if kernels else "PyTorch ops",
+    )
+    num_blocks = num_cache_blocks(model_config, config, dtype, device)
+    kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
+    if kernels is not None:  # batch-invariant as it is
+        attention = CpuKernelAttention(kernels, config.block_size, model_config.sliding_window)
+    else:
+        mc = model_config
+        min_query_len = (
+            min_query_len_for_invariance(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, device)
+            if invariant
+            else 1
+        )
+        attention = TorchAttention(
+            config.block_size, mc.num_kv_heads, num_blocks, device, mc.sliding_window, min_query_len
+        )
+        log.info("attention pads queries to %d", min_query_len)
+    return ModelRunner(model, model_config, kv_cache, attention, device, dtype)
+
+
+def bound_onednn_caches(capacity: int = 256) -> None:
+    """Cap the kernels oneDNN keeps per GEMM shape. oneDNN reads these variables once, at its first use, so
+    they are set here, before the model is built; a value already in the environment wins.
+
+    Both of its caches (ideep's and the library's) default to 1,024 entries, and each entry holds memory
+    (~0.25 MiB for small shapes): a server's RSS grew by 230 MiB over 800 mixed requests, by 50 MiB with
+    both at 256. Steady decoding uses a few dozen shapes (GEMM rows are bucketed), so nothing is rebuilt.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but no CUDA GPU is available to torch")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bfloat16 halves the bytes read per token and its CPU GEMM rows are batch-invariant; without native
+    # bf16 instructions it is emulated and slower than float32.
+    return (
+        torch.bfloat16
+        if torch.backends.cpu.get_cpu_capability() == "AVX512" and _has_bf16()
+        else torch.float32
+    )
+
+
+def _has_bf16() -> bool:
+    try:
+        return "avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def select_cpu_kernels(mode: str, device: torch.device):
+    """The C++ CPU kernels (model/kernels.py) when they are wanted and build, else None (PyTorch ops)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"unknown --cpu-kernels {mode!r}: use auto, on or off")
+    if device.type != "cpu" or mode == "off":
+        return None
+    kernels = cpu_kernels()
+    if kernels is None and mode == "on":
+        raise RuntimeError("--cpu-kernels on: the C++ kernels could not be built (see the log)")
+    return kernels
+
+
+def num_cache_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device) -> int:
+    per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":  # after loading: what the weights left, minus 1 GiB for activations
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        num_blocks,
+        config.block_size,
+        num_blocks * per_block / 2**30,
+    )
+    return num_blocks
+
+
+def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
+    """The most tokens (prompt + output) one request may hold: the model's context, --max-model-len, and
+    what the cache holds, whichever is least."""
+    model_len = model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > model_len:
+            log.warning(
+                "--max-model-len %d is beyond the model's context %d", config.max_model_len, model_len
+            )
+        model_len = config.max_model_len
+    capacity = num_blocks * config.block_size
+    if capacity < model_len:
+        log.warning("context capped to %d tokens: the KV cache holds no more for one sequence", capacity)
+        model_len = capacity
+    return model_len
