@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-test serve test lint
+.PHONY: install install-test serve test lint image image-cuda
 
 install:
 	bash scripts/install.sh
@@ -20,3 +20,10 @@ test: install-test
 lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The images, with whichever engine this machine has (docker, else podman): see scripts/image.sh.
+image:
+	bash scripts/image.sh build cpu $(ARGS)
+
+image-cuda:
+	bash scripts/image.sh build cuda $(ARGS)
