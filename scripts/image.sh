@@ -26,13 +26,15 @@
 #
 # pip settings (podman only: `docker build` cannot mount host paths). When this host's pip configuration
 # names local paths (a find-links folder, a file:// index, a constraints file, a CA bundle), a build's pip
-# needs them too: the script writes the host's effective settings (`pip config list`, environment included)
-# into one pip.conf, and mounts it at /etc/pip.conf plus every local path it names, all read-only, into each
-# RUN step (a local index with the folder above it, where its pages link). Here that is /opt/wheels (the
-# torch CPU wheel), /opt/pypi and /opt/pypi-more, /etc/xdg/pip/constraints.txt
-# and the CA bundle. Nothing of it lands in the image. With a torch wheel among those paths, TORCH_INDEX_URL
-# is set empty so that torch comes from them too (it is the same CPU wheel as PyTorch's CPU index serves);
-# for the CUDA image, folders holding a torch wheel are left out, and torch comes from PyPI's CUDA build.
+# needs them too: the script writes the host's effective settings (`pip config list`, PIP_* included) into
+# one pip.conf with those paths moved under /run/kvserve-pip/, and mounts, read-only into each RUN step, that
+# file at /etc/pip.conf and each path at its new place (a file:// index with the folder above it, where its
+# pages link). Here: /opt/wheels (the torch CPU wheel), /opt/pypi, /opt/pypi-more,
+# /etc/xdg/pip/constraints.txt and the CA bundle of this sandbox's TLS proxy. Nothing of them lands in the
+# image but podman 4.3's empty mount points (an empty /etc/pip.conf, empty entries in /run/kvserve-pip/).
+# With a torch wheel among them, TORCH_INDEX_URL is set empty so that torch comes from there too (the same CPU
+# wheel PyTorch's CPU index serves); for the CUDA image, folders holding a torch wheel are left out, and torch
+# comes from PyPI's CUDA build.
 #
 # Environment:
 #   KVSERVE_ENGINE      docker or podman (default: detected as above)
@@ -196,7 +198,7 @@ ensure_base() {
 # and creates CONF.torch when torch should come from them (TORCH_INDEX_URL empty). Prints nothing when the
 # host's settings name no local path: then the Dockerfile's own sources serve.
 pip_mounts() {  # pip_mounts CONF_PATH cpu|cuda
-    python3 - "$1" "$2" <<'EOF'
+    "${PYTHON:-python3}" - "$1" "$2" <<'EOF'
 import ast
 import configparser
 import glob
@@ -226,7 +228,19 @@ def local_path(token):
     return path if path.startswith("/") and os.path.exists(path) else None
 
 
-mounts, torch_local = set(), False
+# Every local path is mounted under one folder, so that no file of the image is shadowed (a CA bundle mounted
+# over /etc/ssl/certs/ca-certificates.crt breaks the ca-certificates package's install) and podman's empty
+# mount points stay there.
+ROOT = "/run/kvserve-pip"
+mounts, torch_local = {}, False
+
+
+def mounted(path):
+    if path not in mounts:
+        mounts[path] = f"{ROOT}/{len(mounts)}-{os.path.basename(path.rstrip('/'))}"
+    return mounts[path]
+
+
 for section in config.sections():
     for key in ("find-links", "index-url", "extra-index-url", "constraint", "requirement", "cert", "client-cert"):
         if key not in config[section]:
@@ -234,27 +248,53 @@ for section in config.sections():
         kept = []
         for token in config[section][key].split():
             path = local_path(token)
-            has_torch = bool(path and glob.glob(os.path.join(path, "torch-*.whl")))
+            if path is None:
+                kept.append(token)
+                continue
+            has_torch = bool(glob.glob(os.path.join(path, "torch-*.whl")))
             if has_torch and flavour == "cuda":
                 continue  # a local (CPU) torch would win over the CUDA build
             torch_local |= has_torch
-            kept.append(token)
-            if path and key.endswith("index-url"):
+            if key.endswith("index-url"):
                 # A local index's pages link to its files relatively (../../files/...): mount its parent.
-                mounts.add(os.path.dirname(path.rstrip("/")))
-            elif path:
-                mounts.add(path)
+                parent, name = os.path.split(path.rstrip("/"))
+                kept.append(f"file://{mounted(parent)}/{name}")
+            else:
+                kept.append(mounted(path))
         config[section][key] = " ".join(kept)
 if not mounts:
     sys.exit(0)
 with open(conf_path, "w") as f:
     config.write(f)
 print(f"{conf_path}:/etc/pip.conf:ro")
-for path in sorted(mounts):
-    print(f"{path}:{path}:ro")
+for path, target in mounts.items():
+    print(f"{path}:{target}:ro")
 if torch_local or flavour == "cuda":
     open(conf_path + ".torch", "w").close()
 EOF
+}
+
+# pip_args: the `-v` and `--build-arg` flags that give a podman build this host's pip settings.
+pip_args=()
+pip_build_args() {  # pip_build_args cpu|cuda
+    pip_args=()
+    if [ "$ENGINE" = docker ]; then
+        [ "${KVSERVE_IMAGE_PIP:-}" != host ] \
+            || say "docker build cannot mount this host's pip settings: the Dockerfile's own sources are used"
+        return
+    fi
+    [ "${KVSERVE_IMAGE_PIP:-host}" = host ] || return 0
+    local mounts m
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    mapfile -t mounts < <(pip_mounts "$tmp/pip.conf" "$1")
+    [ "${#mounts[@]}" -gt 0 ] || return 0
+    say "this host's pip settings, mounted read-only into the build: ${mounts[*]}"
+    for m in "${mounts[@]}"; do pip_args+=(-v "$m"); done
+    # Torch from those settings too, unless the caller named an index.
+    if [ -e "$tmp/pip.conf.torch" ] && [ -z "${TORCH_INDEX_URL+set}" ]; then
+        pip_args+=(--build-arg TORCH_INDEX_URL=)
+    fi
 }
 
 build() {
@@ -271,26 +311,10 @@ build() {
         ensure_base "$base"
     done
 
-    local args=("${build_flags[@]}" -f "$dockerfile" -t "$tag")
+    pip_build_args "$flavour"
+    local args=("${build_flags[@]}" "${pip_args[@]}" -f "$dockerfile" -t "$tag")
     [ -n "${TORCH_SPEC:-}" ] && args+=(--build-arg "TORCH_SPEC=$TORCH_SPEC")
     [ -n "${TORCH_INDEX_URL+set}" ] && args+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
-    if [ "$ENGINE" = podman ] && [ "${KVSERVE_IMAGE_PIP:-host}" = host ]; then
-        local mounts
-        tmp=$(mktemp -d)
-        trap 'rm -rf "$tmp"' EXIT
-        mapfile -t mounts < <(pip_mounts "$tmp/pip.conf" "$flavour")
-        if [ "${#mounts[@]}" -gt 0 ]; then
-            say "this host's pip settings, mounted read-only into the build: ${mounts[*]%%:*}"
-            local m
-            for m in "${mounts[@]}"; do args+=(-v "$m"); done
-            # Torch from those settings too, unless the caller named an index.
-            if [ -e "$tmp/pip.conf.torch" ] && [ -z "${TORCH_INDEX_URL+set}" ]; then
-                args+=(--build-arg TORCH_INDEX_URL=)
-            fi
-        fi
-    elif [ "$ENGINE" = docker ] && [ "${KVSERVE_IMAGE_PIP:-}" = host ]; then
-        say "docker build cannot mount this host's pip settings: the Dockerfile's own sources are used"
-    fi
     say "${engine[*]} build ${args[*]} $* ."
     local start=$SECONDS
     "${engine[@]}" build "${args[@]}" "$@" .
@@ -309,8 +333,10 @@ compose() {
     tool=$(command -v podman-compose || true)
     [ -n "$tool" ] || [ ! -x "${KVSERVE_VENV:-.venv}/bin/podman-compose" ] || tool="${KVSERVE_VENV:-.venv}/bin/podman-compose"
     [ -n "$tool" ] || die "podman-compose is missing: pip install podman-compose (in the test extras)"
-    exec "$tool" --podman-args "${engine[*]:1}" --podman-run-args "${run_flags[*]}" \
-        --podman-build-args "${build_flags[*]}" -f docker/compose.yaml "$@"
+    # `compose up --build` / `compose build` get the CPU image's build settings (see build above).
+    pip_build_args cpu
+    "$tool" --podman-args "${engine[*]:1}" --podman-run-args "${run_flags[*]}" \
+        --podman-build-args "${build_flags[*]} ${pip_args[*]}" -f docker/compose.yaml "$@"
 }
 
 case "${1:-}" in

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_files import REPO
+from deploy_files import DOCKER, REPO, venv_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRIPT = REPO / "scripts/image.sh"
@@ -266,3 +266,15 @@ def test_compose_stack_prometheus_scrapes_kvserve(engine, cpu_image, tmp_path):
         [*engine, "volume", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
     )
     assert not [v for v in volumes.stdout.split() if v.startswith(project)], volumes.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", sorted((DOCKER / "offline").glob("*.Containerfile")), ids=lambda p: p.stem)
+def test_offline_standins_pass_hadolint(path):
+    result = subprocess.run(
+        [venv_tool("hadolint"), "--no-color", "--failure-threshold", "warning", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 0, f"hadolint {path}:\n{result.stdout}{result.stderr}"
