@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,6 @@ from deploy_files import DOCKER, REPO, venv_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRIPT = REPO / "scripts/image.sh"
-IMAGE = "kvserve:cpu"
 MODEL = "smollm2-135m-instruct"  # the default model, fetched into the image's /models at build time
 SHUTDOWN_TIMEOUT = 30  # the image's KVSERVE_SHUTDOWN_TIMEOUT
 BUILD_TIMEOUT = 2400  # a cold build with the offline base images: ~6 min measured; generous for a busy host
@@ -57,14 +57,15 @@ def run_flags(engine) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cpu_image(engine) -> str:
+def cpu_image(engine) -> Iterator[str]:
+    """kvserve:cpu, also tagged for this run alone: another checkout's build may move kvserve:cpu meanwhile."""
+    tag = f"kvserve:test-{os.getpid()}"
     start = time.monotonic()
-    image_sh("build", "cpu", timeout=BUILD_TIMEOUT)
-    print(f"\n{IMAGE} built in {time.monotonic() - start:.0f} s ({' '.join(engine)})")
-    assert (
-        subprocess.run([*engine, "image", "inspect", IMAGE], capture_output=True, timeout=30).returncode == 0
-    )
-    return IMAGE
+    image_sh("build", "cpu", "-t", tag, timeout=BUILD_TIMEOUT)
+    print(f"\nkvserve:cpu built in {time.monotonic() - start:.0f} s ({' '.join(engine)})")
+    assert subprocess.run([*engine, "image", "inspect", tag], capture_output=True, timeout=30).returncode == 0
+    yield tag
+    subprocess.run([*engine, "rmi", tag], capture_output=True, timeout=120)  # the tag; kvserve:cpu stays
 
 
 def free_port() -> int:
@@ -210,15 +211,15 @@ def test_cpu_image_serves_turns_healthy_and_drains_on_stop(engine, run_flags, cp
 @pytest.mark.slow
 @pytest.mark.timeout(COLD)
 def test_compose_stack_prometheus_scrapes_kvserve(engine, cpu_image, tmp_path):
-    """docker/compose.yaml as it is, on free loopback ports (an override file replaces its published ports):
-    kvserve from the image built above, Prometheus (the real image, or its offline stand-in)."""
+    """docker/compose.yaml as it is, but for an override file: free loopback ports instead of its published
+    ones, and the image built above. Prometheus is the real image, or its offline stand-in."""
     project = f"kvserve-test-{os.getpid()}"
     kvserve_port, prometheus_port = free_port(), free_port()
     override = tmp_path / "override.yaml"
     # !override replaces a list instead of appending to it (compose's merge rule for ports).
     override.write_text(
         "services:\n"
-        f"  kvserve:\n    ports: !override ['127.0.0.1:{kvserve_port}:8000']\n"
+        f"  kvserve:\n    image: {cpu_image}\n    ports: !override ['127.0.0.1:{kvserve_port}:8000']\n"
         "    environment: ['KVSERVE_KV_CACHE_MEMORY=256MiB']\n"
         f"  prometheus:\n    ports: !override ['127.0.0.1:{prometheus_port}:9090']\n"
     )
@@ -226,7 +227,7 @@ def test_compose_stack_prometheus_scrapes_kvserve(engine, cpu_image, tmp_path):
     prometheus = f"http://127.0.0.1:{prometheus_port}"
     try:
         start = time.monotonic()
-        image_sh(*compose, "up", "-d", timeout=BUILD_TIMEOUT)  # no build: kvserve:cpu is there
+        image_sh(*compose, "up", "-d", timeout=BUILD_TIMEOUT)  # no build: the image is there
 
         def targets() -> dict[str, str]:
             try:
