@@ -8,7 +8,7 @@
 #   scripts/image.sh run-flags                                print the flags `run` and `build` need here
 #   scripts/image.sh base IMAGE...                            make sure base images exist (pulled or stood in)
 #
-# `make image` / `make image-cuda` run `build`; tests/deploy/test_image_*.py run all of them.
+# `make image` / `make image-cuda` run `build`; tests/deploy/test_images.py runs all of them.
 #
 # Podman on hosts without systemd or with cgroup v1 (containers, CI sandboxes) needs
 # `--cgroup-manager cgroupfs --runtime runc`, and `--ulimit nofile=... --ulimit nproc=...` within this
