@@ -26,17 +26,26 @@ KEY_TILE = 16
 
 
 def paged_attention(
-    q: torch.Tensor,  # [T, H, D] (RoPE applied)
+    q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [KVH, num_slots, D] this layer's keys
     v_cache: torch.Tensor,
     meta,  # the step's metadata, from the backend's build()
+    rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each [T, 1, D]; None: no rotary positions
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    return meta.attend(q, k_cache, v_cache, scale)
+    """softmax(rope(q) rope(k)^T * scale) v over each token's sequence: q and k rotated by their positions,
+    the new k and v written into the cache by slot, and every query reading its keys through the block table."""
+    return meta.attend(q, k, v, k_cache, v_cache, rope, scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] in Hugging Face's half-split layout; cos [T, 1, D] = (cos, cos), sin = (-sin, sin).
+
+    Equals (x1 cos - x2 sin, x2 cos + x1 sin) bit for bit: rolling by D/2 swaps the halves.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def flat_layout(
@@ -76,9 +85,11 @@ class TorchAttentionMetadata:
     block_size: int
     sdpa: bool  # torch's fused SDPA (GPUs) rather than two matmuls
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         KVH, _, D = k_cache.shape
         fn = attend_sdpa if self.sdpa else attend
         out = None

@@ -24,20 +24,13 @@ class CpuKernelMetadata:
     window: int  # sliding window (keys per query), 0 = none
     kernel: object  # the compiled paged_attention
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
+        """One call: q and k rotated (rope = (cos, sin) or None), k and v written by slot, attention."""
+        cos, sin = rope if rope is not None else (None, None)
         return self.kernel(
-            q,
-            k_cache,
-            v_cache,
-            self.block_tables,
-            self.seqs,
-            self.block_size,
-            scale,
-            self.window,
-            KERNEL_CHUNK,
-        )
+            q, k_cache, v_cache, self.block_tables, self.seqs, self.block_size, scale, self.window, KERNEL_CHUNK,
+            k=k, v=v, slots=self.slot_mapping, cos=cos, sin=sin,
+        )  # fmt: skip
 
 
 class CpuKernelAttention:

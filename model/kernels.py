@@ -1,4 +1,4 @@
-"""kvserve's C++ kernels for the CPU (model/csrc: paged attention, RMSNorm), compiled with
+"""kvserve's C++ kernels for the CPU (model/csrc: paged attention, RMSNorm, SwiGLU, quantized GEMMs), compiled with
 torch.utils.cpp_extension and cached on disk.
 
 Where they cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs PyTorch ops
@@ -20,17 +20,29 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
 
 
-def cpu_flags() -> list[str]:
-    """Vector instructions to compile for, from what torch found on this CPU (not -march=native, so that a
-    build cached on a shared disk never meets a CPU that lacks them: the build's name says its level)."""
+def cpu_flags() -> tuple[str, list[str]]:
+    """The instruction-set level to compile for and its flags, from what torch found on this CPU plus
+    AVX512-BF16 from /proc/cpuinfo (not -march=native, so that a build cached on a shared disk never meets a
+    CPU that lacks them: the build's name says its level)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
+        return "generic", []
     level = torch.backends.cpu.get_cpu_capability()
     if level.startswith("AVX512"):
-        return ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"]
+        flags = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"]
+        if _has_avx512_bf16():  # one instruction for the quantized GEMMs' bfloat16 pair products
+            return "avx512bf16", [*flags, "-mavx512bf16"]
+        return "avx512f", flags
     if level == "AVX2":
-        return ["-mavx2", "-mfma"]
-    return []
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
 
 
 @functools.cache
@@ -44,9 +56,12 @@ def cpu_kernels():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    flags = cpu_flags()
-    name = "kvserve_cpu_kernels_" + (flags[0].removeprefix("-m") if flags else "generic")
-    sources = [str(SOURCES / f) for f in ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp")]
+    level, flags = cpu_flags()
+    name = "kvserve_cpu_kernels_" + level
+    sources = [
+        str(SOURCES / f)
+        for f in ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp")
+    ]
     try:
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the same libgomp, already loaded)
         return load(

@@ -1,8 +1,10 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into the Transformer.
 
 The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
-time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. Then each
-linear layer's method prepares its weight (packs it, measures its batch-invariance padding: model/linear.py).
+time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. A folder
+may also hold quantized weights (model.quantized.safetensors, from a GGUF: model/quant.py): a linear layer whose
+method keeps them quantized gets them as they are; anything else gets them dequantized. Then each linear
+layer's method prepares its weight (packs, quantizes, measures its batch-invariance padding: model/linear.py).
 """
 
 import json
@@ -16,6 +18,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.linear import Linear
+from model.quant import QUANTIZED_FILE, QuantizedTensor
 from model.transformer import Ops, Transformer, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -64,31 +67,44 @@ GPT2_MAP = {
 
 
 class Checkpoint:
-    """Lazy access to the tensors of one or more safetensors files, by name."""
+    """Lazy access to the tensors of one or more safetensors files, by name: the dense files, or with
+    quantized=True the quantized file where there is one (then a quantized weight reads as a QuantizedTensor)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, quantized: bool = False):
         index = path / "model.safetensors.index.json"
-        if index.exists():
+        dense = [f for f in sorted(path.glob("*.safetensors")) if f.name != QUANTIZED_FILE]
+        self.quantized = (path / QUANTIZED_FILE).is_file() and (quantized or not dense)
+        if self.quantized:
+            files = [path / QUANTIZED_FILE]
+        elif index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: path / f for name, f in weight_map.items()}
+            files = sorted({path / f for f in weight_map.values()})
         else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise WeightLoadError(f"no *.safetensors files in {path}")
-            self.files = {}
-            for f in files:
-                with safe_open(f, framework="pt") as sf:
-                    self.files.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
+            files = dense
+        if not files:
+            raise WeightLoadError(f"no *.safetensors files in {path}")
+        self.files = {}
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                self.files.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
         self._open: dict[Path, object] = {}
 
     def resolve(self, name: str) -> str | None:
         """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`."""
         for candidate in (name, "transformer." + name):
-            if candidate in self.files:
+            if any(c in self.files for c in (candidate, candidate + ".q4", candidate + ".q8")):
                 return candidate
         return None
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | QuantizedTensor:
+        if name in self.files:
+            return self._read(name)
+        parts = ("q4", "q8", "scale", "min")
+        return QuantizedTensor.from_parts(
+            {p: self._read(f"{name}.{p}") for p in parts if f"{name}.{p}" in self.files}
+        )
+
+    def _read(self, name: str) -> torch.Tensor:
         f = self.files[name]
         if f not in self._open:
             self._open[f] = safe_open(f, framework="pt")
@@ -115,12 +131,13 @@ def load_model(
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = Transformer(config, ops)
-    ckpt = Checkpoint(path)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    ckpt = Checkpoint(path, quantized=any(m.method.keeps_quantized for m in linears.values()))
     name_map = GPT2_MAP if config.architecture == "gpt2" else LLAMA_MAP
     for param_name, param in list(model.named_parameters()):
-        if param_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # the embedding's own parameter, below
-        sources = _source_names(name_map, param_name)
+        # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
+        key = "embed.weight" if param_name == "lm_head.weight" and config.tie_word_embeddings else param_name
+        sources = _source_names(name_map, key)
         if sources is None:
             raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
         names, transform = sources
@@ -131,8 +148,21 @@ def load_model(
                 raise WeightLoadError(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
-            t = ckpt.get(stored)
-            parts.append(t.t() if transform == "t" else t)
+            parts.append(ckpt.get(stored))
+        layer = linears.get(param_name.removesuffix(".weight"))
+        if (
+            layer is not None
+            and layer.method.keeps_quantized
+            and all(isinstance(t, QuantizedTensor) for t in parts)
+        ):
+            quantized = QuantizedTensor.cat(parts)
+            if quantized.shape != tuple(param.shape):
+                raise WeightLoadError(f"shape mismatch for {param_name}: expected {tuple(param.shape)}, "
+                                      f"the checkpoint's quantized weights make {quantized.shape}")  # fmt: skip
+            layer.quantized = quantized  # packed by its method's prepare(), below
+            continue
+        parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
+        parts = [t.t() if transform == "t" else t for t in parts]
         tensor = torch.cat(parts) if transform == "cat" else parts[0]
         if tensor.shape != param.shape:
             shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts, strict=True))
@@ -141,11 +171,10 @@ def load_model(
             )
         _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
         del parts, tensor
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
     if config.positions == "rope":
         model.inv_freq = rope_inv_freq(config).to(device)
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    quantized = {f"{name}.weight" for name, m in linears.items() if m.quantized is not None}
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if still_meta:
         raise WeightLoadError(f"parameters not loaded: {', '.join(still_meta)}")
     model.eval().requires_grad_(False)

@@ -29,6 +29,15 @@ class Ops:
     linear: object = field(default_factory=PlainLinear)  # every GEMM's LinearMethod (model/linear.py)
     # (x, residual | None, weight, eps) -> [norm(x + residual), x + residual]: the C++ kernel; None = PyTorch ops
     rms_norm: Callable | None = None
+    silu_mul: Callable | None = None  # [gate, up] -> silu(gate) * up: the C++ kernel; None = PyTorch ops
+
+    @classmethod
+    def with_kernels(cls, linear, kernels) -> "Ops":
+        """`linear` GEMMs, and the norm and activation of kvserve's C++ CPU kernels (model/kernels.py), or
+        PyTorch ops when kernels is None."""
+        if kernels is None:
+            return cls(linear)
+        return cls(linear, kernels.rms_norm, kernels.silu_mul)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -50,14 +59,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] in Hugging Face's half-split layout; cos [T, 1, D] = (cos, cos), sin = (-sin, sin).
-
-    Equals (x1 cos - x2 sin, x2 cos + x1 sin) bit for bit: rolling by D/2 swaps the halves.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
-
-
 class Norm(nn.Module):
     def __init__(self, config: ModelConfig, kernel: Callable | None = None):
         super().__init__()
@@ -73,8 +74,12 @@ class Norm(nn.Module):
             return self.kernel(x, None, self.weight, self.eps)[0]
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one pass with the kernel."""
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass with the kernel; (norm(x), x) without a residual."""
+        if residual is None:
+            return self(x), x
         if self.kernel is not None:
             normed, x = self.kernel(x, residual, self.weight, self.eps)
             return normed, x
@@ -97,13 +102,8 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x)
-        qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-        if rope is not None:  # q and k rotated in one go
-            qk = apply_rope(qk, *rope)
-        q, k = qk.split((H, KVH), dim=1)
-        v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split((H, KVH, KVH), dim=1)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale)
         return self.o(out.reshape(T, -1))
 
 
@@ -114,13 +114,16 @@ class MLP(nn.Module):
         n_up = 2 * config.intermediate_size if self.swiglu else config.intermediate_size
         self.up = Linear(config.hidden_size, n_up, config.out_bias, ops.linear)  # swiglu: [gate; up] fused
         self.down = Linear(config.intermediate_size, config.hidden_size, config.out_bias, ops.linear)
+        self.silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(h, approximate="tanh"))
+        if not self.swiglu:
+            return self.down(F.gelu(h, approximate="tanh"))
+        if self.silu_mul is not None:
+            return self.down(self.silu_mul(h))
+        gate, up = h.chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -129,9 +132,12 @@ class Block(nn.Module):
         self.norm1, self.attn = Norm(config, ops.rms_norm), Attention(config, ops)
         self.norm2, self.mlp = Norm(config, ops.rms_norm), MLP(config, ops)
 
-    def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
-        h, x = self.norm2.add_forward(x, self.attn(self.norm1(x), rope, k_cache, v_cache, meta))
-        return x + self.mlp(h)
+    def forward(self, x, residual, rope, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's output, residual: the stream it adds to (None before the first block).
+        Returns this block's output and the stream it adds to: the next norm adds them (one fused pass)."""
+        h, residual = self.norm1.add_forward(x, residual)
+        h, residual = self.norm2.add_forward(self.attn(h, rope, k_cache, v_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -139,7 +145,14 @@ class Transformer(nn.Module):
         super().__init__()
         ops = ops or Ops()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # [vocab, hidden] as checkpoints store both: the LM head multiplies, the embedding looks rows up
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops.linear, rows=True)
+        if config.tie_word_embeddings:  # one matrix, both uses
+            self.embed = self.lm_head
+        else:
+            self.embed = Linear(
+                config.hidden_size, config.vocab_size, False, ops.linear, rows=True, gemm=False
+            )
         self.pos_embed = (
             nn.Embedding(config.max_position_embeddings, config.hidden_size)
             if config.positions == "learned"
@@ -147,8 +160,6 @@ class Transformer(nn.Module):
         )
         self.layers = nn.ModuleList(Block(config, ops) for _ in range(config.num_layers))
         self.norm = Norm(config, ops.rms_norm)
-        # Tied embeddings: the loader makes lm_head.weight the embedding's own parameter.
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops.linear, keeps_weight=True)
         if config.positions == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -159,7 +170,7 @@ class Transformer(nn.Module):
         meta,  # the step's attention metadata (model/attention.py)
         kv_cache: KVCache,
     ) -> torch.Tensor:  # [T, hidden], final norm applied
-        x = self.embed(input_ids)
+        x = self.embed.rows(input_ids, self.norm.weight.dtype)
         rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
@@ -170,19 +181,11 @@ class Transformer(nn.Module):
                 torch.cat((cos, cos), -1).to(x.dtype)[:, None],
                 torch.cat((-sin, sin), -1).to(x.dtype)[:, None],
             )
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, *kv_cache.layer(i), meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, *kv_cache.layer(i), meta)
+        return self.norm.add_forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, num_exact: int = 8) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        logits = self.lm_head(hidden).float()
-        weight = self.lm_head.weight
-        if weight.dtype != torch.float32 and num_exact:
-            # 16-bit logits keep ~3 significant digits (steps of 0.125 around 25), so near-ties between
-            # the top candidates would be settled by rounding. Recompute those few in float32; the
-            # elementwise product + last-dim sum keeps every row independent of its batch.
-            top = logits.topk(num_exact, dim=-1).indices  # [N, k]
-            exact = (hidden.float()[:, None, :] * weight[top].float()).sum(-1)  # [N, k]
-            logits.scatter_(1, top, exact)
-        return logits
+        return self.lm_head.logits(hidden)

@@ -1,9 +1,14 @@
-"""Offline benchmarks: the model alone (prefill, single-stream decode) and the engine under concurrency."""
+"""Offline benchmarks: the model alone (prefill, single-stream decode), the engine under concurrency, and the
+quality of a quantized model against its float32 reference."""
 
 import json
+import math
 import random
 import statistics
 import time
+from pathlib import Path
+
+import torch
 
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
@@ -113,6 +118,50 @@ def bench_steps(engines: dict[str, Engine], batch_size: int, input_len: int, ste
         "batch_size": batch_size,
         **{f"{name}_tokens_per_s": round(batch_size / statistics.median(t), 1) for name, t in times.items()},
     }
+
+
+DEFAULT_QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"  # ~3,000 tokens of varied English
+FRANCE = "What is the capital of France?"
+
+
+def bench_quality(test: Engine, reference: Engine, text: str, window: int) -> dict:
+    """How far the test engine's next-token distributions are from the reference's over a text: mean
+    KL(reference || test) per position, how often their most likely tokens agree, and each one's perplexity
+    on the text (llama.cpp's --kl-divergence measures the same). The text is read in windows of `window`
+    tokens, each a fresh sequence, so both see exactly the same inputs."""
+    ids = test.tokenizer.encode(text)
+    kld, agree, nll_test, nll_ref, n = 0.0, 0, 0.0, 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        p = torch.log_softmax(reference.score(chunk).double(), dim=-1)[:-1]  # [n - 1, vocab]
+        q = torch.log_softmax(test.score(chunk).double(), dim=-1)[:-1]
+        target = torch.tensor(chunk[1:])[:, None]
+        kld += (p.exp() * (p - q)).sum().item()
+        agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
+        nll_ref -= p.gather(1, target).sum().item()
+        nll_test -= q.gather(1, target).sum().item()
+        n += len(chunk) - 1
+    return {
+        "tokens": n,
+        "mean_kld": round(kld / n, 6),
+        "top1_agreement": round(agree / n, 4),
+        "perplexity": round(math.exp(nll_test / n), 3),
+        "reference_perplexity": round(math.exp(nll_ref / n), 3),
+        "france": answer(test, FRANCE),
+    }
+
+
+def answer(engine: Engine, question: str, max_tokens: int = 24) -> str:
+    """The engine's greedy answer to one chat question."""
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    engine.add_request("question", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    text = ""
+    while engine.has_work():
+        text += "".join(o.text for o in engine.step())
+    return text
 
 
 def print_json(result: dict) -> None:

@@ -17,6 +17,7 @@ from server.commands import (
     cmd_bench_kernels,
     cmd_bench_model,
     cmd_bench_offline,
+    cmd_bench_quality,
     cmd_chat,
     cmd_convert_gguf,
     cmd_fetch,
@@ -90,6 +91,14 @@ MODEL_FLAGS = (
     ),
     Flag("--max-model-len", None, int, env=True),
     Flag(
+        "--quantization",
+        "auto",
+        choices=("auto", "none", "int8", "int4"),
+        env=True,
+        help="auto: serve a GGUF's quantized weights as they are (CPU); none: dequantized; int8, int4: also "
+        "quantize dense weights at load",
+    ),
+    Flag(
         "--cpu-kernels",
         "auto",
         choices=("auto", "on", "off"),
@@ -157,6 +166,10 @@ BENCH_STEPS_FLAGS = (  # bench-invariance and bench-kernels: two engines' decode
     Flag("--input-len", 128, int),
     Flag("--steps", 100, int, help="decode steps measured per engine and batch size"),
 )
+BENCH_QUALITY_FLAGS = (
+    Flag("--text", help="a UTF-8 text file (default: ~3,000 tokens shipped with kvserve)"),
+    Flag("--window", 512, int, help="tokens per sequence the text is cut into"),
+)
 BENCH_MODEL_FLAGS = (
     Flag("--dtypes", nargs="+", help="dtypes to measure in turn (default: --dtype, or float32 and bfloat16)"),
     Flag("--prompt-len", 128, int),
@@ -221,6 +234,11 @@ def commands() -> dict[str, Command]:
             cmd_bench_kernels,
             "decode tokens/s with the C++ CPU kernels and with PyTorch ops, interleaved",
             (model, ("benchmark", BENCH_STEPS_FLAGS)),
+        ),
+        "bench-quality": Command(
+            cmd_bench_quality,
+            "mean KL divergence and top-1 agreement of the model (e.g. quantized) against float32",
+            (model, ("benchmark", BENCH_QUALITY_FLAGS)),
         ),
         "bench-model": Command(
             cmd_bench_model,

@@ -26,11 +26,15 @@ def parse_size(text: str | int) -> int:
 
 
 def resolve_model(args) -> str:
-    if args.model:
-        return args.model
-    from weights.fetch import ensure_default_model
+    """The model folder to load: --model's folder, a folder converted from --model's GGUF file, or the
+    embedded default (fetched and converted first when absent)."""
+    from weights.fetch import ensure_default_model, ensure_gguf_folder
     from weights.store import weights_dir
 
+    if args.model and args.model.endswith(".gguf"):
+        return str(ensure_gguf_folder(Path(args.model), weights_dir(args.weights_dir)))
+    if args.model:
+        return args.model
     return str(ensure_default_model(weights_dir(args.weights_dir)))
 
 
@@ -48,6 +52,7 @@ def engine_config(args, **overrides):
         batch_invariant=args.batch_invariant,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         cpu_kernels=args.cpu_kernels,
     )
     for k, v in overrides.items():
@@ -64,7 +69,8 @@ def build_engine(args, **overrides):
 def server_config(args, model_path: str | None):
     from server.api.config import ServerConfig
 
-    name = args.served_model_name or (Path(model_path).name if model_path else DEFAULT_MODEL_NAME)
+    path = Path(model_path) if model_path else None
+    name = args.served_model_name or (path.name.removesuffix(".gguf") if path else DEFAULT_MODEL_NAME)
     return ServerConfig(
         served_model_name=name,
         api_key=args.api_key,
@@ -203,6 +209,22 @@ def cmd_bench_model(args) -> int:
         engine = build_engine(args, max_num_seqs=1)
         print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
         del engine
+    return 0
+
+
+def cmd_bench_quality(args) -> int:
+    from server.bench import DEFAULT_QUALITY_TEXT, bench_quality, print_json
+
+    text = Path(args.text or DEFAULT_QUALITY_TEXT).read_text(encoding="utf-8")
+    test = build_engine(args, max_num_seqs=1)
+    # the same weights, dequantized, in float32
+    reference = build_engine(
+        args, max_num_seqs=1, dtype="float32", quantization="none", batch_invariant=False
+    )
+    config = test.config
+    result = bench_quality(test, reference, text, args.window)
+    print_json({"quantization": config.quantization, "dtype": str(test.runner.dtype).removeprefix("torch."),
+                "text": args.text or "default", **result})  # fmt: skip
     return 0
 
 

@@ -143,7 +143,7 @@ def forward_sequence(
 
 
 class CpuPath:
-    """Load and run models with the C++ CPU kernels (attention and RMSNorm) or with PyTorch ops."""
+    """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops."""
 
     def __init__(self, kernels: bool):
         self.kernels = kernels
@@ -154,8 +154,8 @@ class CpuPath:
         from model.loader import load_model
         from model.transformer import Ops
 
-        rms_norm = cpu_kernels().rms_norm if self.kernels else None
-        return load_model(path, dtype, "cpu", Ops(linear or PlainLinear(), rms_norm))
+        ops = Ops.with_kernels(linear or PlainLinear(), cpu_kernels() if self.kernels else None)
+        return load_model(path, dtype, "cpu", ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
         return forward_sequence(model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels)

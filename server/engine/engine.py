@@ -8,6 +8,8 @@ which tokens run       what they computed    deltas, and who      advance, appen
 import dataclasses
 import random
 
+import torch
+
 from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig
 from server.engine.output_processor import OutputProcessor
@@ -84,6 +86,15 @@ class Engine:
         outputs, finished = self.outputs.process(scheduled, computed)
         self.scheduler.update(scheduled, {k: s.token_id for k, s in computed.sampled.items()}, finished)
         return outputs
+
+    def score(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """[n, vocab] float32 logits at every position of one text, for quality benchmarks; only when no
+        request is left (it writes the cache's first blocks, so the prefix cache starts afresh after)."""
+        if self.has_work():
+            raise RuntimeError("the engine still has requests")
+        logits = self.runner.score(token_ids, chunk)
+        self.reset()
+        return logits
 
     def reset(self, **changes) -> None:
         """Start afresh over the same model, cache and kernels (an empty prefix cache), with EngineConfig

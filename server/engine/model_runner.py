@@ -69,6 +69,22 @@ class ModelRunner:
             result.sampled = self._sample(hidden[rows], [c.request for c, _ in sampled])
         return result
 
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], chunk: int) -> torch.Tensor:
+        """[n, vocab] float32 logits at every position of one sequence, fed `chunk` tokens at a time through
+        the cache's first blocks (the caller makes sure no request holds them)."""
+        block_size = self.kv_cache.block_size
+        table = list(range(-(-len(token_ids) // block_size)))
+        if len(table) > self.num_blocks:
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
+        logits = []
+        for start in range(0, len(token_ids), chunk):
+            ids = token_ids[start : start + chunk]
+            positions, meta = self.attention.build([len(ids)], [start + len(ids)], [table])
+            hidden = self.model(torch.tensor(ids).to(self.device), positions, meta, self.kv_cache)
+            logits.append(self.model.compute_logits(hidden))
+        return torch.cat(logits)
+
     def _sample(self, hidden: torch.Tensor, reqs: list[Request]) -> dict[str, SampledToken]:
         logits = self.model.compute_logits(hidden)
         result = sample(logits, self._sampling_tensors(reqs))

@@ -6,6 +6,7 @@ switched later.
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -14,8 +15,9 @@ from model.attention_cpu import CpuKernelAttention
 from model.config import ModelConfig
 from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
-from model.linear import OneDnnLinear, PlainLinear
+from model.linear import Linear, OneDnnLinear, PlainLinear
 from model.loader import load_model
+from model.quant import QUANTIZED_FILE, QuantizedLinear
 from model.transformer import Ops
 from server.engine.config import EngineConfig
 from server.engine.model_runner import ModelRunner
@@ -30,20 +32,29 @@ CPU_KV_CACHE_BYTES = 2 << 30
 def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     bound_onednn_caches()
     device = select_device(config.device)
-    dtype = select_dtype(config.dtype, device)
+    kernels = select_cpu_kernels(config.cpu_kernels, device)
+    bits = select_quantization(config, device, kernels, Path(model_path))
+    # the quantized GEMMs take bfloat16 activations
+    dtype = (
+        torch.bfloat16 if bits is not None and config.dtype == "auto" else select_dtype(config.dtype, device)
+    )
     # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders) for
     # small row counts: the GEMMs that do pad small batches (measured per weight shape at load). By default
     # for 16-bit dtypes (the CPU default), where it is nearly free, not for float32, where more GEMMs pad.
+    # The quantized GEMMs are batch-invariant as they are.
     invariant = config.batch_invariant if config.batch_invariant is not None else dtype != torch.float32
     invariant = invariant and device.type == "cpu"
-    kernels = select_cpu_kernels(config.cpu_kernels, device)
-    linear = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
-    ops = Ops(linear=linear(batch_invariant=invariant), rms_norm=kernels.rms_norm if kernels else None)
+    dense = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
+    linear = dense(batch_invariant=invariant)
+    if bits is not None:
+        linear = QuantizedLinear(kernels, linear, bits or None)
+    ops = Ops.with_kernels(linear, kernels)
     log.info("loading %s on %s in %s", model_path, device, str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_path, dtype, device, ops)
     log.info(
-        "GEMMs: %s%s; attention and RMSNorm: %s",
-        "weights packed for oneDNN" if linear is OneDnnLinear else "F.linear",
+        "GEMMs: %s%s%s; attention and RMSNorm: %s",
+        describe_weights(model) if bits is not None else "",
+        "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if kernels else "PyTorch ops",
     )
@@ -63,6 +74,42 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
         )
         log.info("attention pads queries to %d", min_query_len)
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype)
+
+
+def select_quantization(config: EngineConfig, device: torch.device, kernels, path: Path) -> int | None:
+    """How the weights run: None = dense (a checkpoint's quantized weights dequantized), 0 = a checkpoint's
+    quantized weights kept so, 4 / 8 = dense weights also quantized to that many bits at load."""
+    mode, quantized_file = config.quantization, (path / QUANTIZED_FILE).is_file()
+    if mode not in ("auto", "none", "int8", "int4"):
+        raise ValueError(f"unknown --quantization {mode!r}: use auto, none, int8 or int4")
+    if mode == "none":
+        return None
+    why_not = None
+    if device.type != "cpu":
+        why_not = "the quantized GEMMs are CPU kernels"
+    elif kernels is None:
+        why_not = "the C++ CPU kernels are off or could not be built"
+    elif config.dtype not in ("auto", "bfloat16"):
+        why_not = f"the quantized GEMMs take bfloat16 activations, not {config.dtype}"
+    if why_not and mode != "auto":
+        raise ValueError(f"--quantization {mode}: {why_not}")
+    if why_not:
+        if quantized_file:
+            log.warning("serving the quantized weights of %s dequantized: %s", path, why_not)
+        return None
+    return {"auto": 0, "int8": 8, "int4": 4}[mode] if mode != "auto" or quantized_file else None
+
+
+def describe_weights(model) -> str:
+    """e.g. '4-bit x 210, 8-bit x 1 (kvserve's quantized kernel); dense ': what the quantized path holds."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            kind = f"{m.bits}-bit" if m.bits else "dense"
+            counts[kind] = counts.get(kind, 0) + 1
+    return (
+        ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())) + " (kvserve's quantized kernel); dense "
+    )
 
 
 def bound_onednn_caches(capacity: int = 256) -> None:

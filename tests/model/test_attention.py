@@ -3,6 +3,7 @@ import torch
 
 from model.attention import (
     TorchAttention,
+    apply_rope,
     attend,
     attend_sdpa,
     min_query_len_for_invariance,
@@ -61,7 +62,7 @@ def test_paged_attention_equals_textbook_formula(heads, kv_heads, head_dim, q_le
         v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
     _, meta = build_metadata([q_len], [ctx_len], [table], block_size, cache=k_cache)
     scale = head_dim**-0.5
-    out = paged_attention(q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, meta, None, scale)
     ref = naive_attention(q, k_all, v_all, scale, causal_offset=ctx_len - q_len)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
@@ -73,7 +74,7 @@ def test_sliding_window_limits_the_keys():
     k, v, q = (torch.randn(n, H, D, dtype=torch.float64) for _ in range(3))
     k_cache, v_cache = empty_cache(32, H, D, torch.float64)
     _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window, cache=k_cache)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, None, 0.3)
     for i in (0, 7, 19):  # query i sees keys i-window+1 .. i
         lo = max(0, i - window + 1)
         ref = naive_attention(q[i : i + 1], k[lo : i + 1], v[lo : i + 1], 0.3, causal_offset=i - lo)
@@ -96,12 +97,12 @@ def test_mixed_batch_equals_each_sequence_alone(dtype):
     _, meta = build_metadata(
         [a for a, _ in lens], [b for _, b in lens], tables, bs, min_query_len=min_query_len, cache=k_cache
     )
-    out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5)
+    out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, None, D**-0.5)
     start = 0
     for (qlen, ctx), table in zip(lens, tables, strict=True):
         _, m1 = build_metadata([qlen], [ctx], [table], bs, min_query_len=min_query_len, cache=k_cache)
         s = slice(start, start + qlen)
-        alone = paged_attention(q[s], k[s], v[s], k_cache.clone(), v_cache.clone(), m1, D**-0.5)
+        alone = paged_attention(q[s], k[s], v[s], k_cache.clone(), v_cache.clone(), m1, None, D**-0.5)
         assert torch.equal(out[s], alone)
         start += qlen
 
@@ -123,7 +124,7 @@ def test_chunked_queries_equal_one_chunk(dtype):
         for c in chunks:
             _, meta = build_metadata([c], [done + c], [table], bs, min_query_len=min_query_len, cache=k_cache)
             s = slice(done, done + c)
-            outs.append(paged_attention(q[s], k[s], v[s], k_cache, v_cache, meta, D**-0.5))
+            outs.append(paged_attention(q[s], k[s], v[s], k_cache, v_cache, meta, None, D**-0.5))
             done += c
         return torch.cat(outs)
 
@@ -174,7 +175,7 @@ def kernel_attention(q, k, v, k_cache, v_cache, lens, tables, block_size, window
         [a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window, cpu_kernel=True
     )
     assert isinstance(meta, CpuKernelMetadata)
-    return paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, None, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.timeout(120)
@@ -249,3 +250,36 @@ def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(dtyp
         ([17, 17, 41], 4),
     ):
         assert torch.equal(run(chunks, neighbours), full), (chunks, neighbours)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(dtype):
+    """Given the new k and v and the rotary cos/sin, the kernel rotates q and k, writes k and v by slot and
+    attends in one call: what PyTorch's apply_rope + index_copy_ + the kernel give (up to rounding)."""
+    torch.manual_seed(8)
+    H, KVH, D, bs = 6, 2, 16, 4
+    lens = [(1, 9), (5, 5), (3, 17)]  # (new tokens, context length)
+    tables = [[i * 8 + j for j in range(8)] for i in range(len(lens))]
+    T = sum(a for a, _ in lens)
+    q, k, v = (torch.randn(T, h, D).to(dtype) for h in (H, KVH, KVH))
+    angles = torch.rand(T, D // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
+    caches = torch.randn(2, KVH, 24 * bs, D).to(dtype)
+    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, cpu_kernel=True)
+    fused_k, fused_v = caches[0].clone(), caches[1].clone()
+    fused = paged_attention(q, k, v, fused_k, fused_v, meta, (cos, sin), D**-0.5)
+    apart_k, apart_v = caches[0].clone(), caches[1].clone()
+    kr = apply_rope(k.float(), cos.float(), sin.float()).to(dtype)
+    apart_k.index_copy_(1, meta.slot_mapping, kr.transpose(0, 1))
+    apart_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    qr = apply_rope(q.float(), cos.float(), sin.float()).to(dtype)
+    apart = meta.kernel(qr, apart_k, apart_v, meta.block_tables, meta.seqs, bs, D**-0.5, 0, 16)
+    assert torch.equal(fused_v, apart_v)
+    # the kernel may fuse a product and a sum (one rounding fewer): keys within one step of the target dtype
+    step = 2**-22 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(fused_k.float(), apart_k.float(), rtol=step, atol=step)
+    assert (fused_k == apart_k).float().mean() > 0.95
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the fused path keeps rotated q unrounded
+    torch.testing.assert_close(fused.float(), apart.float(), rtol=tol, atol=tol)

@@ -12,7 +12,8 @@ def test_cpu_kernels_build_here():
     """CI machines have a C++ compiler: the kernels must build there, not silently fall back."""
     kernels = cpu_kernels()
     assert kernels is not None
-    assert hasattr(kernels, "paged_attention") and hasattr(kernels, "rms_norm")
+    for name in ("paged_attention", "rms_norm", "silu_mul", "q4_gemm", "q8_gemm", "q4_rows", "q8_rows"):
+        assert hasattr(kernels, name), name
 
 
 def transformers_rms_norm(x, weight, eps):
@@ -86,3 +87,18 @@ def test_cpu_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch,
         assert "could not be built" in caplog.text and "c++: command not found" in caplog.text
     finally:
         model.kernels.cpu_kernels.cache_clear()  # the next caller builds (loads) the real one again
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_rounds_as_transformers_does(dtype):
+    """silu(gate) * up from [gate, up]: transformers' LlamaMLP rounds after silu and after the product."""
+    x = (torch.randn(9, 2 * 40) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_kernels().silu_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # exp may differ in its last float32 bit from torch's vectorised one: at most one bfloat16 step apart
+        assert (got.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-7
+        assert (got == expected).float().mean() > 0.98

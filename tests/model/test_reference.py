@@ -28,10 +28,13 @@ def reference(default_model_dir):
 def ours(default_model_dir):
     """The model in float32, once with each CPU path (its RMSNorm is chosen at construction)."""
     from model.kernels import cpu_kernels
+    from model.linear import PlainLinear
     from model.transformer import Ops
 
     return {
-        "cpp": load_model(default_model_dir, torch.float32, ops=Ops(rms_norm=cpu_kernels().rms_norm)),
+        "cpp": load_model(
+            default_model_dir, torch.float32, ops=Ops.with_kernels(PlainLinear(), cpu_kernels())
+        ),
         "torch": load_model(default_model_dir, torch.float32),
     }
 

@@ -98,7 +98,7 @@ def test_wrong_checksum_is_refused(tmp_path, monkeypatch, pip_calls):
 
 @pytest.mark.timeout(60)
 def test_interrupted_conversion_leaves_no_model_folder(tmp_path, monkeypatch, pip_calls):
-    def interrupted(src, dst, progress):
+    def interrupted(src, dst, progress, dense=True):
         (dst / "config.json").write_text("{}")
         raise KeyboardInterrupt
 

@@ -1,0 +1,31 @@
+// SwiGLU's activation on the CPU: silu(gate) * up in one pass over the MLP's fused [gate, up] output.
+
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+// x [T, 2F] = [gate, up] -> silu(gate) * up [T, F], rounded as transformers' LlamaMLP rounds it: silu in float32,
+// rounded to x's dtype, times up in float32, rounded again.
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2F]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "float32, bfloat16 or float16 only");
+  x = x.contiguous();
+  const int64_t T = x.size(0), F = x.size(1) / 2;
+  auto y = torch::empty({T, F}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t f = 0; f < F; ++f) {
+          const float g = to_float(xp[t * 2 * F + f]);
+          const float silu = to_float(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
+          yp[t * F + f] = static_cast<scalar_t>(silu * to_float(xp[t * 2 * F + F + f]));
+        }
+    });
+  });
+  return y;
+}

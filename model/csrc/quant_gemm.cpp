@@ -1,0 +1,272 @@
+// GEMMs on quantized weights (CPU): y = x W^T (+ bias), x in bfloat16, W in groups of 32 weights along K,
+// each group stored as small integers q with a float32 scale d (and, 4-bit, a minimum):
+//   q4 (GGUF Q4_0, Q4_1, int4 at load): w = d * q + m, q in 0..15
+//   q8 (GGUF Q8_0, int8 at load):       w = d * q,     q in -127..127
+// The integers are exact in bfloat16, so a group's sum runs on the exact weights: sum_k x_k q_k, in float32
+// (bfloat16 pair products are exact in float32), then times d (plus m * sum_k x_k). Nothing is rounded to a
+// 16-bit weight. A 4-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives
+// 128 + q; the 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
+//
+// Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups of 32:
+//   q4: [tiles, groups, 8 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low nibble) and
+//       q[4c + 2 + i] (high nibble)
+//   q8: [tiles, groups, 16 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[2c + i]
+//   scales (d), mins (m): [tiles, groups, 16] float16 (as GGUF stores them: exact)
+// Every row of x runs the same instructions in the same order whatever the batch, so a token's output has the
+// same bits alone or in any batch (no padding needed).
+
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef uint8_t vbyte32 __attribute__((vector_size(32)));
+typedef uint16_t vword32 __attribute__((vector_size(64)));
+typedef int8_t vsbyte32 __attribute__((vector_size(32)));
+typedef int16_t vsword32 __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(VL * sizeof(uint32_t))));
+
+constexpr int TILE = 16;   // output rows per tile (vector lanes)
+constexpr int GROUP = 32;  // weights per scale
+constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers)
+
+template <typename V, typename W>
+inline V bitcast(W w) {
+  static_assert(sizeof(V) == sizeof(W));
+  V v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+// acc + the pairwise dot products of 16 lanes of bfloat16 pairs: w (packed weights) and x (one pair, the same
+// in every lane). With AVX512-BF16 one instruction; elsewhere the same products in float32.
+inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
+#if defined(__AVX512BF16__)
+  return bitcast<vfloat>(_mm512_dpbf16_ps(bitcast<__m512>(acc), bitcast<__m512bh>(w),
+                                          bitcast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)))));
+#else
+  const float x_even = bitcast<float>(x << 16), x_odd = bitcast<float>(x & 0xFFFF0000u);
+  acc += bitcast<vfloat>(w & 0xFFFF0000u) * x_odd;
+  return acc + bitcast<vfloat>(w << 16) * x_even;
+#endif
+}
+
+// 16 float16 -> float32
+inline vfloat load_halves(const at::Half* p) {
+#if defined(__AVX512F__)
+  return bitcast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  vfloat v;
+  for (int l = 0; l < VL; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+// 32 nibble-bytes -> two vectors of 16 bfloat16 pairs, 128 + q each (low nibbles, high nibbles)
+inline void unpack_q4(const uint8_t* p, vuint& low, vuint& high) {
+  vbyte32 b;
+  __builtin_memcpy(&b, p, 32);
+  const vuint w = bitcast<vuint>(__builtin_convertvector(b, vword32));  // lane j: byte 2j | byte 2j+1 << 16
+  low = (w & 0x000F000Fu) | 0x43004300u;
+  high = ((w >> 4) & 0x000F000Fu) | 0x43004300u;
+}
+
+// 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256)
+inline vuint unpack_q8(const uint8_t* p) {
+  vsbyte32 b;
+  __builtin_memcpy(&b, p, 32);
+  const vint w = bitcast<vint>(__builtin_convertvector(b, vsword32));  // lane j: q[2j] | q[2j+1] << 16 (signed)
+  const vfloat even = __builtin_convertvector((w << 16) >> 16, vfloat), odd = __builtin_convertvector(w >> 16, vfloat);
+  return (bitcast<vuint>(even) >> 16) | (bitcast<vuint>(odd) & 0xFFFF0000u);
+}
+
+// y[r] (16 outputs of one tile) for R rows of x, over all groups
+template <bool Q4, int R>
+void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const at::Half* scale,
+               const at::Half* min, int64_t groups, vfloat* y) {
+  constexpr int CHUNKS = Q4 ? 8 : 16;
+  for (int r = 0; r < R; ++r) y[r] = vfloat{};
+  for (int64_t g = 0; g < groups; ++g) {
+    vfloat acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vfloat{};
+    const uint8_t* wg = w + g * CHUNKS * 32;
+    for (int c = 0; c < CHUNKS; ++c) {
+      if constexpr (Q4) {
+        vuint low, high;
+        unpack_q4(wg + c * 32, low, high);
+        const int64_t k = g * GROUP / 2 + 2 * c;  // in bfloat16 pairs
+        for (int r = 0; r < R; ++r) {
+          acc[r] = dot_pairs(acc[r], low, x[r][k]);
+          acc[r] = dot_pairs(acc[r], high, x[r][k + 1]);
+        }
+      } else {
+        const vuint pairs = unpack_q8(wg + c * 32);
+        const int64_t k = g * GROUP / 2 + c;
+        for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
+      }
+    }
+    const vfloat d = load_halves(scale + g * TILE);
+    for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
+    if constexpr (Q4) {
+      const vfloat offset = load_halves(min + g * TILE) - 128.0f * d;
+      for (int r = 0; r < R; ++r) y[r] += offset * xsum[r][g];
+    }
+  }
+}
+
+template <bool Q4>
+void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const at::Half* scale,
+                const at::Half* min, int64_t groups, vfloat* y) {
+  switch (R) {
+#define ROWS(n) \
+  case n: return tile_rows<Q4, n>(x, xsum, w, scale, min, groups, y);
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+  }
+}
+
+template <typename Out>
+inline void store(Out* dst, int64_t n, vfloat v, const float* bias) {
+  for (int64_t l = 0; l < n; ++l) dst[l] = static_cast<Out>(bias ? v[l] + bias[l] : v[l]);
+}
+
+torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> mins,
+                   std::optional<torch::Tensor> bias, int64_t N, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), groups = K / GROUP, tiles = (N + TILE - 1) / TILE;
+  const int64_t chunk_bytes = (q4 ? 8 : 16) * 32;
+  TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == tiles * groups * chunk_bytes, "packed weights mismatch");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == tiles * groups * TILE, "scales mismatch");
+  TORCH_CHECK(!q4 || (mins && mins->numel() == scales.numel()), "mins mismatch");
+  const float* bias_p = nullptr;
+  torch::Tensor b;
+  if (bias) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias mismatch");
+    bias_p = b.data_ptr<float>();
+  }
+  packed = packed.contiguous();
+  scales = scales.contiguous();
+  torch::Tensor mins_c = q4 ? mins->contiguous() : torch::Tensor();
+  auto out = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* op = q4 ? mins_c.data_ptr<at::Half>() : nullptr;
+  // each row's sum over each group (the offset term), left to right
+  torch::Tensor xsum;
+  const float* xs = nullptr;
+  if (q4) {
+    xsum = torch::empty({M, groups}, x.options().dtype(at::kFloat));
+    float* dst = xsum.data_ptr<float>();
+    const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+    at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float s = 0.0f;
+        for (int k = 0; k < GROUP; ++k) s += static_cast<float>(xb[i * GROUP + k]);
+        dst[i] = s;
+      }
+    });
+    xs = dst;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const uint32_t* xr[MAX_ROWS];
+    const float* xsr[MAX_ROWS];
+    vfloat y[MAX_ROWS];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, n = std::min<int64_t>(TILE, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m0));
+        for (int r = 0; r < R; ++r) {
+          xr[r] = xp + (m0 + r) * (K / 2);
+          xsr[r] = xs ? xs + (m0 + r) * groups : nullptr;
+        }
+        const int64_t off = t * groups;
+        if (q4)
+          rows_block<true>(R, xr, xsr, wp + off * chunk_bytes, sp + off * TILE, op + off * TILE, groups, y);
+        else
+          rows_block<false>(R, xr, xsr, wp + off * chunk_bytes, sp + off * TILE, nullptr, groups, y);
+        for (int r = 0; r < R; ++r) {
+          const float* bp = bias_p ? bias_p + n0 : nullptr;
+          if (float_out)
+            store(out.data_ptr<float>() + (m0 + r) * N + n0, n, y[r], bp);
+          else
+            store(reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + (m0 + r) * N + n0, n, y[r], bp);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// x [M, K] bfloat16 -> [M, N] bfloat16 (float32 with float_out): see the layout above
+torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                      std::optional<torch::Tensor> bias, int64_t N, bool float_out) {
+  return gemm(true, x, packed, scales, mins, bias, N, float_out);
+}
+
+torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias,
+                      int64_t N, bool float_out) {
+  return gemm(false, x, packed, scales, std::nullopt, bias, N, float_out);
+}
+
+namespace {
+
+// rows ids of the dequantized weight, float32 [n, K]: the exact values
+torch::Tensor rows(bool q4, torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> mins,
+                   torch::Tensor ids, int64_t K) {
+  const int64_t groups = K / GROUP, chunk_bytes = (q4 ? 8 : 16) * 32;
+  ids = ids.to(at::kLong).contiguous();
+  packed = packed.contiguous();
+  scales = scales.contiguous();
+  torch::Tensor mins_c = q4 ? mins->contiguous() : torch::Tensor();
+  const int64_t n = ids.numel();
+  auto out = torch::empty({n, K}, scales.options().dtype(at::kFloat));
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* op = q4 ? mins_c.data_ptr<at::Half>() : nullptr;
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t row = ip[r], t = row / TILE, j = row % TILE;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* wg = wp + (t * groups + g) * chunk_bytes;
+        const float d = static_cast<float>(sp[(t * groups + g) * TILE + j]);
+        float* o = dst + r * K + g * GROUP;
+        if (q4) {
+          const float m = static_cast<float>(op[(t * groups + g) * TILE + j]);
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 2; ++i) {
+              const uint8_t b = wg[c * 32 + 2 * j + i];
+              o[4 * c + i] = static_cast<float>(b & 15) * d + m;  // two roundings, as model/quant.py's
+              o[4 * c + 2 + i] = static_cast<float>(b >> 4) * d + m;
+            }
+        } else {
+          for (int c = 0; c < 16; ++c)
+            for (int i = 0; i < 2; ++i) o[2 * c + i] = static_cast<int8_t>(wg[c * 32 + 2 * j + i]) * d;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor q4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, torch::Tensor ids, int64_t K) {
+  return rows(true, packed, scales, mins, ids, K);
+}
+
+torch::Tensor q8_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor ids, int64_t K) {
+  return rows(false, packed, scales, std::nullopt, ids, K);
+}

@@ -1,0 +1,45 @@
+"""The embedded default model on its quantized path (its GGUF's Q4_1 blocks, Q8_0 embedding): what it holds,
+how close it stays to float32, and that its answers still hold."""
+
+import pytest
+
+from server.bench import DEFAULT_QUALITY_TEXT, bench_quality
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def quantized(default_model_dir) -> Engine:
+    return Engine(str(default_model_dir), EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=4))
+
+
+@pytest.mark.timeout(120)
+def test_the_default_model_is_served_from_its_quantized_weights(quantized):
+    from model.linear import Linear
+
+    model = quantized.runner.model
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert {m.bits for name, m in linears.items() if name.startswith("layers.")} == {4}  # the GGUF's Q4_1
+    assert model.lm_head.bits == 8 and model.embed is model.lm_head  # Q8_0, tied
+    held = {
+        t.data_ptr(): t.numel() * t.element_size()
+        for t in [*model.parameters(), *model.buffers()]
+        if not t.is_meta
+    }
+    assert sum(held.values()) < 110e6  # bytes of weights resident (bf16 dense: ~270 MB plus oneDNN's copies)
+
+
+@pytest.mark.timeout(600)
+def test_quality_against_float32_with_the_same_weights(quantized, default_model_dir):
+    """The targets: mean KL divergence <= 0.005 and top-1 agreement >= 98% on the shipped text, and the France
+    question still answered Paris."""
+    reference = Engine(
+        str(default_model_dir),
+        EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=4, dtype="float32", quantization="none"),
+    )
+    result = bench_quality(quantized, reference, DEFAULT_QUALITY_TEXT.read_text(), window=512)
+    print(result)
+    assert result["tokens"] > 2500
+    assert result["mean_kld"] <= 0.005 and result["top1_agreement"] >= 0.98
+    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.02
+    assert "Paris" in result["france"]

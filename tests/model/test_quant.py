@@ -1,0 +1,125 @@
+"""Quantized weights (model/quant.py) and the C++ GEMM on them (model/csrc/quant_gemm.cpp); the GGUF blocks
+come through the converter's quantized file format (weights/gguf_convert.py), as the loader reads them."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from model.kernels import cpu_kernels
+from model.linear import Linear, PlainLinear
+from model.quant import QuantizedLinear, QuantizedTensor
+from weights.gguf_convert import quantized_parts
+
+GGUF_TYPES = {
+    "Q4_0": GGMLQuantizationType.Q4_0,
+    "Q4_1": GGMLQuantizationType.Q4_1,
+    "Q8_0": GGMLQuantizationType.Q8_0,
+}
+
+
+def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTensor, np.ndarray]:
+    """A random weight quantized by the gguf package: ours, and gguf's own dequantized values."""
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    t = GGUF_TYPES[kind]
+    raw = quants.quantize(w, t)
+    parts = quantized_parts(SimpleNamespace(data=raw, tensor_type=t), (N, K))
+    return QuantizedTensor.from_parts({k: torch.from_numpy(v) for k, v in parts.items()}), quants.dequantize(
+        raw, t
+    )
+
+
+def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> Linear:
+    N, K = qt.shape
+    layer = Linear(K, N, bias is not None, QuantizedLinear(cpu_kernels(), PlainLinear()), rows=True)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    layer.quantized = qt
+    layer.method.prepare(layer)
+    return layer
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_read_as_gguf_dequantizes_them(kind):
+    qt, reference = gguf_weight(kind, 24, 96)
+    ours = qt.dequantize().numpy()
+    if kind == "Q4_0":  # gguf computes d (q - 8); we keep d q + (-8 d): the same up to one rounding
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=np.abs(reference).max() * 2**-22)
+    else:
+        assert np.array_equal(ours, reference)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (7, 32), (100, 576)])  # N not a multiple of 16 too
+def test_gemm_computes_x_times_the_exact_weights(kind, N, K):
+    qt, _ = gguf_weight(kind, N, K, seed=N + K)
+    layer = layer_for(qt)
+    x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = x.double() @ qt.dequantize().double().T  # [13, N]
+    with torch.inference_mode():
+        got32 = layer.logits(x)
+        got16 = layer(x)
+    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16 and got16.shape == (13, N)
+    scale = exact.abs().max()
+    torch.testing.assert_close(got32.double(), exact, rtol=0, atol=1e-5 * scale)
+    assert torch.equal(got16, got32.bfloat16())  # the same sums, rounded once
+
+
+@pytest.mark.timeout(120)
+def test_bias_is_added_in_float32():
+    qt, _ = gguf_weight("Q4_1", 32, 64)
+    bias = torch.randn(32)
+    layer = layer_for(qt, bias)
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        without = layer_for(qt).logits(x)
+        assert torch.equal(layer.logits(x), without + bias)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_row_gets_the_same_bits_in_any_batch(kind):
+    qt, _ = gguf_weight(kind, 64, 192)
+    layer = layer_for(qt)
+    x = torch.randn(37, 192, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        full = layer(x)
+        for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(3, 12), slice(8, 25), slice(36, 37)):
+            assert torch.equal(layer(x[rows]), full[rows]), rows
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_rows_are_the_exact_weights(kind):
+    qt, _ = gguf_weight(kind, 50, 64)
+    layer = layer_for(qt)
+    ids = torch.tensor([0, 49, 17, 17, 3])
+    assert torch.equal(layer.rows(ids, torch.float32), qt.dequantize()[ids])
+    assert layer.weight.is_meta  # only the packed form is held
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_at_load_rounds_each_weight_to_its_group_grid(bits):
+    w = torch.randn(20, 64) * torch.linspace(0.01, 2, 64)  # groups of very different ranges
+    qt = QuantizedTensor.quantize(w, bits)
+    err = (qt.dequantize() - w).abs().view(20, 2, 32)
+    assert (err <= qt.scale.float()[..., None] * 0.51 + 1e-4).all()  # half a step (scales are float16)
+    if bits == 4:
+        assert qt.q.max() <= 15 and torch.equal(qt.min, w.view(20, 2, 32).amin(-1).half())
+    else:
+        assert qt.q.abs().max() <= 127
+
+
+@pytest.mark.timeout(60)
+def test_fused_and_reordered_rows_stay_exact():
+    a, _ = gguf_weight("Q4_1", 16, 64, seed=1)
+    b, _ = gguf_weight("Q4_1", 8, 64, seed=2)
+    fused = QuantizedTensor.cat([a, b])
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    order = torch.randperm(24)
+    assert torch.equal(fused.select_rows(order).dequantize(), fused.dequantize()[order])

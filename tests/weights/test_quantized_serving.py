@@ -1,0 +1,72 @@
+"""A GGUF served with its own quantized weights: loaded as they are, computing what their dequantized values do."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import SamplingParams
+from weights.fetch import ensure_gguf_folder
+
+
+def engine_for(folder, **config) -> Engine:
+    return Engine(str(folder), EngineConfig(kv_cache_memory=8 << 20, block_size=4, **config))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(
+    tmp_path, tiny_gguf, byte_vocab, type_name
+):
+    from model.linear import Linear
+
+    qtype = GGMLQuantizationType[type_name]
+    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=qtype, tied=True)
+    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    quantized = engine_for(folder)
+    dequantized = engine_for(folder, quantization="none", dtype="float32")
+    bits = {m.bits for m in quantized.runner.model.modules() if isinstance(m, Linear)}
+    assert bits == {8 if type_name == "Q8_0" else 4}  # every matrix of the tiny GGUF is in type_name
+    assert all(m.weight.is_meta for m in quantized.runner.model.modules() if isinstance(m, Linear))
+    ids = list(range(3, 60))
+    a, b = quantized.score(ids), dequantized.score(ids)
+    # bfloat16 activations against float32: close, and the same most likely token nearly everywhere
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.timeout(180)
+def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab):
+    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    engine = engine_for(ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False),
+                        max_num_batched_tokens=24)  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = {f"p{i}": list(range(5 + i, 40 + 3 * i)) for i in range(6)}
+
+    def run(group: dict) -> dict:
+        for rid, ids in group.items():
+            engine.add_request(rid, ids, params)
+        tokens = {rid: [] for rid in group}
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    together = run(prompts)
+    alone = {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+    assert together == alone
+    assert engine.stats().kv_cache_usage == 0
+
+
+@pytest.mark.timeout(120)
+def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, tiny_gguf, byte_vocab):
+    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        engine_for(folder, quantization="int4", dtype="float32")
+    with pytest.raises(ValueError, match="unknown --quantization"):
+        engine_for(folder, quantization="int3")
+    # auto with float32 serves the same file dequantized (and says so in the log)
+    model = engine_for(folder, dtype="float32").runner.model
+    assert model.lm_head.weight.dtype == torch.float32 and not model.lm_head.weight.is_meta
