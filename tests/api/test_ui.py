@@ -1,16 +1,16 @@
 """The chat page over plain HTTP: what is served, with which headers, to whom; the browser tests are in
 test_chat_page.py."""
 
+import hashlib
 import re
+import tomllib
+from pathlib import Path, PurePosixPath
 
 import httpx
-import pytest
 
 from server import cli
 from server.api.app import ServerConfig, create_app, openapi_yaml
 from server.api.ui import FILES, STATIC
-
-pytestmark = pytest.mark.timeout(60)
 
 KEY = "sk-kvserve-ui-test-51d2"
 
@@ -114,3 +114,20 @@ def test_the_page_is_not_in_the_openapi_document():
     with_page = openapi_yaml(create_app(None, ServerConfig(ui=True)))
     assert with_page == openapi_yaml(create_app(None, ServerConfig(ui=False)))
     assert "/ui/" not in with_page and "\n  /:\n" not in with_page
+
+
+def test_every_page_file_is_package_data():
+    """A wheel (not only an editable install) carries the page: pyproject's package-data names every file."""
+    root = Path(__file__).resolve().parents[2]
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["server.api"]
+    for name in FILES:
+        assert any(PurePosixPath("static", name).match(g) for g in globs), name
+
+
+def test_the_vendored_library_is_the_one_the_readme_names():
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256((STATIC / "vendor/markdown-it.esm.min.mjs").read_bytes()).hexdigest()
+    readme = (root / "README.md").read_text()
+    assert f"sha256 `{digest}`" in readme and "markdown-it@15.0.3" in readme
+    assert (STATIC / "vendor/markdown-it.esm.min.mjs").read_text().startswith("/*! markdown-it 15.0.3 ")
