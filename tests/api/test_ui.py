@@ -8,8 +8,10 @@ from pathlib import Path, PurePosixPath
 
 import httpx
 
-from server import cli
-from server.api.app import ServerConfig, create_app, openapi_yaml
+from server import cli, commands
+from server.api.app import create_app
+from server.api.config import ServerConfig
+from server.api.openapi import openapi_yaml
 from server.api.ui import FILES, STATIC
 
 KEY = "sk-kvserve-ui-test-51d2"
@@ -102,7 +104,7 @@ def test_no_ui_turns_the_page_off(tiny_engine, start_server, monkeypatch):
         parsed = {}
         monkeypatch.setattr(cli, "cmd_serve", lambda args: parsed.setdefault("args", args) and 0)
         cli.main(["serve", *flags])  # parses the flags; serves nothing
-        return cli.server_config(parsed["args"], None)
+        return commands.server_config(parsed["args"], None)
 
     assert config().ui is True
     assert config("--no-ui").ui is False
