@@ -450,3 +450,21 @@ def test_html_and_script_in_an_answer_show_as_text(browser, serve_app):
         assert (
             browser.find_elements(By.CSS_SELECTOR, "#messages script, #messages img, #messages iframe") == []
         )
+
+        # Storage is input too: malformed entries are dropped, a title is text.
+        title = "<img src=x onerror=\"window.pwned = 'title'\">"
+        stored = [
+            {"id": 1},
+            None,
+            {"id": "x", "title": title, "messages": [{"role": "assistant", "content": "**ok**"}]},
+        ]
+        page.js("localStorage.setItem('kvserve.conversations', arguments[0])", json.dumps(stored))
+        page.js("localStorage.setItem('kvserve.current', JSON.stringify('x'))")
+        browser.refresh()
+        page.wait(lambda: page.messages() == [("assistant", "ok")], "the stored conversation")
+        assert [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#conversations button.open")] == [
+            title
+        ]
+        assert browser.find_elements(By.CSS_SELECTOR, "#conversations img") == []
+        assert page.js("return window.pwned === undefined")
+        assert page.console_errors() == []

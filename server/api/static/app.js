@@ -87,8 +87,17 @@ function save(key, value) {
   }
 }
 
+// Whatever another version of the page (or a hand edit) left in storage, keep only well-formed conversations.
+const wellFormed = (c) =>
+  c && typeof c.id === "string" && Array.isArray(c.messages) &&
+  c.messages.every((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
 let conversations = load(STORE.conversations, []);
-if (!Array.isArray(conversations)) conversations = [];
+conversations = Array.isArray(conversations) ? conversations.filter(wellFormed) : [];
+for (const c of conversations) {
+  c.title = String(c.title ?? "Chat");
+  c.system = String(c.system ?? "");
+  c.updated = Number(c.updated) || 0;
+}
 let currentId = load(STORE.current, null);
 const settings = { ...DEFAULT_SETTINGS, ...load(STORE.settings, {}) };
 
@@ -96,7 +105,9 @@ const saveConversations = () => save(STORE.conversations, conversations);
 const current = () => conversations.find((c) => c.id === currentId);
 
 function newConversation() {
-  const conversation = { id: crypto.randomUUID(), title: "New chat", system: "", messages: [], updated: Date.now() };
+  // Not crypto.randomUUID(): browsers offer it only in secure contexts, and kvserve is often plain http on a LAN.
+  const id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
+  const conversation = { id, title: "New chat", system: "", messages: [], updated: Date.now() };
   conversations.unshift(conversation);
   currentId = conversation.id;
   save(STORE.current, currentId);
@@ -251,6 +262,7 @@ function describe(s, finish) {
   const parts = [];
   if (finish === "stopped") parts.push("stopped");
   if (finish === "length") parts.push("cut at max tokens");
+  if (finish === "error") parts.push("interrupted");
   if (s.ttft !== null) parts.push(`first token ${s.ttft.toFixed(2)} s`);
   parts.push(`${s.exact ? "" : "≈"}${s.tokens} tokens`);
   if (s.tokensPerSecond) parts.push(`${s.tokensPerSecond.toFixed(1)} tokens/s`);
