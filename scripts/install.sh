@@ -71,8 +71,8 @@ fi
 if [ -n "$extras" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "installing chromium and chromium-driver for the browser tests (apt-get)"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+            || echo "warning: apt-get could not install chromium + chromium-driver: the browser tests will fail" >&2
     else
         echo "warning: /usr/bin/chromium or /usr/bin/chromedriver is missing and this is not root with apt-get:" \
             "the chat page's browser tests will fail until Debian's chromium and chromium-driver are installed" >&2
