@@ -3,7 +3,8 @@
 #
 #   scripts/install.sh [--test] [--deps-only]
 #
-#   --test        also install the test extras
+#   --test        also install the test extras, and Debian's chromium + chromium-driver for the chat page's
+#                 browser tests (with apt-get, when they are missing and this runs as root)
 #   --deps-only   install torch and pyproject.toml's requirements but not kvserve itself: the Dockerfiles run
 #                 this on pyproject.toml alone, so the dependency layer stays cached while the source changes
 #
@@ -64,4 +65,16 @@ else
     # server or in the middle of a test. Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
     "$python" -c "from model.kernels import cpu_kernels; cpu_kernels()"
     echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
+fi
+# The chat page's tests drive a real browser: Debian's Chromium through its own ChromeDriver (the pair always
+# matches; nothing is downloaded from a browser vendor). ~1-2 minutes on a machine that has neither.
+if [ -n "$extras" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing chromium and chromium-driver for the browser tests (apt-get)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+            || echo "warning: apt-get could not install chromium + chromium-driver: the browser tests will fail" >&2
+    else
+        echo "warning: /usr/bin/chromium or /usr/bin/chromedriver is missing and this is not root with apt-get:" \
+            "the chat page's browser tests will fail until Debian's chromium and chromium-driver are installed" >&2
+    fi
 fi

@@ -125,6 +125,7 @@ SERVER_FLAGS = (
         env=True,
         help="seconds a request body may take to arrive; slower ones get 408",
     ),
+    Flag("--no-ui", False, store_true=True, env=True, help="no chat page at /"),
 )
 CLIENT_FLAGS = (  # kvserve chat and kvserve bench, against any OpenAI-compatible server
     Flag("--url", "http://127.0.0.1:8000", env=True),

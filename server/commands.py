@@ -80,6 +80,7 @@ def server_config(args, model_path: str | None):
         read_timeout=args.read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         system_prompt=args.system_prompt,
+        ui=not args.no_ui,
     )
 
 
@@ -110,9 +111,9 @@ def cmd_serve(args) -> int:
             server.should_exit = True
             return
         set_engine(app, engine)
-        log.info(
-            "ready: serving %s at http://%s:%d/v1", app.state.config.served_model_name, args.host, args.port
-        )
+        url = f"http://{args.host}:{args.port}"
+        page = "" if args.no_ui else f", chat page at {url}/"
+        log.info("ready: serving %s at %s/v1%s", app.state.config.served_model_name, url, page)
         log_stats_periodically(engine, server)
 
     threading.Thread(target=load, name="kvserve-load", daemon=True).start()

@@ -13,6 +13,7 @@ from server.api.metrics import Metrics
 from server.api.middleware import RequestGuard
 from server.api.openapi import openapi_schema
 from server.api.routes import api_router, health_router
+from server.api.ui import ui_router
 from server.engine.async_engine import AsyncEngine
 
 
@@ -33,6 +34,8 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     app.state.metrics = Metrics(config.served_model_name, lambda: app.state.engine)
     app.include_router(health_router)
     app.include_router(api_router)
+    if config.ui:
+        app.include_router(ui_router)
     add_error_handlers(app)
     app.add_middleware(
         RequestGuard, max_request_bytes=config.max_request_bytes, read_timeout=config.read_timeout

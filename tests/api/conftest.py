@@ -121,6 +121,12 @@ def _wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None
 
 
 @pytest.fixture
+def serve_app():
+    """serve_app(app): a context manager running the app (its base URL), for a test that stops it itself."""
+    return serve
+
+
+@pytest.fixture
 def scrape():
     return _scrape
 

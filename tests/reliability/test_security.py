@@ -1,5 +1,6 @@
-"""Security: the API key guards every route but /health and /metrics and never reaches the logs; no request
-names a file the server reads; CORS is off unless origins are given; the default bind is loopback."""
+"""Security: the API key guards every API route (not /health, /metrics or the chat page) and never reaches the
+logs; no request names a file the server reads; CORS is off unless origins are given; the default bind is
+loopback."""
 
 import httpx
 import pytest
@@ -34,6 +35,8 @@ def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
         assert r.status_code == 200, (route, r.text)
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
+    page = client.get("/")  # the chat page asks for the key in the browser; it holds none
+    assert page.status_code == 200 and "<title>kvserve chat</title>" in page.text and KEY not in page.text
     # a request that carries the key in its body and a wrong key in the header: neither is logged
     client.post(
         "/v1/completions", json={"prompt": KEY, "max_tokens": 2}, headers={"Authorization": f"Bearer {KEY}"}
