@@ -19,6 +19,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -85,30 +87,48 @@ inline vuint unpack_q8(const uint8_t* p) {
   return (bitcast<vuint>(even) >> 16) | (bitcast<vuint>(odd) & 0xFFFF0000u);
 }
 
-// y[r] (16 outputs of one tile) for R rows of x, over all groups
+// Pair vectors per group: vector v of group g holds the 16 lanes' weights k = 2v, 2v + 1 of the group
+constexpr int VECS = GROUP / 2;
+
+// the tile's weights as bfloat16 pair vectors, [groups][VECS] (to reuse them over many rows)
+template <bool Q4>
+void unpack_tile(const uint8_t* w, int64_t groups, vuint* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * 512 / (Q4 ? 2 : 1);
+    vuint* o = out + g * VECS;
+    for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
+      if constexpr (Q4)
+        unpack_q4(wg + c * 32, o[2 * c], o[2 * c + 1]);
+      else
+        o[c] = unpack_q8(wg + c * 32);
+    }
+  }
+}
+
+// y[r] (16 outputs of one tile) for R rows of x, over all groups: from the packed weights, or (unpacked set)
+// from the tile unpacked once. Either way each row gets the same operations in the same order.
 template <bool Q4, int R>
-void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const at::Half* scale,
-               const at::Half* min, int64_t groups, vfloat* y) {
-  constexpr int CHUNKS = Q4 ? 8 : 16;
+void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked,
+               const at::Half* scale, const at::Half* min, int64_t groups, vfloat* y) {
   for (int r = 0; r < R; ++r) y[r] = vfloat{};
   for (int64_t g = 0; g < groups; ++g) {
     vfloat acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
-    const uint8_t* wg = w + g * CHUNKS * 32;
-    for (int c = 0; c < CHUNKS; ++c) {
-      if constexpr (Q4) {
+    const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
+    auto dot_rows = [&](vuint pairs, int64_t k) {
+      for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
+    };
+    if (unpacked) {
+      for (int v = 0; v < VECS; ++v) dot_rows(unpacked[k0 + v], k0 + v);
+    } else if constexpr (Q4) {
+      for (int c = 0; c < 8; ++c) {
         vuint low, high;
-        unpack_q4(wg + c * 32, low, high);
-        const int64_t k = g * GROUP / 2 + 2 * c;  // in bfloat16 pairs
-        for (int r = 0; r < R; ++r) {
-          acc[r] = dot_pairs(acc[r], low, x[r][k]);
-          acc[r] = dot_pairs(acc[r], high, x[r][k + 1]);
-        }
-      } else {
-        const vuint pairs = unpack_q8(wg + c * 32);
-        const int64_t k = g * GROUP / 2 + c;
-        for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
+        unpack_q4(w + g * 256 + c * 32, low, high);
+        dot_rows(low, k0 + 2 * c);
+        dot_rows(high, k0 + 2 * c + 1);
       }
+    } else {
+      for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(w + g * 512 + c * 32), k0 + c);
     }
     const vfloat d = load_halves(scale + g * TILE);
     for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
@@ -120,11 +140,11 @@ void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t
 }
 
 template <bool Q4>
-void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const at::Half* scale,
-                const at::Half* min, int64_t groups, vfloat* y) {
+void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked,
+                const at::Half* scale, const at::Half* min, int64_t groups, vfloat* y) {
   switch (R) {
 #define ROWS(n) \
-  case n: return tile_rows<Q4, n>(x, xsum, w, scale, min, groups, y);
+  case n: return tile_rows<Q4, n>(x, xsum, w, unpacked, scale, min, groups, y);
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
@@ -176,25 +196,30 @@ torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor
     });
     xs = dst;
   }
+  // More rows than one block: each tile's weights are unpacked once and reused by every block of rows.
+  const bool reuse = M > MAX_ROWS;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     const uint32_t* xr[MAX_ROWS];
     const float* xsr[MAX_ROWS];
     vfloat y[MAX_ROWS];
+    std::vector<vuint> unpacked(reuse ? groups * VECS : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, n = std::min<int64_t>(TILE, N - n0);
+      const int64_t n0 = t * TILE, n = std::min<int64_t>(TILE, N - n0), off = t * groups;
+      if (reuse && q4) unpack_tile<true>(wp + off * chunk_bytes, groups, unpacked.data());
+      if (reuse && !q4) unpack_tile<false>(wp + off * chunk_bytes, groups, unpacked.data());
+      const vuint* up = reuse ? unpacked.data() : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m0));
         for (int r = 0; r < R; ++r) {
           xr[r] = xp + (m0 + r) * (K / 2);
           xsr[r] = xs ? xs + (m0 + r) * groups : nullptr;
         }
-        const int64_t off = t * groups;
         if (q4)
-          rows_block<true>(R, xr, xsr, wp + off * chunk_bytes, sp + off * TILE, op + off * TILE, groups, y);
+          rows_block<true>(R, xr, xsr, wp + off * chunk_bytes, up, sp + off * TILE, op + off * TILE, groups, y);
         else
-          rows_block<false>(R, xr, xsr, wp + off * chunk_bytes, sp + off * TILE, nullptr, groups, y);
+          rows_block<false>(R, xr, xsr, wp + off * chunk_bytes, up, sp + off * TILE, nullptr, groups, y);
+        const float* bp = bias_p ? bias_p + n0 : nullptr;
         for (int r = 0; r < R; ++r) {
-          const float* bp = bias_p ? bias_p + n0 : nullptr;
           if (float_out)
             store(out.data_ptr<float>() + (m0 + r) * N + n0, n, y[r], bp);
           else
