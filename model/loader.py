@@ -2,7 +2,7 @@
 
 The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
 time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. A folder
-may also hold quantized weights (model.quantized.safetensors, from a GGUF: model/quant.py): a linear layer whose
+may also hold quantized weights (quantized/model.safetensors, from a GGUF: model/quant.py): a linear layer whose
 method keeps them quantized gets them as they are; anything else gets them dequantized. Then each linear
 layer's method prepares its weight (packs, quantizes, measures its batch-invariance padding: model/linear.py).
 """
@@ -72,7 +72,7 @@ class Checkpoint:
 
     def __init__(self, path: Path, quantized: bool = False):
         index = path / "model.safetensors.index.json"
-        dense = [f for f in sorted(path.glob("*.safetensors")) if f.name != QUANTIZED_FILE]
+        dense = sorted(path.glob("*.safetensors"))
         self.quantized = (path / QUANTIZED_FILE).is_file() and (quantized or not dense)
         if self.quantized:
             files = [path / QUANTIZED_FILE]

@@ -2,7 +2,7 @@
 and multiplied by kvserve's C++ kernel (model/csrc/quant_gemm.cpp).
 
 A QuantizedTensor holds a weight's exact integers and per-group scales, in a plain [N, K] form that the loader
-can fuse (q/k/v, gate/up) and quantize into. It is read from model.quantized.safetensors, which kvserve's GGUF
+can fuse (q/k/v, gate/up) and quantize into. It is read from quantized/model.safetensors, which kvserve's GGUF
 converter writes (weights/gguf_convert.py: the GGUF's blocks as they are, under Hugging Face names and row
 order). QuantizedLinear, the weight format of model/linear.py's seam, packs it into the kernel's layout once,
 at load. Weights in any other format (dequantized by the converter) run through the dense method it is given.
@@ -17,7 +17,7 @@ GROUP = 32  # weights per scale, along K
 TILE = 16  # output rows per tile of the packed layout
 # The file and its parts, as weights/gguf_convert.py writes them: for a weight W [N, K], "W.q4" uint8
 # [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32]
-QUANTIZED_FILE = "model.quantized.safetensors"
+QUANTIZED_FILE = "quantized/model.safetensors"  # a sub-folder: tools that read every top-level *.safetensors skip it
 
 
 @dataclass

@@ -53,6 +53,7 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
         say(f"Adding the quantized weights of {gguf_path} to {model_dir}", progress)
         with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir) as staging:
             convert_gguf(gguf_path, Path(staging), progress, dense=False)
+            (model_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
             (Path(staging) / QUANTIZED_FILE).rename(model_dir / QUANTIZED_FILE)
         return model_dir
 

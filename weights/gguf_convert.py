@@ -2,7 +2,7 @@
 
 The folder gets config.json, generation_config.json, tokenizer.json, tokenizer_config.json (weights/
 gguf_tokenizer.py), and the weights under Hugging Face tensor names and row order:
-- model.quantized.safetensors: the GGUF's Q4_0, Q4_1 and Q8_0 tensors as they are (exact integers and
+- quantized/model.safetensors: the GGUF's Q4_0, Q4_1 and Q8_0 tensors as they are (exact integers and
   float32 scales, see QUANTIZED_FORMAT), every other tensor dequantized. kvserve serves it on CPU.
 - model.safetensors (unless dense=False): every tensor dequantized, for the dequantized path and transformers.
 Anything the converter cannot reproduce faithfully raises UnsupportedGGUFError naming it, rather than writing a
@@ -22,8 +22,10 @@ from tqdm import tqdm
 
 from weights.gguf_tokenizer import UnsupportedGGUFError, build_tokenizer, required
 
-QUANTIZED_FILE = "model.quantized.safetensors"
-# How model.quantized.safetensors stores a quantized weight W [N, K] (groups of 32 along K), read by
+# in a sub-folder, so that tools reading every top-level *.safetensors of the folder (llama.cpp's converter,
+# vLLM) never meet it
+QUANTIZED_FILE = "quantized/model.safetensors"
+# How quantized/model.safetensors stores a quantized weight W [N, K] (groups of 32 along K), read by
 # model/quant.py: "W.q4" uint8 [N, K / 2] (q[2i] | q[2i + 1] << 4, w = scale * q + min), "W.q8" int8 [N, K]
 # (w = scale * q), "W.scale" and "W.min" float16 [N, K / 32]. Dense tensors keep their plain name.
 QUANTIZED_FORMAT = "kvserve-quantized-1"
@@ -66,6 +68,7 @@ def convert_gguf(src: Path, dst: Path, progress: bool = True, dense: bool = True
     if dense:
         files["model.safetensors"] = ({name: t.to(dtype) for name, t in tensors.items()}, {"format": "pt"})
     for file, (contents, metadata) in files.items():
+        (dst / file).parent.mkdir(exist_ok=True)
         save_file(contents, dst / file, metadata)
         # safetensors creates the file owner-only (0600); a server running as another user must still read it.
         (dst / file).chmod(0o644)
@@ -143,7 +146,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def convert_tensors(
     gguf_tensors: dict[str, ReaderTensor], config: dict[str, Any], progress: bool, dense: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the dequantized tensors, or {} without dense; model.quantized.safetensors' tensors)."""
+    """(the dequantized tensors, or {} without dense; quantized/model.safetensors' tensors)."""
     shapes = expected_shapes(config)
     tensors, quantized, seen = {}, {}, set()
     for tensor in tqdm(

