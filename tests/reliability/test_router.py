@@ -2,7 +2,7 @@
 loopback: what the router needs from kvserve, prefix-aware routing against round-robin, and a replica drained
 under load.
 
-The replicas' KV caches are kept small (about 400 blocks) so that one replica cannot hold every shared
+The replicas' KV caches are kept small (350 blocks) so that one replica cannot hold every shared
 prefix of the workload: as in production, where the prompts sharing system prompts outgrow one replica's
 cache, a prefix is reused only where the router keeps sending it.
 """
@@ -22,12 +22,12 @@ import pytest
 from live_server import MODEL_NAME, Server, free_port, scrape, start_server, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
-# 400 blocks of 16 tokens at 4 KiB a block (the tiny llama in bfloat16): the workload's 15 prefixes take
+# 350 blocks of 16 tokens at 4 KiB a block (the tiny llama in bfloat16): the workload's 15 prefixes take
 # ~570 blocks in all, so a replica holds about half of them
-REPLICA_FLAGS = ("--kv-cache-memory", "1600KiB", "--shutdown-timeout", "20")
+REPLICA_FLAGS = ("--kv-cache-memory", "1400KiB", "--shutdown-timeout", "20")
 NUM_PREFIXES = 15
 PREFIX_CHARS = 600  # about as many tokens: the tiny tokenizer is byte-level with three merges
-ROUNDS = 4
+ROUNDS = 5
 
 
 class Router:
@@ -170,15 +170,16 @@ def test_prefix_aware_routing_beats_round_robin_and_a_drained_replica_loses_no_r
     print(
         f"prefix-cache hit rate: round_robin {rates['round_robin']:.3f}, cache_aware {rates['cache_aware']:.3f}"
     )
-    # cache_aware: every prefix stays on one replica, so all but its first use hit (up to 3/4 here);
+    # cache_aware: every prefix stays on one replica, so all but its first use hit (up to 4/5 here);
     # round-robin: each replica sees every prefix, more than its cache holds, and mostly misses
-    assert rates["cache_aware"] >= 0.55, rates
-    assert rates["cache_aware"] >= rates["round_robin"] + 0.25, rates
+    # (measured here: 0.76-0.77 against 0.28-0.32)
+    assert rates["cache_aware"] >= 0.6, rates
+    assert rates["cache_aware"] >= rates["round_robin"] + 0.3, rates
 
     # Drain replica A under load through the prefix-aware router: no request fails, and once the router's
     # health check has seen A's 503 it sends A nothing more.
     a, b = servers
-    long_body = {"model": MODEL_NAME, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    long_body = {"model": MODEL_NAME, "max_tokens": 100, "ignore_eos": True, "temperature": 0}
     prompts = shared_prefix_workload(3)
 
     async def drain_under_load() -> tuple[list[int], float, float]:
@@ -217,8 +218,6 @@ def test_prefix_aware_routing_beats_round_robin_and_a_drained_replica_loses_no_r
     assert sent_to_a_later == sent_to_a, "the router sent work to a replica it knew was draining"
     assert a.proc.wait(30) == 0, a.log()[-2000:]  # A finished what it had and exited cleanly
     assert "draining" in a.log()
-    assert (
-        httpx.post(f"{cache_aware.url}/v1/completions", json={**long_body, "prompt": "after"}).status_code
-        == 200
-    )
+    after = {**long_body, "prompt": "after", "max_tokens": 8}
+    assert httpx.post(f"{cache_aware.url}/v1/completions", json=after, timeout=60).status_code == 200
     assert scrape(b.url)["kvserve:request_success_total{length}"] > 0
