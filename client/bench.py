@@ -25,6 +25,8 @@ class Result:
     ttft: float = 0.0
     e2e: float = 0.0
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, if it says
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -49,8 +51,10 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Resul
                     else:
                         result.itl.append(now - last)
                     last = now
-                if event.get("usage"):
-                    result.output_tokens = event["usage"]["completion_tokens"]
+                if usage := event.get("usage"):
+                    result.output_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         result.e2e = time.perf_counter() - start
         result.ok = True
     except httpx.HTTPError as e:
@@ -65,13 +69,23 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": round(q[49], 4), "p90": round(q[89], 4), "p99": round(q[98], 4)}
 
 
+def shared_prefixes(rng: random.Random, count: int, length: int) -> list[str]:
+    """`count` distinct prompt beginnings of `length` words (system prompts several requests share)."""
+    if length == 0:
+        return [""]
+    return [" ".join(rng.choice(WORDS) for _ in range(length)) + "\n" for _ in range(count)]
+
+
 async def bench_http(args) -> dict:
-    """Send distinct streamed completions at `concurrency`: `num_requests` of them, or, with `duration`,
-    as many as start within that many seconds (at most `num_requests` if given). Prints a summary and a
-    JSON line."""
+    """Send streamed completions at `concurrency`: `num_requests` of them, or, with `duration`, as many as
+    start within that many seconds (at most `num_requests` if given). Each prompt is `input_len` random
+    words, after one of `num_shared_prefixes` shared beginnings of `shared_prefix_len` words when that is
+    set (a shared system prompt: what a prefix cache, and a router that knows it, make cheap). Prints a
+    summary and a JSON line."""
     url = args.url.rstrip("/")
     model = args.model or first_model(url, args.api_key)
     rng = random.Random(args.seed)
+    prefixes = shared_prefixes(rng, args.num_shared_prefixes, args.shared_prefix_len)
     limit = args.num_requests if args.num_requests is not None or args.duration else 64
     sent = 0
     results: list[Result] = []
@@ -81,7 +95,7 @@ async def bench_http(args) -> dict:
         nonlocal sent
         while (limit is None or sent < limit) and (deadline is None or time.perf_counter() < deadline):
             sent += 1
-            prompt = " ".join(rng.choice(WORDS) for _ in range(args.input_len))
+            prompt = rng.choice(prefixes) + " ".join(rng.choice(WORDS) for _ in range(args.input_len))
             body = {
                 "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -95,6 +109,8 @@ async def bench_http(args) -> dict:
     wall = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    prompt_tokens = sum(r.prompt_tokens for r in reported)
     summary = {
         "url": url,
         "model": model,
@@ -104,12 +120,18 @@ async def bench_http(args) -> dict:
         "wall_s": round(wall, 2),
         "requests_per_s": round(len(ok) / wall, 3),
         "output_tokens_per_s": round(out_tokens / wall, 1),
+        # share of prompt tokens the server found in its prefix cache (None: it does not say)
+        "cached_prompt_share": round(sum(r.cached_tokens for r in reported) / prompt_tokens, 3)
+        if prompt_tokens
+        else None,
         "ttft_s": _percentiles([r.ttft for r in ok]),
         "itl_s": _percentiles([t for r in ok for t in r.itl]),
         "e2e_s": _percentiles([r.e2e for r in ok]),
     }
     print(f"requests ok {len(ok)}, failed {summary['requests_failed']}, in {wall:.1f} s")
     print(f"output tokens/s {summary['output_tokens_per_s']}, requests/s {summary['requests_per_s']}")
+    if summary["cached_prompt_share"] is not None:
+        print(f"prompt tokens found in the prefix cache: {100 * summary['cached_prompt_share']:.1f}%")
     for name in ("ttft_s", "itl_s", "e2e_s"):
         print(f"{name[:-2]:>5}: " + ", ".join(f"{k} {v}" for k, v in summary[name].items()))
     for r in results:

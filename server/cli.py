@@ -153,6 +153,13 @@ BENCH_HTTP_FLAGS = (
     Flag("--num-requests", None, int, help="requests to send (default: 64, or no limit with --duration)"),
     Flag("--duration", None, float, help="send requests for this many seconds"),
     Flag("--input-len", 128, int, help="prompt length, in words (about tokens)"),
+    Flag(
+        "--shared-prefix-len",
+        0,
+        int,
+        help="words every prompt starts with, the same for all (a shared system prompt), before --input-len",
+    ),
+    Flag("--num-shared-prefixes", 1, int, help="distinct shared prefixes, drawn at random"),
     Flag("--output-len", 128, int),
     Flag("--seed", 0, int),
 )

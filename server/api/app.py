@@ -4,15 +4,16 @@ What the routes do lives in routes.py (thin) and the serving modules (completion
 errors in errors.py, the request guard in middleware.py, the OpenAPI document in openapi.py.
 """
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from server.api import fleet
 from server.api.config import ServerConfig
 from server.api.errors import add_error_handlers
 from server.api.metrics import Metrics
 from server.api.middleware import RequestGuard
 from server.api.openapi import openapi_schema
-from server.api.routes import api_router, health_router
+from server.api.routes import api_router, check_api_key, health_router
 from server.api.ui import ui_router
 from server.engine.async_engine import AsyncEngine
 
@@ -34,6 +35,8 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     app.state.metrics = Metrics(config.served_model_name, lambda: app.state.engine)
     app.include_router(health_router)
     app.include_router(api_router)
+    app.include_router(fleet.public_router)
+    app.include_router(fleet.router, dependencies=[Depends(check_api_key)])
     if config.ui:
         app.include_router(ui_router)
     add_error_handlers(app)

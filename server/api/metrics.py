@@ -1,6 +1,8 @@
 """Prometheus metrics, named like vLLM's with a `kvserve:` prefix and labelled with the served model name.
 
-Latency histograms are observed per request by the serving functions. Gauges and token/cache counters are
+The engine's gauges and counters are also exported under vLLM's own names (`vllm:*`, see _vllm_families),
+which is what the routers and gateways in front of vLLM fleets read: llm-d's endpoint picker, vLLM's
+production-stack router, dashboards. Latency histograms are observed per request by the serving functions. Gauges and token/cache counters are
 read from the engine's cumulative stats at scrape time, so they are exact without any bookkeeping here.
 Each app has its own registry, so several apps can live in one process (tests).
 """
@@ -15,6 +17,7 @@ from server.engine.request import RequestTimes
 from server.engine.stats import EngineStats
 
 PREFIX = "kvserve:"
+VLLM_PREFIX = "vllm:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
 TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -66,7 +69,8 @@ class Metrics:
 
 
 class _EngineCollector:
-    """Engine state at scrape time: gauges, and the engine's own cumulative counters."""
+    """Engine state at scrape time: gauges, and the engine's own cumulative counters; each twice, under
+    kvserve's names and under vLLM's."""
 
     def __init__(self, model_name: str, get_engine: Callable[[], AsyncEngine | None]):
         self.model_name = model_name
@@ -95,3 +99,43 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        yield from _vllm_families(self.model_name, s)
+
+
+def _vllm_families(model_name: str, s: EngineStats):
+    """The series the routers read, named and labelled as vLLM (v1) names them, `engine` label included.
+    llm-d's endpoint picker reads the three gauges and cache_config_info's block_size and num_gpu_blocks
+    labels (the KV capacity); the production-stack router reads the older names gpu_cache_usage_perc and
+    gpu_prefix_cache_{queries,hits}_total, which vLLM v1 still exports beside the new ones."""
+    labels, values = ["model_name", "engine"], [model_name, "0"]
+    gauges = [
+        ("num_requests_running", "Requests in the running batch.", s.num_running),
+        ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+        ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_cache_usage),
+        ("gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent (older name).", s.kv_cache_usage),
+    ]
+    counters = [
+        ("prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens),
+        ("generation_tokens", "Generated tokens.", s.num_generation_tokens),
+        ("num_preemptions", "Requests preempted to free KV-cache blocks.", s.num_preemptions),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        ("gpu_prefix_cache_queries", "Prefix cache queries, in tokens (older name).", s.prefix_cache_queries),
+        ("gpu_prefix_cache_hits", "Prefix cache hits, in tokens (older name).", s.prefix_cache_hits),
+    ]
+    for name, doc, value in gauges:
+        family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+    for name, doc, value in counters:
+        family = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+    info = GaugeMetricFamily(
+        VLLM_PREFIX + "cache_config_info",
+        "The KV cache's configuration, in the labels (value 1).",
+        labels=["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+    )
+    if s.num_blocks:  # not before the model has loaded and sized its cache
+        info.add_metric(["0", str(s.block_size), str(s.num_blocks), str(s.enable_prefix_caching)], 1)
+    yield info

@@ -8,6 +8,10 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks held by live requests (cached free blocks count as free)
+    # the KV cache's shape, fixed once the model has loaded (0 before)
+    num_blocks: int = 0
+    block_size: int = 0
+    enable_prefix_caching: bool = False
     # cumulative counters since start
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found

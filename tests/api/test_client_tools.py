@@ -50,3 +50,29 @@ def test_bench_with_a_duration_keeps_sending_until_it_is_over(start_server, tiny
     summary = run_bench(url, "--concurrency", "4", "--duration", "6", "--input-len", "2", "--output-len", "1")
     assert summary["wall_s"] >= 6
     assert summary["requests_ok"] > 64 and summary["requests_failed"] == 0  # more than the count default
+
+
+@pytest.mark.timeout(180)
+def test_bench_shared_prefix_is_found_in_the_servers_prefix_cache(start_server, tiny_engine):
+    """With --shared-prefix-len every prompt starts with one of the shared prefixes: after its first use,
+    the server finds it in its prefix cache (the summary reads usage's cached_tokens); without, nothing is."""
+    url, _ = start_server(tiny_engine)
+    common = ["--concurrency", "1", "--num-requests", "8", "--input-len", "2", "--output-len", "2"]
+    distinct = run_bench(url, *common, "--seed", "11")
+    shared = run_bench(
+        url, *common, "--seed", "12", "--shared-prefix-len", "24", "--num-shared-prefixes", "2"
+    )
+    assert distinct["requests_ok"] == shared["requests_ok"] == 8
+    assert distinct["cached_prompt_share"] < 0.05
+    # the prefix is ~90% of a prompt (the tiny model's context is 256 tokens): 2 first uses, then 6 hits
+    assert shared["cached_prompt_share"] > 0.4
+
+
+def test_bench_shared_prefixes_start_every_prompt():
+    import random
+
+    from client.bench import shared_prefixes
+
+    prefixes = shared_prefixes(random.Random(0), 3, 20)
+    assert len(set(prefixes)) == 3 and all(len(p.split()) == 20 and p.endswith("\n") for p in prefixes)
+    assert shared_prefixes(random.Random(0), 3, 0) == [""]

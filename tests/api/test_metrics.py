@@ -1,5 +1,7 @@
 """/metrics parses with prometheus-client's own parser, and the counters move by exactly what was served."""
 
+import json
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,3 +83,63 @@ def test_apps_have_their_own_registries(tiny_engine, start_server, scrape):
     )
     assert sum(v for k, v in scrape(url_b).items() if k.startswith("kvserve:request_success_total")) == 0
     assert 'model_name="b"' in httpx.get(f"{url_b}/metrics").text
+
+
+def test_vllm_named_series_the_routers_read(tiny_engine, tiny_llama_dir, start_server, scrape):
+    """Every series under vLLM's name carries the value of kvserve's own, with vLLM's labels; the cache
+    config holds the engine's real KV-cache shape (llm-d's endpoint picker reads the capacity from it)."""
+    url, _ = start_server(tiny_engine)
+    body = {"prompt": "the quick brown fox jumps over the lazy dog " * 2, "max_tokens": 3, "temperature": 0}
+    before = scrape(url, idle=True)
+    for _ in range(2):  # the second finds the first one's blocks
+        httpx.post(f"{url}/v1/completions", json=body)
+    samples = scrape(url, idle=True)
+    mirrored = {
+        "num_requests_running": "num_requests_running",
+        "num_requests_waiting": "num_requests_waiting",
+        "kv_cache_usage_perc": "kv_cache_usage_perc",
+        "gpu_cache_usage_perc": "kv_cache_usage_perc",
+        "prompt_tokens_total": "prompt_tokens_total",
+        "generation_tokens_total": "generation_tokens_total",
+        "num_preemptions_total": "num_preemptions_total",
+        "prefix_cache_queries_total": "prefix_cache_queries_total",
+        "prefix_cache_hits_total": "prefix_cache_hits_total",
+        "gpu_prefix_cache_queries_total": "prefix_cache_queries_total",
+        "gpu_prefix_cache_hits_total": "prefix_cache_hits_total",
+    }
+    for vllm_name, own in mirrored.items():
+        assert samples[f"vllm:{vllm_name}{{0}}"] == samples[f"kvserve:{own}"], vllm_name
+    moved = {
+        k: samples[k] - before[k]
+        for k in ("vllm:gpu_prefix_cache_hits_total{0}", "vllm:generation_tokens_total{0}")
+    }
+    assert moved["vllm:gpu_prefix_cache_hits_total{0}"] >= 16
+    assert moved["vllm:generation_tokens_total{0}"] == 6
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    assert families["vllm:num_requests_waiting"].type == "gauge"
+    assert families["vllm:gpu_prefix_cache_hits"].type == "counter"
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_prefix_cache_queries"):
+        (sample,) = families[name].samples
+        assert sample.labels == {"model_name": "test-model", "engine": "0"}
+    (info,) = families["vllm:cache_config_info"].samples
+    # the engine's 64 MiB cache, in blocks of 16 tokens: K and V, per layer, per KV head, in bfloat16 (on CPU)
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = 2 * config["num_hidden_layers"] * 16 * config["num_key_value_heads"] * head_dim * 2
+    assert info.value == 1
+    assert info.labels["block_size"] == "16"
+    assert info.labels["num_gpu_blocks"] == str((64 << 20) // block_bytes)
+    assert info.labels["enable_prefix_caching"] == "True"
+
+
+def test_routes_the_routers_poll(tiny_engine, start_server):
+    url, _ = start_server(tiny_engine, served_model_name="fleet-model")
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{url}/server_info").json() == {"served_model_name": "fleet-model"}
+    # while the model loads: not asleep, and /health (what the routers route by) says 503
+    loading, _ = start_server(None)
+    assert httpx.get(f"{loading}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{loading}/health").status_code == 503
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{loading}/metrics").text)}
+    assert families["vllm:cache_config_info"].samples == [], "no cache shape before the cache exists"

@@ -37,7 +37,7 @@ def test_every_route_has_component_schemas_errors_and_streams():
     paths = schema["paths"]
     assert set(paths) == {
         "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-        "/tokenize", "/detokenize",
+        "/tokenize", "/detokenize", "/is_sleeping", "/server_info",
     }  # fmt: skip
     for path, methods in paths.items():
         for method, op in methods.items():

@@ -17,6 +17,7 @@ ROUTES = [
     ("GET", f"/v1/models/{MODEL_NAME}", None),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5, 6]}),
+    ("GET", "/server_info", None),
 ]
 
 
@@ -37,6 +38,7 @@ def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
     assert client.get("/metrics").status_code == 200
     page = client.get("/")  # the chat page asks for the key in the browser; it holds none
     assert page.status_code == 200 and "<title>kvserve chat</title>" in page.text and KEY not in page.text
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     # a request that carries the key in its body and a wrong key in the header: neither is logged
     client.post(
         "/v1/completions", json={"prompt": KEY, "max_tokens": 2}, headers={"Authorization": f"Bearer {KEY}"}
