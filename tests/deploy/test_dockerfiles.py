@@ -160,6 +160,7 @@ def test_fetch_step_runs_against_a_weights_dir(name, tmp_path):
     model = tmp_path / DEFAULT_MODEL_NAME
     model.mkdir()
     for file in MODEL_FILES:
+        (model / file).parent.mkdir(parents=True, exist_ok=True)
         (model / file).write_text("{}")
     env = {**os.environ, "KVSERVE_WEIGHTS_DIR": str(tmp_path)}
     result = subprocess.run(
