@@ -2,9 +2,10 @@
 
 Its surface is all the API needs: validate, generate, abort, stats, the tokenizer and the limits
 (max_model_len, vocab_size), plus drain and shutdown. A background thread steps the Engine while there is
-work; the event loop never waits on the model: new requests and aborts are handed to the stepping thread
-through a queue and applied between steps; outputs come back with call_soon_threadsafe into one asyncio
-queue per request. When idle, the thread blocks on an Event (no polling).
+work; the event loop never waits on the model (the C++ kernels let go of the GIL while they run): new
+requests and aborts are handed to the stepping thread through a queue and applied between steps; outputs
+come back with call_soon_threadsafe into one asyncio queue per request. When idle, the thread blocks on an
+Event (no polling).
 """
 
 import asyncio
