@@ -17,7 +17,8 @@ GROUP = 32  # weights per scale, along K
 TILE = 16  # output rows per tile of the packed layout
 # The file and its parts, as weights/gguf_convert.py writes them: for a weight W [N, K], "W.q4" uint8
 # [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32]
-QUANTIZED_FILE = "quantized/model.safetensors"  # a sub-folder: tools that read every top-level *.safetensors skip it
+# a sub-folder: tools that read every top-level *.safetensors skip it
+QUANTIZED_FILE = "quantized/model.safetensors"
 
 
 @dataclass
