@@ -70,3 +70,21 @@ def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, tiny_gguf, by
     # auto with float32 serves the same file dequantized (and says so in the log)
     model = engine_for(folder, dtype="float32").runner.model
     assert model.lm_head.weight.dtype == torch.float32 and not model.lm_head.weight.is_meta
+
+
+@pytest.mark.timeout(60)
+def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, tiny_gguf, byte_vocab, caplog):
+    """The quantized GEMMs are CPU kernels: on CUDA the same folder is served dense (bfloat16 at load), with a
+    warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
+    reaches the device, so it is checked here without one."""
+    from server.engine.setup import select_quantization
+
+    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING"):
+        assert select_quantization(EngineConfig(), cuda, None, folder) is None
+    assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
+    with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
+        select_quantization(EngineConfig(quantization="int4"), cuda, None, folder)
+    assert select_quantization(EngineConfig(), torch.device("cpu"), object(), folder) == 0
