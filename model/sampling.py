@@ -1,4 +1,5 @@
-"""Batched sampling: penalties -> logit bias -> greedy -> temperature -> top-k -> top-p / min-p -> seeded draw.
+"""Batched sampling: penalties -> logit bias -> grammar mask -> greedy -> temperature -> top-k -> top-p / min-p ->
+seeded draw.
 
 Every stage is a pure tensor function over the whole batch with per-row parameter tensors: no loop over rows, no
 host read, so the runner reads the sampled ids back once per step. The draw is Gumbel-max with noise hashed from
@@ -41,6 +42,10 @@ class SamplingTensors:
     suppress_ids: Tensor | None  # [B, S] int64 padded with vocab_size, banned this step; None = none
     bias_ids: Tensor | None  # [B, K] int64 padded with vocab_size: OpenAI's logit_bias; None = no row has one
     bias_values: Tensor | None  # [B, K] f32, added to the logits of bias_ids
+    # Rows whose output follows a grammar, and their allowed tokens: bit j % 32 of word j // 32 set = token j
+    # allowed. None = no row has a grammar (the other rows are never touched).
+    grammar_rows: Tensor | None  # [G] int64 row indices
+    grammar_bitmask: Tensor | None  # [G, ceil(V / 32)] int32
     # Host-side flags taken from the request params, so stages no row needs are skipped without reading tensors.
     all_greedy: bool
     any_penalties: bool
@@ -71,6 +76,8 @@ class SamplingTensors:
         output_token_ids: list[list[int]] | None = None,
         suppress_ids: list[list[int]] | None = None,
         logit_bias: list[dict[int, float]] | None = None,
+        grammar_rows: list[int] | None = None,
+        grammar_bitmask: Tensor | None = None,
         max_num_logprobs: int | None = None,
     ) -> "SamplingTensors":
         """Per-row python values -> tensors on `device`: two packed host->device copies plus one per id list.
@@ -110,6 +117,10 @@ class SamplingTensors:
         if logit_bias is not None and any(logit_bias):
             bias_ids_t = _to(_pad([list(b) for b in logit_bias], vocab_size), device)
             bias_values_t = _to(_pad([list(b.values()) for b in logit_bias], 0.0, torch.float32), device)
+        grammar_rows_t = grammar_bitmask_t = None
+        if grammar_rows:
+            grammar_rows_t = _to(torch.tensor(grammar_rows, dtype=torch.int64), device)
+            grammar_bitmask_t = _to(grammar_bitmask, device)
         return cls(
             vocab_size=vocab_size,
             temperature=temperature_t,
@@ -126,6 +137,8 @@ class SamplingTensors:
             suppress_ids=suppress_t,
             bias_ids=bias_ids_t,
             bias_values=bias_values_t,
+            grammar_rows=grammar_rows_t,
+            grammar_bitmask=grammar_bitmask_t,
             all_greedy=all(temp == 0 for temp in temperature),
             any_penalties=any_penalties,
             any_top_k=any(top_k),
@@ -195,6 +208,15 @@ def suppress_tokens(logits: Tensor, ids: Tensor) -> Tensor:
     """logits [B, V] -> copy with each row's ids [B, S] (padded with V) set to -inf."""
     x = F.pad(logits, (0, 1))  # [B, V + 1]: the padding id V lands in the extra column
     return x.scatter_(1, ids, -torch.inf)[:, : logits.shape[1]]
+
+
+def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+    """logits [B, V] -> copy where each of `rows` [G] keeps only the tokens its bitmask [G, ceil(V / 32)] int32
+    allows (bit j % 32 of word j // 32); the other rows are left as they are."""
+    num_rows, vocab_size = rows.shape[0], logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(num_rows, -1)[:, :vocab_size].bool()  # [G, V]
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -torch.inf))
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, width: int) -> Tensor:
@@ -298,6 +320,8 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
         x = apply_logit_bias(x, t.bias_ids, t.bias_values)
     if t.suppress_ids is not None:
         x = suppress_tokens(x, t.suppress_ids)
+    if t.grammar_rows is not None:
+        x = apply_token_bitmask(x, t.grammar_rows, t.grammar_bitmask)
     token_ids = x.argmax(dim=-1)  # [B], the greedy answer
     if not t.all_greedy:
         x = x / torch.where(t.temperature > 0, t.temperature, 1.0)[:, None]

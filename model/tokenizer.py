@@ -8,6 +8,7 @@ from typing import Self
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
@@ -34,6 +35,10 @@ class Tokenizer:
         self.chat_template = chat_template
         # Compiled up front so that a broken --chat-template fails at startup, not on the first request.
         self._template = _compile_template(chat_template) if chat_template is not None else None
+        # Templates that render tools read `tools`; for the others the caller writes tools into the messages.
+        self.template_renders_tools = chat_template is not None and "tools" in _template_variables(
+            chat_template
+        )
         self.bos_token_id = self._special_token_id("bos_token")
         self.eos_token_id = self._special_token_id("eos_token")
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
@@ -75,6 +80,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (what other libraries, e.g. the grammar's, read)."""
+        return self._tokenizer.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
@@ -102,7 +111,9 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise ValueError(
                 "this model has no chat template; pass one with --chat-template (a Jinja template or a file)"
@@ -113,7 +124,7 @@ class Tokenizer:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 # transformers always defines these, and templates test `tools is not none`.
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )
@@ -206,7 +217,7 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     )
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _template_env() -> jinja2.Environment:
     # The environment transformers renders chat templates in, so outputs match it character for character.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
@@ -214,10 +225,19 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _template_env().from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
+
+
+def _template_variables(source: str) -> set[str]:
+    """The names a template reads from its context (a compiled template's syntax is known to be fine)."""
+    return jinja2.meta.find_undeclared_variables(_template_env().parse(source))
 
 
 class IncrementalDetokenizer:

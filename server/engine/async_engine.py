@@ -1,6 +1,6 @@
 """AsyncEngine: the engine client the API talks to, and the one place with asyncio.
 
-Its surface is all the API needs: validate, generate, abort, stats, the tokenizer and the limits
+Its surface is all the API needs: validate, compile_grammar, generate, abort, stats, the tokenizer and the limits
 (max_model_len, vocab_size), plus drain and shutdown. A background thread steps the Engine while there is
 work; the event loop never waits on the model (the C++ kernels let go of the GIL while they run): new
 requests and aborts are handed to the stepping thread through a queue and applied between steps; outputs
@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from server.engine.engine import Engine
-from server.engine.request import FinishReason, RequestOutput, SamplingParams
+from server.engine.grammar import CompiledGrammar
+from server.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams
 from server.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ class AsyncEngine:
         """Raise ValueError (a message for the client, naming the field) when the request can never be
         served. Call it once per prompt before generate()."""
         self._engine.validate(prompt_token_ids, params)
+
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The grammar for SamplingParams.grammar, compiled on a worker thread (cached by spec). Raises
+        ValueError with the grammar library's message when the spec is not a usable grammar."""
+        return await asyncio.to_thread(self._engine.grammars.compile, spec)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -12,6 +12,7 @@ import torch
 
 from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig
+from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, RequestOutput, SamplingParams
 from server.engine.scheduler import Scheduler
@@ -33,6 +34,7 @@ class Engine:
             self.tokenizer.eos_token_ids
         )
         self.vocab_size = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (shown to the client) when the request can never be served. Reads only what is
@@ -60,6 +62,8 @@ class Engine:
         if params.seed is None:  # a fixed seed per request keeps its draws independent of the batch
             params = dataclasses.replace(params, seed=random.getrandbits(63))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if params.grammar is not None:
+            request.grammar = params.grammar.new_state()
         self.outputs.add(request)
         self.scheduler.add_request(request)
 

@@ -9,6 +9,7 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
+from server.engine.grammar import fill_bitmasks
 from server.engine.request import Request, TokenLogprob
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -102,6 +103,11 @@ class ModelRunner:
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(reqs, token_ids, logprobs, strict=True)}
 
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        grammar_bitmask = None
+        if grammar_rows:
+            states = [reqs[i].grammar for i in grammar_rows]
+            grammar_bitmask = fill_bitmasks(states, self.model_config.vocab_size)
         return SamplingTensors.from_lists(
             temperature=[r.params.temperature for r in reqs],
             top_k=[max(r.params.top_k, 0) for r in reqs],
@@ -116,6 +122,8 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             suppress_ids=[_suppressed(r) for r in reqs],
             logit_bias=[r.params.logit_bias for r in reqs],
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
             max_num_logprobs=max(
                 (r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None
             ),
@@ -151,8 +159,9 @@ def _token_slice(req: Request, start: int, end: int) -> list[int]:
 
 
 def _suppressed(req: Request) -> list[int]:
-    """Stop tokens are banned until min_tokens outputs exist."""
-    if len(req.output_token_ids) >= req.params.min_tokens:
+    """Stop tokens are banned until min_tokens outputs exist (under a grammar, the grammar says where the
+    output may end)."""
+    if len(req.output_token_ids) >= req.params.min_tokens or req.grammar is not None:
         return []
     ids = set(req.params.stop_token_ids)
     if not req.params.ignore_eos:

@@ -3,11 +3,13 @@ decides why a request finishes.
 
 Per request it keeps the text so far (an incremental detokenizer, plus text held back while it may begin a
 stop string), the prompt logprobs not yet sent and when the first token came. A request finishes, in this
-order of precedence: on a stop string in its text, on a stop token (EOS or stop_token_ids, once min_tokens
-are out), on its length (max_tokens or the context), or when aborted. The scheduler frees its blocks from that
-decision.
+order of precedence: on a stop string in its text, on the end of its grammar, on a stop token (EOS or
+stop_token_ids, once min_tokens are out), on its length (max_tokens or the context), or when aborted. The
+scheduler frees its blocks from that decision. A request under a grammar has its grammar state advanced here,
+by the token drawn.
 """
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,6 +17,8 @@ from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.engine.model_runner import ModelOutput
 from server.engine.request import FinishReason, Request, RequestOutput, RequestTimes, TokenLogprob
 from server.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,6 +65,18 @@ def token_stop_reason(request: Request, token_id: int, max_model_len: int) -> Fi
     return None
 
 
+def grammar_stop_reason(request: Request, token_id: int) -> FinishReason | None:
+    """Advance the request's grammar by the token drawn; STOP when the grammar is complete (the output is
+    whole: this wins over the length limit reached by the same token)."""
+    grammar = request.grammar
+    if grammar is None:
+        return None
+    if not grammar.accept(token_id):  # the mask allowed only what the grammar takes: a fault, not the model's
+        log.error("request %s: grammar refused token %d: %s", request.request_id, token_id, grammar.error)
+        return FinishReason.STOP
+    return FinishReason.STOP if grammar.is_complete else None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
@@ -94,7 +110,9 @@ class OutputProcessor:
             sampled = model_output.sampled.get(request.request_id)
             if sampled is None:
                 continue
-            reason = token_stop_reason(request, sampled.token_id, self.max_model_len)
+            reason = grammar_stop_reason(request, sampled.token_id) or token_stop_reason(
+                request, sampled.token_id, self.max_model_len
+            )
             new_text = state.detokenizer.add([sampled.token_id])
             if reason is not None:
                 new_text += state.detokenizer.flush()

@@ -4,6 +4,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.engine.grammar import CompiledGrammar, GrammarState
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -15,6 +19,19 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+# The layout of JSON that constrained outputs take (llguidance's JSON options): compact, with one space after ','
+# and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What structure a request's output must have; AsyncEngine.compile_grammar() turns it into a grammar."""
+
+    kind: str  # json_schema | regex | choice (a JSON list of strings) | grammar (GBNF or Lark) | lark (llguidance's)
+    source: str
 
 
 class FinishReason(enum.Enum):
@@ -43,6 +60,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # the output must match it (its end may end the output); from AsyncEngine.compile_grammar()
+    grammar: "CompiledGrammar | None" = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field; the API maps it to a 400."""
@@ -116,6 +135,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    grammar: "GrammarState | None" = None  # where its output is in params.grammar; dropped when it finishes
     num_preemptions: int = 0
     scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
 

@@ -117,7 +117,8 @@ class Scheduler:
         return request
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
-        """Finish a waiting or running request now and free its blocks; no-op if already finished."""
+        """Finish a waiting or running request now, freeing its blocks and its grammar state; no-op if already
+        finished."""
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:
@@ -125,6 +126,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        request.grammar = None
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

@@ -1,0 +1,145 @@
+"""Grammar-constrained decoding with llguidance: compiling what a request asks for, and its per-request state.
+
+A request that asks for structure (a JSON schema, a regex, a choice, a grammar) carries a CompiledGrammar in its
+SamplingParams. The engine gives each such request its own GrammarState (a copy of the compiled matcher). Each
+step the runner asks the states of the rows it samples for their allowed tokens (a bitmask, one bit per token
+id) and the sampler sends everything else to -inf; the output stage feeds each drawn token back to its state
+and ends the request when the grammar is complete. The state holds what the output holds, so it survives
+preemption: recomputing a request's tokens draws nothing the state has not already taken.
+
+Compiling (~1 ms for a typical schema, more for large ones) happens on the caller's thread, off the event
+loop and off the stepping thread; results are cached by what was asked, so a repeated schema costs nothing.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from server.engine.request import JSON_LAYOUT, GrammarSpec
+
+CACHE_SIZE = 256  # compiled grammars kept, by request
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated grammar, ready to hand out per-request states."""
+
+    spec: GrammarSpec
+    template: llguidance.LLMatcher  # never advanced itself: each request takes a copy
+
+    def new_state(self) -> "GrammarState":
+        return GrammarState(self.template.deep_copy())
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into `row` ([ceil(V / 32)] int32, contiguous, on the CPU)."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the drawn token; False if the grammar does not allow it (then the state is broken)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """Nothing more may follow: the output ends here."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmasks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """[len(states), ceil(V / 32)] int32: bit j % 32 of word j // 32 set = token j allowed for that row."""
+    bitmask = torch.empty(len(states), bitmask_words(vocab_size), dtype=torch.int32)
+    for state, row in zip(states, bitmask, strict=True):
+        state.fill_bitmask(row)
+    return bitmask
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs against one tokenizer, with a cache; safe to call from any thread."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size  # the model's: the bitmask covers every logit, even padding ids
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # made at the first grammar (~0.2-0.5 s)
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Raise ValueError with the grammar library's message when the spec is not a usable grammar."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                )
+            tokenizer = self._tokenizer
+        # Outside the lock: a large grammar takes a while, and llguidance lets go of the GIL meanwhile.
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(_short(matcher.get_error()))
+        if not matcher.is_accepting() and not fill_bitmasks([GrammarState(matcher)], self._vocab_size).any():
+            raise ValueError("the grammar matches no text (no token can start it)")
+        compiled = CompiledGrammar(spec, matcher)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for a spec (ValueError when the source cannot be read as its kind)."""
+    try:
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.source)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be a JSON object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        if spec.kind == "regex":
+            # \d and \w as JSON Schema and JavaScript read them ([0-9], [0-9a-zA-Z_]): Rust's Unicode classes
+            # let a model write a "digit" from any script (it did: U+1FBF8, SEGMENTED DIGIT EIGHT)
+            return llguidance.LLMatcher.grammar_from_lark(
+                f"start: /{llguidance.regex_to_lark(spec.source, 'dw')}/"
+            )
+        if spec.kind == "choice":
+            choices = json.loads(spec.source)
+            if not choices or not all(isinstance(c, str) for c in choices):
+                raise ValueError("choice must be a non-empty list of strings")
+            return llguidance.grammar_from("choice", choices)
+        if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
+            return llguidance.grammar_from("grammar", spec.source)
+        if spec.kind == "lark":  # llguidance's Lark, as built by the API (tool calls)
+            return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(_short(str(e))) from None
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _short(message: str) -> str:
+    # llguidance's messages can quote the whole grammar with a caret line; the first lines say what is wrong.
+    lines = [line for line in message.strip().splitlines() if line.strip()][:3]
+    return " ".join(line.strip() for line in lines)[:300]

@@ -1,0 +1,166 @@
+"""Grammar-constrained decoding in the engine, on the tiny random model (whose free output is noise: whatever
+structure its constrained output has comes from the grammar)."""
+
+import dataclasses
+import gc
+import json
+import re
+import weakref
+
+import pytest
+import torch
+from test_engine import alone, assert_all_blocks_free, random_prompts, run  # tests/engine/test_engine.py
+
+from model.sampling import apply_token_bitmask
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.grammar import bitmask_words
+from server.engine.request import FinishReason, GrammarSpec, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+PATTERN = "(ab|ba){2,5}c"  # finite: the grammar ends the output
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["id", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine_factory(tiny_llama_dir):
+    def make(**kw) -> Engine:
+        config = dict(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=64)
+        return Engine(str(tiny_llama_dir), EngineConfig(**{**config, **kw}))
+
+    return make
+
+
+def constrained(engine, spec: GrammarSpec, **params) -> SamplingParams:
+    return SamplingParams(
+        **{"max_tokens": 40, "temperature": 0.0, **params}, grammar=engine.grammars.compile(spec)
+    )
+
+
+def test_the_mask_touches_only_the_constrained_rows():
+    logits = torch.randn(4, 70)
+    bitmask = torch.zeros(2, bitmask_words(70), dtype=torch.int32)
+    bitmask[0, 0] = 0b1010  # row 1 may take tokens 1 and 3
+    bitmask[1, 2] = 1 << 5  # row 3 may take token 69
+    out = apply_token_bitmask(logits, torch.tensor([1, 3]), bitmask)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])  # bit for bit
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [1, 3]
+    assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [69]
+    assert torch.equal(out[1, [1, 3]], logits[1, [1, 3]])
+
+
+def test_constrained_and_free_rows_share_a_batch(engine_factory):
+    engine = engine_factory()
+    prompts = random_prompts(6, engine.vocab_size, seed=21)
+    regex = constrained(engine, GrammarSpec("regex", PATTERN))
+    schema = constrained(engine, GrammarSpec("json_schema", json.dumps(SCHEMA)), max_tokens=60)
+    free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = dict(zip(prompts, [regex, free, schema, free, regex, free], strict=True))
+    together = run(engine, prompts, params)
+    # the free rows get exactly what they get without any grammar in their batch
+    free_ids = [rid for rid, sp in params.items() if sp is free]
+    assert {rid: together[rid] for rid in free_ids} == run(engine, {r: prompts[r] for r in free_ids}, free)
+    for rid, sp in params.items():
+        tokens, text, reason = together[rid]
+        if sp is regex:
+            assert re.fullmatch(PATTERN, text) and reason == FinishReason.STOP, text
+        elif sp is schema:
+            value = json.loads(text)  # the grammar ended it: whole, and of the schema's shape
+            assert set(value) == {"id", "tags"} and set(value["tags"]) <= {"x", "y"}, text
+            assert reason == FinishReason.STOP
+    assert together == alone(engine, prompts, params)  # and each row is what it is alone
+    assert_all_blocks_free(engine)
+
+
+def test_a_cut_output_finishes_by_length(engine_factory):
+    engine = engine_factory()
+    params = constrained(engine, GrammarSpec("regex", "a[0-9]{50}"), max_tokens=8)
+    tokens, text, reason = run(engine, {"r": [5, 6, 7]}, params)["r"]
+    assert reason == FinishReason.LENGTH and len(tokens) == 8 and re.fullmatch("a[0-9]*", text)
+
+
+def test_seeded_constrained_sampling_is_independent_of_the_batch(engine_factory):
+    engine = engine_factory()
+    prompts = random_prompts(8, engine.vocab_size, seed=23)
+    spec = GrammarSpec("regex", "[a-z]{4,12}( [a-z]{2,6}){0,3}\\.")
+    params = {
+        rid: constrained(engine, spec, temperature=0.9, top_p=0.95, seed=500 + i)
+        for i, rid in enumerate(prompts)
+    }
+    together = run(engine, prompts, params)
+    assert together == alone(engine, prompts, params)
+    assert len({text for _, text, _ in together.values()}) > 1  # sampled, not all the same string
+    for _, text, reason in together.values():
+        assert reason == FinishReason.STOP and re.fullmatch(spec.source, text), text
+
+
+def test_grammar_state_survives_preemption(engine_factory):
+    from model.kv_cache import KVCache
+
+    probe = engine_factory()
+    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.dtype)
+    prompts = random_prompts(8, probe.vocab_size, seed=25, low=20, high=30)
+    spec = GrammarSpec("regex", "[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")  # a UUID: 36 tokens or fewer
+    params = {rid: constrained(probe, spec, temperature=0.8, seed=i) for i, rid in enumerate(prompts)}
+    expected = alone(probe, prompts, params)
+    engine = engine_factory(kv_cache_memory=40 * per_block)  # room for ~2-3 requests at once
+    params = {rid: constrained(engine, spec, temperature=0.8, seed=i) for i, rid in enumerate(prompts)}
+    got = run(engine, prompts, params)
+    assert engine.stats().num_preemptions > 0
+    assert got == expected
+    assert all(re.fullmatch(spec.source, text) for _, text, _ in got.values())
+    assert_all_blocks_free(engine)
+
+
+def test_finish_and_abort_release_the_grammar_state(engine_factory):
+    engine = engine_factory()
+    params = constrained(engine, GrammarSpec("regex", "x{200}"), max_tokens=100)
+    engine.add_request("aborted", [5, 6, 7], params)
+    engine.add_request("finished", [5, 6, 8], dataclasses.replace(params, max_tokens=2))
+    states = {rid: weakref.ref(r.grammar) for rid, r in engine.scheduler.requests.items()}
+    requests = dict(engine.scheduler.requests)
+    for _ in range(3):
+        engine.step()
+    assert requests["finished"].is_finished and requests["finished"].grammar is None
+    assert requests["aborted"].grammar is not None
+    engine.abort("aborted")
+    assert requests["aborted"].grammar is None
+    gc.collect()
+    assert all(ref() is None for ref in states.values())
+    assert_all_blocks_free(engine)
+
+
+def test_the_grammar_decides_the_end_even_without_eos(engine_factory):
+    engine = engine_factory()
+    params = constrained(engine, GrammarSpec("choice", json.dumps(["yes", "no"])), ignore_eos=True)
+    tokens, text, reason = run(engine, {"r": [9, 10, 11]}, params)["r"]
+    assert text in ("yes", "no") and reason == FinishReason.STOP
+
+
+def test_compiling_checks_and_caches(engine_factory):
+    engine = engine_factory()
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    assert engine.grammars.compile(spec) is engine.grammars.compile(GrammarSpec(spec.kind, spec.source))
+    bad = [
+        GrammarSpec("json_schema", '{"type": "nonsense"}'),
+        GrammarSpec("json_schema", "[1, 2]"),
+        GrammarSpec("json_schema", "{not json"),
+        GrammarSpec("regex", "(unclosed"),
+        GrammarSpec("choice", "[]"),
+        GrammarSpec("grammar", 'root ::= undefined_rule "x"'),
+        GrammarSpec("lark", "start: (("),
+        GrammarSpec("nonsense", "x"),
+    ]
+    for spec in bad:
+        with pytest.raises(ValueError) as e:
+            engine.grammars.compile(spec)
+        assert str(e.value) and len(str(e.value)) <= 300, spec
