@@ -1,6 +1,7 @@
 """Offline benchmarks: the model alone (prefill, single-stream decode), the engine under concurrency, and the
 quality of a quantized model against its float32 reference."""
 
+import dataclasses
 import json
 import math
 import random
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from server.engine.engine import Engine
-from server.engine.request import SamplingParams
+from server.engine.request import GrammarSpec, SamplingParams
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -21,9 +22,12 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> lis
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def run_requests(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
-    """Run all prompts to completion (greedy, ignore_eos, fixed length); per-request timings in seconds."""
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def run_requests(
+    engine: Engine, prompts: list[list[int]], output_len: int, tag: str, params: SamplingParams | None = None
+) -> dict:
+    """Run all prompts to completion (by default greedy, ignore_eos, fixed length); per-request timings in
+    seconds."""
+    params = params or SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.monotonic()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
@@ -68,6 +72,55 @@ def bench_offline(
         result["speedup"] = round(result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"], 2)
     engine.reset(max_num_seqs=max_num_seqs)
     return result
+
+
+# Records of whatever the model makes up: a JSON schema whose output never ends before max_tokens (minItems), so
+# that constrained and free requests generate as many tokens.
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 10_000,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "score": {"type": "integer"}, "tags": {"type": "array"}},
+        "required": ["name", "score"],
+    },
+}
+
+
+def bench_structured(
+    engine: Engine, schema: dict, num_requests: int, input_len: int, output_len: int, rounds: int
+) -> dict:
+    """Throughput with every request constrained by a JSON schema against the same requests free, the two
+    alternated `rounds` times (drift hits both alike); medians."""
+    grammar = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    free = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    runs = {"free": free, "json_schema": dataclasses.replace(free, grammar=grammar)}
+    prompts = random_prompts(num_requests, input_len, engine.vocab_size)
+    for name, params in runs.items():  # warm-up
+        run_requests(engine, prompts[:2], output_len, f"warmup-{name}", params)
+    tokens_per_s: dict[str, list[float]] = {name: [] for name in runs}
+    num_tokens: dict[str, int] = {}
+    for r in range(rounds):
+        for name, params in runs.items():
+            engine.reset()  # an empty prefix cache
+            result = run_requests(engine, prompts, output_len, f"{name}-{r}", params)
+            tokens_per_s[name].append(result["output_tokens"] / result["wall_s"])
+            num_tokens[name] = result["output_tokens"]
+    free_tps, constrained_tps = (statistics.median(tokens_per_s[n]) for n in runs)
+    return {
+        "requests": num_requests,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "rounds": rounds,
+        "free_output_tokens_per_s": round(free_tps, 1),
+        "json_schema_output_tokens_per_s": round(constrained_tps, 1),
+        "json_schema_output_tokens": num_tokens[
+            "json_schema"
+        ],  # the same as free's, or the grammar ended some
+        "free_output_tokens": num_tokens["free"],
+        "cost_percent": round(100 * (1 - constrained_tps / free_tps), 1),
+    }
 
 
 def bench_model(engine: Engine, prompt_len: int, output_len: int, runs: int) -> dict:

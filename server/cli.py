@@ -18,6 +18,7 @@ from server.commands import (
     cmd_bench_model,
     cmd_bench_offline,
     cmd_bench_quality,
+    cmd_bench_structured,
     cmd_chat,
     cmd_convert_gguf,
     cmd_fetch,
@@ -169,6 +170,13 @@ BENCH_OFFLINE_FLAGS = (
     Flag("--output-len", 128, int),
     Flag("--baseline-requests", None, int, help="requests in the baseline run (default all)"),
 )
+BENCH_STRUCTURED_FLAGS = (
+    Flag("--num-requests", 64, int),
+    Flag("--input-len", 128, int),
+    Flag("--output-len", 128, int),
+    Flag("--rounds", 3, int, help="free and constrained runs, alternated"),
+    Flag("--schema", help="a JSON schema file (default: records that never end before --output-len)"),
+)
 BENCH_STEPS_FLAGS = (  # bench-invariance and bench-kernels: two engines' decode steps interleaved
     Flag("--batch-sizes", [1, 32], int, nargs="+"),
     Flag("--input-len", 128, int),
@@ -232,6 +240,11 @@ def commands() -> dict[str, Command]:
             cmd_bench_offline,
             "engine throughput at a concurrency, against max-num-seqs 1",
             (model, ("benchmark", BENCH_OFFLINE_FLAGS)),
+        ),
+        "bench-structured": Command(
+            cmd_bench_structured,
+            "throughput with every request constrained by a JSON schema, against free, alternated",
+            (model, ("benchmark", BENCH_STRUCTURED_FLAGS)),
         ),
         "bench-invariance": Command(
             cmd_bench_invariance,

@@ -1,5 +1,6 @@
 """What each kvserve command does, and how it builds the layers from the parsed flags (server/cli.py parses)."""
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -197,6 +198,17 @@ def cmd_bench_offline(args) -> int:
     engine = build_engine(args)
     print_json(
         bench_offline(engine, args.num_requests, args.input_len, args.output_len, args.baseline_requests)
+    )
+    return 0
+
+
+def cmd_bench_structured(args) -> int:
+    from server.bench import BENCH_SCHEMA, bench_structured, print_json
+
+    schema = json.loads(Path(args.schema).read_text(encoding="utf-8")) if args.schema else BENCH_SCHEMA
+    engine = build_engine(args)
+    print_json(
+        bench_structured(engine, schema, args.num_requests, args.input_len, args.output_len, args.rounds)
     )
     return 0
 

@@ -1,8 +1,9 @@
-"""/v1/chat/completions: messages rendered through the chat template, n choices, logprobs in the chat shape."""
+"""/v1/chat/completions: messages rendered through the chat template, n choices, logprobs in the chat shape,
+tool calls (server/api/tools.py) and structured outputs (server/api/structured.py)."""
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.api import protocol as p
 from server.api.choices import (
@@ -16,6 +17,8 @@ from server.api.choices import (
     sampling_params,
 )
 from server.api.errors import ApiError
+from server.api.structured import chat_tools, output_grammar_for
+from server.api.tools import CallDelta, ToolCallParser, Tools, render_history
 from server.engine.request import RequestOutput, TokenLogprob
 
 
@@ -23,7 +26,8 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
     """A ChatCompletionResponse, an SSE stream of strings, or None when the client went away."""
     check_model(state, body.model)
     check_queue(state)
-    ids = chat_prompt_ids(state, body.messages)
+    tools = chat_tools(body)
+    ids = chat_prompt_ids(state, body.messages, tools=tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = state.engine.max_model_len - len(ids)
@@ -31,24 +35,34 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
             why = f"the prompt ({len(ids)} tokens) fills the context of {state.engine.max_model_len} tokens"
             raise ApiError(400, why, param="messages")
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params.grammar = await output_grammar_for(state, body, tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = new_choices(state, response_id, 0, ids, params, body.n)
-    shape = ChatShape(state, body, response_id, int(time.time()))
+    shape = ChatShape(state, body, response_id, int(time.time()), tools)
     return await answer(state, body, choices, shape, log_id, disconnected)
 
 
-def chat_prompt_ids(state: ServingState, messages: list[p.ChatMessage], add_generation_prompt: bool = True):
-    """The prompt the chat template makes of the messages, after the server's system prompt if they have none."""
-    dicts = [m.model_dump(exclude_none=True) for m in messages]
+def chat_prompt_ids(
+    state: ServingState,
+    messages: list[p.ChatMessage] | list[dict],
+    add_generation_prompt: bool = True,
+    tools: Tools | None = None,
+) -> list[int]:
+    """The prompt the chat template makes of the messages (OpenAI's chat shape) and the tools offered, after the
+    server's system prompt if they have none."""
+    dicts = [m.model_dump(exclude_none=True) if isinstance(m, p.ChatMessage) else dict(m) for m in messages]
     for m in dicts:
         if m["role"] == "developer":
             m["role"] = "system"
     if state.system_prompt and not any(m["role"] == "system" for m in dicts):
         dicts.insert(0, {"role": "system", "content": state.system_prompt})
     tokenizer = state.engine.tokenizer
+    native = tokenizer.template_renders_tools
+    dicts = render_history(dicts, tools, native)
     try:
         # The template writes the special tokens (BOS, role markers) itself.
-        return tokenizer.encode(tokenizer.apply_chat_template(dicts, add_generation_prompt))
+        template_tools = tools.template_tools() if tools is not None and native else None
+        return tokenizer.encode(tokenizer.apply_chat_template(dicts, add_generation_prompt, template_tools))
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
 
@@ -59,16 +73,30 @@ class ChatShape:
     body: p.ChatCompletionRequest
     response_id: str
     created: int
+    tools: Tools | None = None
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
 
     def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None
         if self.body.logprobs:
             logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
-        if not out.text and not (logprobs and logprobs.content) and not out.finished:
+        text, calls, finish_reason = out.text, [], c.finish_reason
+        if self.tools is not None and self.tools.active:
+            parser = self.parsers.get(c.index)
+            if parser is None:
+                names = {f.name for f in self.tools.functions}
+                parser = self.parsers[c.index] = ToolCallParser(names, parallel=self.tools.parallel)
+            text, calls = parser.feed(out.text, final=out.finished)
+            if finish_reason == "stop" and parser.num_calls:
+                finish_reason = "tool_calls"
+        if not text and not calls and not (logprobs and logprobs.content) and not out.finished:
             return None
-        content = out.text if out.text or not out.finished else None
-        delta = p.DeltaMessage(content=content)
-        return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason)
+        if calls:  # as OpenAI's: a delta of calls has no content unless there is text
+            content = text or None
+        else:
+            content = text if text or not out.finished else None
+        delta = p.DeltaMessage(content=content, tool_calls=tool_call_deltas(calls) or None)
+        return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     def _logprob(self, entry: TokenLogprob) -> p.TokenLogprob:
         tokenizer = self.state.engine.tokenizer
@@ -104,12 +132,24 @@ class ChatShape:
         return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=""), logprobs=logprobs)
 
     def add(self, total: p.ChatChoice, delta: p.ChatChunkChoice) -> None:
-        total.message.content += delta.delta.content or ""
+        message = total.message
+        message.content += delta.delta.content or ""
+        for d in delta.delta.tool_calls or []:
+            if message.tool_calls is None:
+                message.tool_calls = []
+            if d.index == len(message.tool_calls):
+                function = p.FunctionCall(name=d.function.name, arguments=d.function.arguments or "")
+                message.tool_calls.append(p.ToolCall(id=d.id, function=function))
+            else:
+                message.tool_calls[d.index].function.arguments += d.function.arguments or ""
         if total.logprobs is not None:
             total.logprobs.content.extend(delta.logprobs.content)
         total.finish_reason = delta.finish_reason
 
     def response(self, choices: list[p.ChatChoice], usage: p.Usage) -> p.ChatCompletionResponse:
+        for choice in choices:  # a reply of calls alone has no content, as OpenAI's
+            if choice.message.tool_calls and not choice.message.content:
+                choice.message.content = None
         return p.ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
@@ -117,3 +157,17 @@ class ChatShape:
             choices=choices,
             usage=usage,
         )
+
+
+def tool_call_deltas(calls: list[CallDelta]) -> list[p.ToolCallDelta]:
+    """The parser's pieces in OpenAI's delta shape, one entry per call (pieces of one call joined)."""
+    out: list[p.ToolCallDelta] = []
+    for c in calls:
+        if out and out[-1].index == c.index:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + c.arguments
+            continue
+        function = p.FunctionCallDelta(name=c.name, arguments=c.arguments)
+        out.append(
+            p.ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None, function=function)
+        )
+    return out

@@ -16,6 +16,7 @@ from server.api.choices import (
     sampling_params,
 )
 from server.api.errors import ApiError
+from server.api.structured import output_grammar_for
 from server.engine.request import RequestOutput, TokenLogprob
 
 MAX_PROMPTS = 256  # prompts in one completion request; each becomes n engine requests
@@ -34,6 +35,7 @@ async def completion(state: ServingState, body: p.CompletionRequest, log_id: str
         raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     params = sampling_params(body, body.max_tokens, body.logprobs)
     params.prompt_logprobs = body.echo and body.logprobs is not None
+    params.grammar = await output_grammar_for(state, body)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     choices = []
     for prompt in prompts:

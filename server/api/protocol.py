@@ -22,17 +22,16 @@ from pydantic import (
 
 MAX_CHOICES = 16
 MAX_STOP = 16
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
-FinishReasonName = Literal["stop", "length", "abort"]
-# Fields kvserve knows but does not support yet, with the one value that means "not used" (as does leaving
-# them out); any other value is a 400 naming the field rather than silently ignored.
+FinishReasonName = Literal["stop", "length", "abort", "tool_calls"]
+# Fields kvserve knows but does not support, with the one value that means "not used" (as does leaving them
+# out); any other value is a 400 naming the field rather than silently ignored.
 UNSUPPORTED = {
     "best_of": 1,
     "suffix": "",
-    "tools": [],
-    "functions": [],
-    "tool_choice": "none",
-    "response_format": {"type": "text"},
+    "functions": [],  # OpenAI's deprecated spelling of tools
+    "function_call": "none",
 }
 
 
@@ -57,6 +56,23 @@ def _valid_unicode(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string the server tokenizes or matches
+MAX_JSON_DEPTH = 64  # JSON schemas and tool arguments (grammars refuse deeper ones anyway)
+
+
+def _bounded_depth(value: Any) -> Any:
+    # Counted without recursion: a body nested ~1000 deep parses, and would then overflow Python's stack in
+    # whatever walks it next (json.dumps).
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"is nested deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_depth)]  # a JSON schema, tool arguments
 
 
 def _one_of(handler, value: Any, message: str) -> Any:
@@ -69,6 +85,50 @@ def _one_of(handler, value: Any, message: str) -> Any:
 
 class StreamOptions(Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Body):
+    name: str = Field("response", max_length=64, description="The schema's name (not used).")
+    description: str | None = None
+    schema_: JsonObject | None = Field(
+        None, alias="schema", description="A JSON schema the output will match; left out: any JSON object."
+    )
+    strict: bool | None = Field(None, description="Outputs always match the schema, strict or not.")
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must match, or None for free text."""
+        if self.type == "json_schema" and self.json_schema.schema_ is not None:
+            return self.json_schema.schema_
+        return None if self.type == "text" else {"type": "object"}
+
+
+class StructuredOutputs(Body):
+    """vLLM's structured outputs: exactly one of the constraints."""
+
+    json_: JsonObject | Text | None = Field(None, alias="json", description="A JSON schema.")
+    regex: Text | None = Field(None, description="A regular expression (Rust regex syntax).")
+    choice: list[Text] | None = Field(None, min_length=1, description="The output is one of these strings.")
+    grammar: Text | None = Field(None, description="A context-free grammar, GBNF (llama.cpp's) or Lark.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
+        return self
 
 
 class SamplingFields(Body):
@@ -97,6 +157,22 @@ class SamplingFields(Body):
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; at most 300."
     )
     best_of: int | None = Field(None, description="Not supported yet (only 1).")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: the output is made to match it by a grammar."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's constraints: json, regex, choice, grammar or json_object."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        # vLLM's older names (guided_json, ...) for what structured_outputs now holds
+        if isinstance(data, dict) and "structured_outputs" not in data:
+            guided = {k.removeprefix("guided_"): data[k] for k in GUIDED if data.get(k) is not None}
+            if guided:
+                data = {**data, "structured_outputs": guided}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -140,11 +216,26 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCallIn(Body):
+    name: Text
+    arguments: Text | JsonObject = Field("{}", description="The arguments as a JSON string (or object).")
+
+
+class ToolCallIn(Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Body):
     # "developer" is OpenAI's newer name for "system"; the chat template sees "system"
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = Field(
+        None, description="Required, except in an assistant message with tool_calls."
+    )
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls (history).")
+    tool_call_id: Text | None = Field(None, description="A tool message's call.")
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -153,6 +244,38 @@ class ChatMessage(Body):
             handler, value, "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
         )
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content is required (only an assistant message with tool_calls may leave it out)"
+            )
+        return self
+
+
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
+    description: Text | None = None
+    parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
+    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -160,16 +283,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = Field(None, description="Not supported yet.")
-    tool_choice: Any = Field(None, description="Not supported yet (only 'none').")
-    functions: list[Any] | None = Field(None, description="Not supported yet.")
-    response_format: dict[str, Any] | None = Field(None, description="Not supported yet (only text).")
+    tools: list[ChatTool] | None = Field(None, max_length=128, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none, auto (the default with tools), required (at least one call) or a named function; "
+        "required and named calls are made to match the functions' schemas by a grammar.",
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply.")
+    functions: list[Any] | None = Field(None, description="Not supported (use tools).")
+    function_call: Any = Field(None, description="Not supported (use tool_choice).")
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_follow_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        previous = None  # the message before the current run of tool results
+        for m in messages:
+            if m.role == "tool" and not (previous and previous.role == "assistant" and previous.tool_calls):
+                raise ValueError("a 'tool' message must follow an assistant message with tool_calls")
+            if m.role != "tool":
+                previous = m
+        return messages
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -227,9 +366,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null in a reply of tool calls alone
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -248,9 +399,30 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name, the next ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_nulls(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {key: value for key, value in data.items() if value is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_nulls(self, handler) -> dict[str, Any]:

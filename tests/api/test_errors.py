@@ -59,12 +59,25 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     assert_error(post("/v1/completions", content=nan, headers={"content-type": "application/json"}), 400)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "web_search"}]),  # only functions
+        ("tools", [{"type": "function", "function": {"name": "no spaces"}}]),
+        ("tool_choice", "required"),  # with no tools
+        ("tool_choice", "sometimes"),
+        ("response_format", {"type": "xml"}),
+        ("response_format", {"type": "json_schema"}),  # no schema
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        ),
+        ("structured_outputs", {"regex": "(unclosed"}),
+        ("structured_outputs", {"regex": "a", "choice": ["b"]}),  # one at a time
+        ("structured_outputs", {"grammar": "root ::= missing_rule"}),
         ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
         ("top_logprobs", 21),
-        ("messages", [{"role": "tool", "content": "x"}]),
+        ("messages", [{"role": "function", "content": "x"}]),
+        ("messages", [{"role": "assistant"}]),  # neither content nor tool_calls
+        ("messages", [{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
         ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
         ("messages", []),
     ]:
@@ -80,6 +93,17 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         "whatever": 1,
     }
     assert post("/v1/chat/completions", json=neutral).status_code == 200
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "g"}}
+    assert_error(
+        post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": named}), 400, "tool_choice"
+    )
+    assert_error(post("/v1/chat/completions", json={**chat, "tools": tools + tools}), 400, "tools")
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    r = post("/v1/chat/completions", json={**chat, "tools": bad_schema, "tool_choice": "required"})
+    assert_error(r, 400, "tools")
+    both = {**chat, "tools": tools, "structured_outputs": {"choice": ["a"]}}
+    assert_error(post("/v1/chat/completions", json=both), 400, "structured_outputs")
     assert (
         post("/v1/completions", json={**PROMPT, "best_of": 1, "logit_bias": {}, "x-extra": [1]}).status_code
         == 200

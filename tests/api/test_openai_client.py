@@ -85,10 +85,10 @@ def test_n2_choices_differ_and_reproduce(client):
 def test_errors_raise_the_clients_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    tool = {"type": "custom", "custom": {"name": "grep"}}  # OpenAI's free-form tools: not served
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1, tools=[tool])
-    assert e.value.param == "tools"
+    assert e.value.param.startswith("tools")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="x", max_tokens=100_000)
     assert "100000" in e.value.message

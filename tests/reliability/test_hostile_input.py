@@ -144,3 +144,59 @@ def test_huge_nested_and_broken_bodies(hostile_server: Server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert "Traceback" not in hostile_server.log()
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.timeout(180)
+def test_hostile_grammars_and_tools(hostile_server: Server):
+    """Schemas, regexes, grammars and tools built to hurt: a 400 naming the field, or an answer; never a 500,
+    a hang, or a server that stops answering others."""
+    url = hostile_server.url
+
+    def fmt(schema) -> dict:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    deep_arguments = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    deep_arguments["tool_calls"][0]["function"]["arguments"] = _nested_schema(80)
+    refused = [
+        (fmt(_nested_schema(70)), "response_format"),  # deeper than the API takes
+        (fmt(_nested_schema(500)), "response_format"),
+        (fmt({"enum": [f"v{i}" for i in range(100_000)]}), "response_format"),  # a grammar too big
+        (fmt({"type": "integer", "minimum": 10, "maximum": 1}), "response_format"),  # unsatisfiable
+        (fmt({"type": "string", "pattern": "(?=a)b"}), "response_format"),  # lookahead
+        ({"structured_outputs": {"regex": "(" * 5000 + ")" * 5000}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{" * 3000}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: " + '"a" ' * 100_000}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"tools": [tool] * 129}, "tools"),
+        ({"tools": [{**tool, "function": {"name": "f", "parameters": _nested_schema(100)}}]}, "tools"),
+        (
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g" * 10_000}}},
+            "tool_choice",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}, deep_arguments]}, "messages"),
+    ]
+    for extra, param in refused:
+        error = assert_openai_error(
+            httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **extra}, timeout=60), 400
+        )
+        assert (error["param"] or "").startswith(param), (str(extra)[:200], error)
+    answered = [
+        fmt({"$ref": "#"}),  # recursive
+        fmt({"type": "array", "minItems": 10**9}),  # cut by max_tokens
+        {"structured_outputs": {"regex": "a{100000}"}},
+        {"structured_outputs": {"regex": "(a*)*b"}, "stream": True},
+    ]
+    for extra in answered:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **extra}, timeout=60)
+        assert r.status_code == 200, (str(extra)[:200], r.text[:300])
+    r = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+    assert "Traceback" not in hostile_server.log()

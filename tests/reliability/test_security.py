@@ -64,9 +64,12 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
             assert assert_openai_error(client.post(route, json=body), 404)["code"] == "model_not_found"
         # fields other servers read files from are ignored, never opened: the answer is the usual one
         body = {"prompt": path, "max_tokens": 2, "temperature": 0, "chat_template": path,
-                "chat_template_kwargs": {"path": path}, "guided_json": path}  # fmt: skip
+                "chat_template_kwargs": {"path": path}}  # fmt: skip
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200 and "root:" not in r.text
+        # a schema given as a string is read as JSON, never as a file name
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_json": path})
+        assert assert_openai_error(r, 400)["param"] == "structured_outputs" and "root:" not in r.text
     # no request field of the API takes a path or a template: the full list of what requests can carry
     fields = set()
     for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest):

@@ -1,0 +1,373 @@
+"""Tool calling, whatever the API that asked: how tools reach the prompt, the grammar that makes a call valid,
+and the parser that turns the model's text into calls as it streams.
+
+The model's side is the Hermes convention that many open models are trained on: a call is a JSON object
+{"name": ..., "arguments": {...}} between <tool_call> and </tool_call>, and a tool's result comes back
+between <tool_response> and </tool_response>. A chat template that knows about tools renders them itself;
+for one that does not (SmolLM2's), kvserve writes the tools into the system message and the calls and
+results of the history into the turns, in that convention.
+
+tool_choice "required" or a named function is enforced by a grammar built from the functions' JSON schemas,
+so a call always names a declared function and its arguments always validate; "auto" lets the model choose,
+and the calls it writes are parsed out of its text (with a response_format, the grammar allows either the
+formatted answer or calls); "none" leaves the tools out of the prompt, so the model answers in words.
+"""
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.engine.request import JSON_LAYOUT
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+ANY_OBJECT = {"type": "object"}
+# A call's opening, up to its arguments: {"name": "...", "arguments":
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+MAX_HEAD_CHARS = 512  # a head not parsed by then is read as a whole call at its end tag
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None = None
+    parameters: dict = field(default_factory=lambda: dict(ANY_OBJECT))  # the arguments' JSON schema
+
+
+@dataclass(frozen=True)
+class Tools:
+    functions: list[Function]
+    choice: str = "auto"  # none | auto | required | the name of the function to call
+    parallel: bool = True  # more than one call in a reply
+
+    @property
+    def active(self) -> bool:
+        """The model is told about the tools and its calls are parsed."""
+        return self.choice != "none" and bool(self.functions)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (transformers' `tools`), or None when none are offered."""
+        if not self.active:
+            return None
+        return [{"type": "function", "function": _function_dict(f)} for f in self.functions]
+
+
+def _function_dict(f: Function) -> dict:
+    d = {"name": f.name, "description": f.description, "parameters": f.parameters}
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    alphabet = string.ascii_letters + string.digits
+    return prefix + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+# --- the prompt ----------------------------------------------------------------------------------------
+
+
+def tool_prompt(tools: Tools) -> str:
+    """What a system message says about the tools, for templates that do not render tools themselves."""
+    listed = "\n".join(
+        json.dumps({"type": "function", "function": _function_dict(f)}) for f in tools.functions
+    )
+    return (
+        "You can call functions to answer. They are listed in JSON between <tools> and </tools>:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call one, write a JSON object with its name and its arguments between <tool_call> and "
+        "</tool_call>, like this:\n"
+        '<tool_call>\n{"name": "the function\'s name", "arguments": {"an argument": "its value"}}\n</tool_call>\n'
+        "Function results come back between <tool_response> and </tool_response>."
+    )
+
+
+def call_text(name: str, arguments) -> str:
+    """One call as the model writes it; `arguments` is a JSON string (OpenAI's shape) or an object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # written as it came
+    return (
+        f"{CALL_START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_END}"
+    )
+
+
+def render_history(messages: list[dict], tools: Tools | None, template_has_tools: bool) -> list[dict]:
+    """Chat messages (OpenAI's shape: assistant `tool_calls`, `tool` results) as the template will take them.
+
+    A template that renders tools gets the calls with their arguments as objects (transformers' convention) and
+    the `tool` messages as they are. For any other template, the tools go into the system message, a call
+    becomes its text in the assistant's turn and consecutive results one user turn of <tool_response> blocks.
+    """
+    if template_has_tools:
+        return [_with_object_arguments(m) for m in messages]
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            text = "\n".join(filter(None, [_text(m.get("content")), *calls]))
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(m)
+    for m in out:
+        m.pop("tool_results", None)
+    if tools is not None and tools.active:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{_text(out[0]['content'])}\n\n{tool_prompt(tools)}"}
+        else:
+            out.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return out
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # OpenAI text parts
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
+def _with_object_arguments(m: dict) -> dict:
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        arguments = c["function"]["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append({**c, "function": {**c["function"], "arguments": arguments}})
+    return {**m, "tool_calls": calls}
+
+
+# --- the grammar ---------------------------------------------------------------------------------------
+
+
+def output_grammar(tools: Tools | None, answer_schema: dict | None) -> str | None:
+    """An llguidance Lark grammar for the reply, or None when it is free text.
+
+    required: one or more calls (one if not parallel); a named function: one call of it; auto: free text,
+    unless a response_format asks for JSON, then either that JSON or calls; none: the JSON if asked for.
+    """
+    if tools is None or not tools.active:
+        return None if answer_schema is None else f"start: {json_rule(answer_schema)}\n"
+    if tools.choice == "auto" and answer_schema is None:
+        return None
+    functions = tools.functions
+    if tools.choice not in ("auto", "required"):
+        functions = [f for f in functions if f.name == tools.choice]
+    calls = "call" if not tools.parallel or tools.choice not in ("auto", "required") else 'call ("\\n" call)*'
+    body = (
+        {"anyOf": [_call_schema(f) for f in functions]} if len(functions) > 1 else _call_schema(functions[0])
+    )
+    rules = [
+        f'call: "{CALL_START}\\n" {json_rule(body)} "\\n{CALL_END}"',
+        f"calls: {calls}",
+    ]
+    if tools.choice == "auto":  # here with a response_format: its JSON, or calls
+        rules.insert(0, f"start: {json_rule(answer_schema)} | calls")
+    else:
+        rules.insert(0, "start: calls")
+    return "\n".join(rules) + "\n"
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark expression for JSON matching `schema`, in the layout constrained JSON always takes."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+
+
+def _call_schema(f: Function) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+# --- the parser ----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of one tool call: its first piece has the id and name, the others more argument text."""
+
+    index: int  # of the call within its reply
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass
+class ToolCallParser:
+    """Splits a reply's text, as it streams, into content and tool calls.
+
+    feed() takes each text delta and returns the content to send and the call pieces: a call's id and name as
+    soon as its opening is written, then its arguments as they are generated. Text that may be the start of a
+    call, and whitespace next to calls, is held back until it is clear. A block that is not a valid call of a
+    declared function stays content, as written.
+    """
+
+    names: set[str]
+    new_id: Callable[[], str] = new_call_id
+    parallel: bool = True
+    num_calls: int = 0
+    _buffer: str = ""
+    _gap: str = ""  # the whitespace before the latest <tool_call>
+    _state: str = "text"  # text | head | arguments | tail | done
+    _started: bool = False  # the arguments' JSON value has begun
+    _depth: int = 0  # its nesting; back to 0 when it closed
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+        self._buffer += text
+        content: list[str] = []
+        calls: list[CallDelta] = []
+        steps = {
+            "text": self._text,
+            "head": self._head,
+            "arguments": self._arguments,
+            "tail": self._tail,
+            "done": self._done,
+        }
+        while steps[self._state](content, calls, final):
+            pass
+        if final:
+            content.append(self._flush())
+        return "".join(content), calls
+
+    def _text(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        start = self._buffer.find(CALL_START)
+        if start >= 0:
+            before = self._buffer[:start]
+            kept = before.rstrip()
+            content.append(kept)
+            self._gap = before[len(kept) :]  # put back if the block is not a call
+            self._buffer = self._buffer[start + len(CALL_START) :]
+            self._state = "head"
+            return True
+        if final:
+            return False
+        # Hold back what may begin a call, and trailing whitespace (it goes if a call follows).
+        keep = _partial_suffix(self._buffer, CALL_START)
+        send = self._buffer[: len(self._buffer) - keep]
+        stripped = send.rstrip()
+        content.append(stripped)
+        self._buffer = self._buffer[len(stripped) :]
+        return False
+
+    def _head(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        m = CALL_HEAD.match(self._buffer)
+        name = None
+        if m:
+            try:
+                name = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                pass
+        if name in self.names:
+            calls.append(CallDelta(self.num_calls, self.new_id(), name, ""))
+            self._buffer = self._buffer[m.end() :]
+            self._state, self._depth, self._started = "arguments", 0, False
+            return True
+        if m or CALL_END in self._buffer or len(self._buffer) > MAX_HEAD_CHARS or final:
+            return self._whole_call(content, calls, final)
+        return False
+
+    def _whole_call(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        """A block whose opening did not parse: read it whole at its end tag (e.g. arguments before name)."""
+        end = self._buffer.find(CALL_END)
+        if end < 0 and not final:
+            return False
+        body = self._buffer[:end] if end >= 0 else self._buffer
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            call = None
+        if (
+            isinstance(call, dict)
+            and call.get("name") in self.names
+            and isinstance(call.get("arguments"), dict)
+        ):
+            arguments = json.dumps(call["arguments"], ensure_ascii=False)
+            calls.append(CallDelta(self.num_calls, self.new_id(), call["name"], arguments))
+            self._end_call()
+        else:  # not a call: the text stays as the model wrote it
+            content.append(self._gap + CALL_START + body + (CALL_END if end >= 0 else ""))
+            self._state = "text"
+        self._buffer = self._buffer[end + len(CALL_END) :] if end >= 0 else ""
+        return True
+
+    def _arguments(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        skipped = n = 0  # whitespace before the value; characters read
+        closed = False
+        for ch in self._buffer:
+            n += 1
+            if not self._started:
+                if ch.isspace():
+                    skipped += 1
+                    continue
+                self._started = True
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+            if self._depth == 0 and not self._in_string:
+                closed = True
+                break
+        piece, self._buffer = self._buffer[skipped:n], self._buffer[n:]
+        if piece:
+            calls.append(CallDelta(self.num_calls, None, None, piece))
+        if closed:
+            self._state = "tail"
+        return closed
+
+    def _tail(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        end = self._buffer.find(CALL_END)
+        if end < 0:
+            return False  # the closing brace and tag are still to come; nothing of them is content
+        self._buffer = self._buffer[end + len(CALL_END) :]
+        self._end_call()
+        return True
+
+    def _end_call(self) -> None:
+        self.num_calls += 1
+        self._state = "text" if self.parallel else "done"
+
+    def _done(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
+        self._buffer = ""  # one call asked for: what follows it is dropped
+        return False
+
+    def _flush(self) -> str:
+        """At the end of the reply: what is still held back. Whitespace next to calls goes."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "text":
+            return rest if not self.num_calls else rest.rstrip()
+        if self._state == "head":  # an opening cut short: it stays content
+            return self._gap + CALL_START + rest
+        return ""
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

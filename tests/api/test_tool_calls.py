@@ -1,0 +1,169 @@
+"""The tool-call machinery without a model: the streaming parser, the history rendering and the grammar."""
+
+import itertools
+import json
+
+import pytest
+
+from model.tokenizer import Tokenizer
+from server.api.tools import Function, ToolCallParser, Tools, output_grammar, render_history
+
+pytestmark = pytest.mark.timeout(30)
+
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"Ville\\" {", "days": [1, {"a": 2}]}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+)
+
+
+def parse(text: str, step: int, **kw) -> tuple[str, list[dict], list]:
+    """Feed `text` in pieces of `step` characters; (content, calls reassembled, every piece)."""
+    ids = (f"call_{i}" for i in itertools.count())
+    parser = ToolCallParser({"get_weather", "add"}, new_id=lambda: next(ids), **kw)
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    content, calls, deltas = "", [], []
+    for i, piece in enumerate(pieces):
+        c, ds = parser.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        deltas += ds
+        for d in ds:
+            if d.index == len(calls):
+                assert d.id is not None and d.name is not None  # a call's id and name come in its first piece
+                calls.append({"id": d.id, "name": d.name, "arguments": d.arguments})
+            else:
+                assert d.id is None and d.name is None
+                calls[d.index]["arguments"] += d.arguments
+    assert parser.num_calls == len([c for c in calls if _complete(c["arguments"])])
+    return content, calls, deltas
+
+
+def _complete(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_calls_stream_whatever_the_pieces(step):
+    content, calls, deltas = parse(TWO_CALLS, step)
+    assert content == ""
+    assert [c["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Paris "Ville" {', "days": [1, {"a": 2}]}
+    assert calls[1]["arguments"] == '{"a": 1}'
+    assert deltas[0].arguments == ""  # the name goes out before any argument is written
+    if step <= 3:  # arguments go out as they come, not at the end
+        assert len([d for d in deltas if d.index == 0]) > 10
+
+
+def test_text_without_calls_is_unchanged():
+    for text in ["Hello there.\n\nHow are you?  \n", "a < b and <tool> is not <tool_call", " x <tool_c"]:
+        for step in (1, 2, 5):
+            content, calls, _ = parse(text, step)
+            assert content == text and calls == []
+
+
+def test_text_before_a_call_is_content_and_blank_space_around_calls_goes():
+    content, calls, _ = parse(
+        'Sure, let me check.\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n', 2
+    )
+    assert content == "Sure, let me check." and [c["name"] for c in calls] == ["add"]
+
+
+def test_what_is_not_a_call_of_a_declared_function_stays_text():
+    for text in [
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+        "Look: <tool_call> is a tag </tool_call> ok",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}',  # cut before its end, with no name parsed
+    ]:
+        content, calls, _ = parse(text.replace('"add"', '"add_x"'), 3)
+        assert calls == [] and content == text.replace('"add"', '"add_x"')
+
+
+def test_a_call_written_arguments_first_is_read_whole():
+    content, calls, _ = parse('<tool_call>\n{"arguments": {"a": 2}, "name": "add"}\n</tool_call>', 4)
+    assert content == "" and calls[0]["name"] == "add" and json.loads(calls[0]["arguments"]) == {"a": 2}
+
+
+def test_a_call_cut_short_keeps_its_partial_arguments():
+    content, calls, _ = parse('<tool_call>\n{"name": "add", "arguments": {"a": "aaa', 3)
+    assert content == "" and calls == [{"id": "call_0", "name": "add", "arguments": '{"a": "aaa'}]
+
+
+def test_one_call_when_not_parallel():
+    content, calls, _ = parse(TWO_CALLS + "\nand some words", 5, parallel=False)
+    assert [c["name"] for c in calls] == ["get_weather"] and content == ""
+
+
+WEATHER = Function("get_weather", "Weather", {"type": "object", "properties": {"city": {"type": "string"}}})
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "sunny"},
+]
+
+
+def test_history_for_a_template_without_tools():
+    out = render_history([dict(m) for m in HISTORY], Tools([WEATHER]), template_has_tools=False)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert '"name": "get_weather"' in out[0]["content"] and "<tools>" in out[0]["content"]
+    assert (
+        out[2]["content"]
+        == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    assert (
+        out[3]["content"]
+        == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response>"
+    )
+    # tool_choice none: the history stays, the tools are not offered
+    assert [
+        m["role"] for m in render_history([dict(m) for m in HISTORY], Tools([WEATHER], "none"), False)
+    ] == [
+        "user",
+        "assistant",
+        "user",
+    ]
+
+
+def test_history_for_a_template_with_tools(tiny_llama_dir):
+    template = (
+        "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}{% else %}{{ m.content }}{% endif %}"
+        "{% endfor %}{% if tools %}{% for t in tools %}<{{ t.function.name }}>{% endfor %}{% endif %}"
+    )
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir, chat_template=template)
+    assert tokenizer.template_renders_tools and not Tokenizer.from_dir(tiny_llama_dir).template_renders_tools
+    out = render_history([dict(m) for m in HISTORY], Tools([WEATHER]), template_has_tools=True)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris"
+    }  # an object, as templates read
+    text = tokenizer.apply_chat_template(
+        out, add_generation_prompt=False, tools=Tools([WEATHER]).template_tools()
+    )
+    assert text == "[user]Weather in Paris?[assistant]get_weather(Paris)[tool]18 C[tool]sunny<get_weather>"
+
+
+def test_the_grammars_of_each_tool_choice():
+    add = Function("add", None, {"type": "object"})
+    assert output_grammar(None, None) is None
+    assert output_grammar(Tools([WEATHER, add], "auto"), None) is None  # free text, calls parsed from it
+    assert output_grammar(Tools([WEATHER], "none"), {"type": "object"}).startswith("start: %json")
+    required = output_grammar(Tools([WEATHER, add], "required"), None)
+    assert "start: calls" in required and 'call ("\\n" call)*' in required and '"const": "add"' in required
+    one = output_grammar(Tools([WEATHER, add], "required", parallel=False), None)
+    assert "calls: call\n" in one
+    named = output_grammar(Tools([WEATHER, add], "add"), None)
+    assert '"const": "add"' in named and "get_weather" not in named and "calls: call\n" in named
+    either = output_grammar(Tools([WEATHER], "auto"), {"type": "object"})
+    assert either.startswith("start: %json") and "| calls" in either
