@@ -27,9 +27,10 @@ class CpuKernelMetadata:
     def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
         """One call: q and k rotated (rope = (cos, sin) or None), k and v written by slot, attention."""
         cos, sin = rope if rope is not None else (None, None)
+        # all positional: pybind11 matches keywords by name on every call, ~0.1 ms of a 1-row step over 30 layers
         return self.kernel(
             q, k_cache, v_cache, self.block_tables, self.seqs, self.block_size, scale, self.window, KERNEL_CHUNK,
-            k=k, v=v, slots=self.slot_mapping, cos=cos, sin=sin,
+            k, v, self.slot_mapping, cos, sin,
         )  # fmt: skip
 
 

@@ -135,8 +135,10 @@ class QuantizedLinear:
         packed = source.pack()
         for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
             layer.register_buffer(name, tensor, persistent=False)
-        if layer.bias is not None:
-            layer.bias_f32 = layer.bias.float()
+        bias = layer.bias.float() if layer.bias is not None else None
+        # The kernel's arguments after x, as one plain tuple: read once per GEMM, where the buffers above (and
+        # a missing attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
+        layer.gemm_args = (*packed.values(), bias, layer.out_features)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
         layer.quantized = None
 
@@ -160,8 +162,5 @@ class QuantizedLinear:
         return self._gemm(layer, x, float_out=True)
 
     def _gemm(self, layer, x: torch.Tensor, float_out: bool) -> torch.Tensor:
-        bias = getattr(layer, "bias_f32", None)
-        N = layer.out_features
-        if layer.bits == 4:
-            return self.kernels.q4_gemm(x, layer.packed, layer.scales, layer.mins, bias, N, float_out)
-        return self.kernels.q8_gemm(x, layer.packed, layer.scales, bias, N, float_out)
+        gemm = self.kernels.q4_gemm if layer.bits == 4 else self.kernels.q8_gemm
+        return gemm(x, *layer.gemm_args, float_out)  # (packed, scales[, mins], bias, N)

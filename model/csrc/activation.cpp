@@ -19,12 +19,24 @@ torch::Tensor silu_mul(torch::Tensor x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t f = 0; f < F; ++f) {
-          const float g = to_float(xp[t * 2 * F + f]);
-          const float silu = to_float(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
-          yp[t * F + f] = static_cast<scalar_t>(silu * to_float(xp[t * 2 * F + F + f]));
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = xp + t * 2 * F;
+        const scalar_t* up = gate + F;
+        scalar_t* y_t = yp + t * F;
+        int64_t f = 0;
+        for (; f + VL <= F; f += VL) {  // 16 at a time, with the vectorised exp
+          vfloat g;
+          for (int l = 0; l < VL; ++l) g[l] = to_float(gate[f + l]);
+          const vfloat silu = g / (1.0f + vexp(-g));
+          for (int l = 0; l < VL; ++l)
+            y_t[f + l] = static_cast<scalar_t>(to_float(static_cast<scalar_t>(silu[l])) * to_float(up[f + l]));
         }
+        for (; f < F; ++f) {
+          const float g = to_float(gate[f]);
+          const float silu = to_float(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
+          y_t[f] = static_cast<scalar_t>(silu * to_float(up[f]));
+        }
+      }
     });
   });
   return y;

@@ -18,20 +18,6 @@ namespace {
 
 constexpr int KT = VL;  // keys per tile
 
-// exp(x) for x <= 0: 2^k p(r) with k = round(x / ln2), r = x - k ln2 in [-ln2/2, ln2/2] (ln2 split in two
-// parts so k ln2 is exact), p the degree-6 Taylor polynomial (relative error < 2e-7 on that range).
-// Inputs below -87 give ~1e-38; callers zero what must be exactly 0.
-inline vfloat exp_tile(vfloat x) {
-  x = x < -87.0f ? vfloat{} - 87.0f : x;
-  const vfloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // adding 1.5 * 2^23 rounds
-  const vfloat r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
-  const vfloat p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
-  vfloat two_k;
-  __builtin_memcpy(&two_k, &bits, sizeof(two_k));
-  return p * two_k;
-}
-
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -175,7 +161,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     for (int64_t t = 1; t < n_tiles; ++t) vmax = vmax > tiles[t] ? vmax : tiles[t];
     float m = vmax[0];
     for (int l = 1; l < KT; ++l) m = std::max(m, vmax[l]);
-    for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = exp_tile(tiles[t] - m);
+    for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = vexp(tiles[t] - m);
     for (int64_t j = a0; j < a; ++j) s[j] = 0.0f;
     for (int64_t j = b; j < b0; ++j) s[j] = 0.0f;
     vfloat sum = {};

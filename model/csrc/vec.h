@@ -17,3 +17,18 @@ inline float hsum(vfloat v) {  // a fixed tree, so the same bits every time
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x): 2^k p(r) with k = round(x / ln2), r = x - k ln2 in [-ln2/2, ln2/2] (ln2 split in two parts so k ln2 is
+// exact), p the degree-6 Taylor polynomial (relative error < 2e-7 on that range). x is clamped to [-87, 88]:
+// below, ~1e-38 (callers zero what must be exactly 0); above, the largest finite powers of two.
+inline vfloat vexp(vfloat x) {
+  x = x < -87.0f ? vfloat{} - 87.0f : x;
+  x = x > 88.0f ? vfloat{} + 88.0f : x;
+  const vfloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // adding 1.5 * 2^23 rounds
+  const vfloat r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
+  const vfloat p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
+  vfloat two_k;
+  __builtin_memcpy(&two_k, &bits, sizeof(two_k));
+  return p * two_k;
+}
