@@ -49,9 +49,9 @@ class CpuKernelAttention:
         """Flat positions [T] and the step's metadata (see flat_layout); all on the CPU, no device copies."""
         positions, slots, starts = flat_layout(query_lens, seq_lens, block_tables, self.block_size)
         n_blocks = [-(-s // self.block_size) for s in seq_lens]
-        tables = torch.zeros(len(seq_lens), max(n_blocks), dtype=torch.int32)
-        for r, (n, table) in enumerate(zip(n_blocks, block_tables, strict=True)):
-            tables[r, :n] = torch.tensor(table[:n])
+        width = max(n_blocks)
+        rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, block_tables, strict=True)]
+        tables = torch.tensor(rows, dtype=torch.int32)  # one tensor from lists: per-row copies cost more
         seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
         meta = CpuKernelMetadata(torch.tensor(slots), tables, seqs, self.block_size, self.window, self.kernel)
         return torch.tensor(positions), meta

@@ -23,9 +23,10 @@ class KVCache:
         # as it is.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._layers = [(self.k[i], self.v[i]) for i in range(config.num_layers)]  # views made once
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -102,7 +102,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split((H, KVH, KVH), dim=1)
+        q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale)
         return self.o(out.reshape(T, -1))
 
