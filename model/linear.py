@@ -36,6 +36,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return self.method.apply(self, x)
 
+    # Called directly, without nn.Module's hook machinery (nothing hooks a Linear): ~1.5 us less on each of a
+    # step's 121 GEMMs, 3% of a lone decode step.
+    __call__ = forward
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T] -> [T, in]
         return self.method.rows(self, ids).to(dtype)
 
