@@ -32,18 +32,18 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
 
-    def release(self, new_text: str, final: bool) -> tuple[str, bool]:
-        """(text that can be sent now, whether a stop string ended the output)."""
+    def release(self, new_text: str, final: bool) -> tuple[str, str | None]:
+        """(text that can be sent now, the stop string that ended the output or None)."""
         text = self.held + new_text
         hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
             i, s = min(hits)
             self.held = ""
-            return text[: i + len(s)] if self.include_stop else text[:i], True
+            return text[: i + len(s)] if self.include_stop else text[:i], s
         keep = 0 if final or not self.stop else max(len(s) for s in self.stop) - 1
         keep = min(keep, len(text))
         self.held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
+        return text[: len(text) - keep], None
 
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
@@ -116,8 +116,8 @@ class OutputProcessor:
             new_text = state.detokenizer.add([sampled.token_id])
             if reason is not None:
                 new_text += state.detokenizer.flush()
-            text, stopped = state.release(new_text, final=reason is not None)
-            if stopped:
+            text, stop_string = state.release(new_text, final=reason is not None)
+            if stop_string is not None:
                 reason = FinishReason.STOP
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -132,6 +132,7 @@ class OutputProcessor:
                 num_cached_tokens=request.num_cached_tokens,
                 logprobs=[sampled.logprob] if sampled.logprob is not None else None,
                 prompt_logprobs=state.take_prompt_logprobs(),
+                stop_string=stop_string,
             )
             if reason is not None:
                 finished[request.request_id] = reason

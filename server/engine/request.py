@@ -182,3 +182,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first output only; the first is None
     error: str | None = None  # set when the engine had to abort the request on an internal error
     times: RequestTimes | None = None  # on the final output only
+    stop_string: str | None = None  # the stop string that ended the output, on the final output

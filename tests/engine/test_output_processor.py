@@ -36,7 +36,8 @@ def test_a_stop_string_on_the_last_allowed_token_finishes_once_as_stop(engine):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop])
     outs = run(engine, "both", prompt, params)
     assert [o.finished for o in outs] == [False] * 7 + [True]
-    assert outs[-1].finish_reason == FinishReason.STOP
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_string == stop
+    assert free[-1].stop_string is None
     assert "".join(o.text for o in outs) == text[: len(text) - len(stop)]
     assert not engine.outputs.states and not engine.scheduler.requests
 
