@@ -9,16 +9,20 @@ from server.api import protocol as p
 from server.api.choices import (
     Choice,
     Disconnected,
+    Event,
+    OpenAIShape,
     ServingState,
     answer,
     check_model,
     check_queue,
     new_choices,
+    rest_of_context,
     sampling_params,
+    usage,
 )
 from server.api.errors import ApiError
 from server.api.structured import chat_tools, output_grammar_for
-from server.api.tools import CallDelta, ToolCallParser, Tools, render_history
+from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser, render_history
 from server.engine.request import RequestOutput, TokenLogprob
 
 
@@ -28,18 +32,13 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
     check_queue(state)
     tools = chat_tools(body)
     ids = chat_prompt_ids(state, body.messages, tools=tools)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = state.engine.max_model_len - len(ids)
-        if max_tokens < 1:
-            why = f"the prompt ({len(ids)} tokens) fills the context of {state.engine.max_model_len} tokens"
-            raise ApiError(400, why, param="messages")
+    max_tokens = body.max_completion_tokens or body.max_tokens or rest_of_context(state, ids, "messages")
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     params.grammar = await output_grammar_for(state, body, tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = new_choices(state, response_id, 0, ids, params, body.n)
     shape = ChatShape(state, body, response_id, int(time.time()), tools)
-    return await answer(state, body, choices, shape, log_id, disconnected)
+    return await answer(state, choices, shape, log_id, disconnected, body.stream)
 
 
 def chat_prompt_ids(
@@ -68,7 +67,7 @@ def chat_prompt_ids(
 
 
 @dataclass
-class ChatShape:
+class ChatShape(OpenAIShape):
     state: ServingState
     body: p.ChatCompletionRequest
     response_id: str
@@ -76,7 +75,11 @@ class ChatShape:
     tools: Tools | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
 
-    def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
+    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
+        d = self._delta(c, out)
+        return [] if d is None else [Event(self.chunk([d]))]
+
+    def _delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None
         if self.body.logprobs:
             logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
@@ -84,8 +87,7 @@ class ChatShape:
         if self.tools is not None and self.tools.active:
             parser = self.parsers.get(c.index)
             if parser is None:
-                names = {f.name for f in self.tools.functions}
-                parser = self.parsers[c.index] = ToolCallParser(names, parallel=self.tools.parallel)
+                parser = self.parsers[c.index] = call_parser(self.tools)
             text, calls = parser.feed(out.text, final=out.finished)
             if finish_reason == "stop" and parser.num_calls:
                 finish_reason = "tool_calls"
@@ -111,12 +113,10 @@ class ChatShape:
         chosen = top(entry.token_id, entry.logprob)
         return p.TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top])
 
-    def opening(self, choices: list[Choice]) -> list[p.ChatChunkChoice]:
+    def opening(self, choices: list[Choice]) -> list[Event]:
         # OpenAI's streams open each choice with its role and empty content.
-        return [
-            p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))
-            for c in choices
-        ]
+        delta = p.DeltaMessage(role="assistant", content="")
+        return [Event(self.chunk([p.ChatChunkChoice(index=c.index, delta=delta)])) for c in choices]
 
     def chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None):
         return p.ChatCompletionStreamResponse(
@@ -127,11 +127,17 @@ class ChatShape:
             usage=usage,
         )
 
-    def empty(self, c: Choice) -> p.ChatChoice:
-        logprobs = p.ChatLogprobs(content=[]) if self.body.logprobs else None
-        return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=""), logprobs=logprobs)
+    def empty(self, choices: list[Choice]) -> list[p.ChatChoice]:
+        return [
+            p.ChatChoice(
+                index=c.index,
+                message=p.AssistantMessage(content=""),
+                logprobs=p.ChatLogprobs(content=[]) if self.body.logprobs else None,
+            )
+            for c in choices
+        ]
 
-    def add(self, total: p.ChatChoice, delta: p.ChatChunkChoice) -> None:
+    def add_choice(self, total: p.ChatChoice, delta: p.ChatChunkChoice) -> None:
         message = total.message
         message.content += delta.delta.content or ""
         for d in delta.delta.tool_calls or []:
@@ -142,20 +148,20 @@ class ChatShape:
                 message.tool_calls.append(p.ToolCall(id=d.id, function=function))
             else:
                 message.tool_calls[d.index].function.arguments += d.function.arguments or ""
-        if total.logprobs is not None:
+        if total.logprobs is not None and delta.logprobs is not None:
             total.logprobs.content.extend(delta.logprobs.content)
         total.finish_reason = delta.finish_reason
 
-    def response(self, choices: list[p.ChatChoice], usage: p.Usage) -> p.ChatCompletionResponse:
-        for choice in choices:  # a reply of calls alone has no content, as OpenAI's
+    def response(self, answer: list[p.ChatChoice], choices: list[Choice]) -> p.ChatCompletionResponse:
+        for choice in answer:  # a reply of calls alone has no content, as OpenAI's
             if choice.message.tool_calls and not choice.message.content:
                 choice.message.content = None
         return p.ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
             model=self.state.model_name,
-            choices=choices,
-            usage=usage,
+            choices=answer,
+            usage=usage(choices),
         )
 
 

@@ -1,8 +1,9 @@
-"""What completions and chat share: a request's choices as engine requests, run concurrently, answered either as
-an SSE stream of chunks or as one body that is the fold of the same deltas (so the two cannot drift apart).
+"""What every generating endpoint shares: a request's choices as engine requests, run concurrently, answered
+either as an SSE stream of events or as one body that is the fold of the same events (so the two cannot drift
+apart).
 
-An endpoint says only what differs: how it builds its prompt, and its Shape (the chunk, choice and response
-types and how a delta becomes a choice).
+An endpoint says only what differs: how it builds its prompt, and its Shape (the events an engine output makes,
+how they fold into the body, how its stream opens and ends).
 """
 
 import asyncio
@@ -51,32 +52,71 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     first_output_time: float | None = None
     last_output_time: float | None = None
     request_time: float = field(default_factory=time.monotonic)
     outputs: AsyncIterator[RequestOutput] | None = None  # the engine stream, once queued
 
 
+@dataclass(slots=True)
+class Event:
+    """One server-sent event: its JSON, under its name for the APIs whose events are named."""
+
+    data: BaseModel
+    name: str | None = None
+
+    def sse(self) -> str:
+        head = f"event: {self.name}\n" if self.name else ""
+        return f"{head}data: {self.data.model_dump_json()}\n\n"
+
+
 class Shape(Protocol):
-    """What an endpoint's answer looks like: its chunks, its choices, its body."""
+    """What an endpoint's answer looks like: the events of its stream, and its body, the fold of those events.
+    Streamed or not, an answer is the same events: the stream sends them, the body folds them."""
 
-    def delta(self, c: Choice, out: RequestOutput) -> BaseModel | None:
-        """The chunk choice for one engine output, or None when there is nothing to send."""
+    end: str  # written after the last event ("data: [DONE]" in OpenAI's chat and completions)
 
-    def opening(self, choices: list[Choice]) -> list[BaseModel]:
-        """Chunk choices sent before any output (chat: each choice's role)."""
+    def opening(self, choices: list[Choice]) -> list[Event]:
+        """Events before any output (chat: each choice's role; Responses: response.created)."""
 
-    def chunk(self, choices: list[BaseModel], usage: p.Usage | None = None) -> BaseModel:
-        """One SSE event."""
+    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
+        """The events one engine output makes (none when there is nothing to send)."""
 
-    def empty(self, c: Choice) -> BaseModel:
-        """A non-streamed choice before any delta."""
+    def closing(self, answer: Any, choices: list[Choice]) -> list[Event]:
+        """Events after every choice finished; `answer` holds the fold of the events so far."""
 
-    def add(self, total: BaseModel, delta: BaseModel) -> None:
-        """Fold one delta into the non-streamed choice."""
+    def failed(self, error: ApiError) -> list[Event]:
+        """The events that end a stream that failed after it started."""
 
-    def response(self, choices: list[BaseModel], usage: p.Usage) -> BaseModel:
-        """The non-streamed body."""
+    def empty(self, choices: list[Choice]) -> Any:
+        """The answer before any event: what add() folds the events into."""
+
+    def add(self, answer: Any, event: BaseModel) -> None:
+        """Fold one event's data into the answer."""
+
+    def response(self, answer: Any, choices: list[Choice]) -> BaseModel:
+        """The non-streamed body, made of the answer once every event is folded in."""
+
+
+class OpenAIShape:
+    """What chat and completions streams share: data-only chunks, a usage chunk when the client asks for one,
+    errors in OpenAI's body and [DONE] at the end. A subclass has `body` and makes chunks with `chunk()`."""
+
+    end = "data: [DONE]\n\n"
+
+    def closing(self, answer: list, choices: list[Choice]) -> list[Event]:
+        options = self.body.stream_options
+        if options is None or not options.include_usage:
+            return []
+        return [Event(self.chunk([], usage(choices)))]
+
+    def failed(self, error: ApiError) -> list[Event]:
+        return [Event(error.body())]
+
+    def add(self, answer: list, event: BaseModel) -> None:
+        for d in event.choices:
+            self.add_choice(answer[d.index], d)
 
 
 def check_model(state: ServingState, model: str | None) -> None:
@@ -91,7 +131,17 @@ def check_queue(state: ServingState) -> None:
         raise ApiError(429, why, "rate_limit_error", headers={"Retry-After": "1"})
 
 
-def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def rest_of_context(state: ServingState, ids: list[int], param: str) -> int:
+    """How many tokens may follow the prompt: the default output limit. A 400 naming `param` (where the prompt
+    comes from) when none may."""
+    rest = state.engine.max_model_len - len(ids)
+    if rest < 1:
+        why = f"the prompt ({len(ids)} tokens) fills the context of {state.engine.max_model_len} tokens"
+        raise ApiError(400, why, param=param)
+    return rest
+
+
+def sampling_params(body: p.Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -112,15 +162,23 @@ def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | Non
 
 
 def new_choices(
-    state: ServingState, response_id: str, first_index: int, ids: list[int], params: SamplingParams, n: int
+    state: ServingState,
+    response_id: str,
+    first_index: int,
+    ids: list[int],
+    params: SamplingParams,
+    n: int = 1,
+    names: dict[str, str] | None = None,
 ) -> list[Choice]:
-    """n choices of one prompt, validated once now, so that a bad request is a 400 before any stream starts."""
+    """n choices of one prompt, validated once now, so that a bad request is a 400 before any stream starts.
+    `names` renames the fields the engine names in its errors (max_tokens) to the endpoint's own."""
     try:
         state.engine.validate(ids, params)
     except ValueError as e:
         message = str(e)
         word = message.split(" ", 1)[0]
-        raise ApiError(400, message, param=word if word in PARAM_NAMES else None) from None
+        param = (names or {}).get(word, word) if word in PARAM_NAMES else None
+        raise ApiError(400, message, param=param) from None
     choices = []
     for j in range(n):
         choice_params = params
@@ -133,28 +191,47 @@ def new_choices(
 
 async def answer(
     state: ServingState,
-    body: p.SamplingFields,
     choices: list[Choice],
     shape: Shape,
     log_id: str,
     disconnected: Disconnected,
+    streamed: bool,
 ) -> BaseModel | AsyncIterator[str] | None:
     """Queue the choices and answer: an SSE stream of strings, the body, or None when the client went away."""
     # Handed to the engine now, while the request is being answered, so that the waiting count the next
     # request's 429 check reads already includes them.
     for c in choices:
         c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params)
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return stream(state, choices, shape, log_id, include_usage)
-    results = [shape.empty(c) for c in choices]
-    async with contextlib.aclosing(run(state, choices, log_id, disconnected())) as outputs:
-        async for c, out in outputs:
-            if (d := shape.delta(c, out)) is not None:
-                shape.add(results[c.index], d)
+    if streamed:
+        return stream(state, choices, shape, log_id)
+    folded = shape.empty(choices)
+    async with contextlib.aclosing(events(state, choices, shape, folded, log_id, disconnected())) as each:
+        async for _ in each:
+            pass
     if any(c.finish_reason is None for c in choices):
         return None
-    return shape.response(results, usage(choices))
+    return shape.response(folded, choices)
+
+
+async def events(
+    state: ServingState, choices: list[Choice], shape: Shape, answer: Any, log_id: str, until=None
+) -> AsyncIterator[Event]:
+    """Every event of the answer in order, each folded into `answer` before it goes out: the opening ones,
+    those of each engine output, and the closing ones once every choice has finished."""
+
+    def folded(e: Event) -> Event:
+        shape.add(answer, e.data)
+        return e
+
+    for e in shape.opening(choices):
+        yield folded(e)
+    async with contextlib.aclosing(run(state, choices, log_id, until)) as outputs:
+        async for c, out in outputs:
+            for e in shape.events(c, out):
+                yield folded(e)
+    if all(c.finish_reason is not None for c in choices):
+        for e in shape.closing(answer, choices):
+            yield folded(e)
 
 
 async def run(
@@ -178,6 +255,7 @@ async def run(
                     raise ApiError(500, "internal error while generating", type="internal_error")
                 if out.finished:
                     c.finish_reason = out.finish_reason.value
+                    c.stop_string = out.stop_string
                     state.metrics.request_finished(c.finish_reason, out.times)
                 yield c, out
     finally:
@@ -187,35 +265,27 @@ async def run(
         log_request(log_id, choices)
 
 
-def stream(
-    state: ServingState, choices: list[Choice], shape: Shape, log_id: str, include_usage: bool
-) -> AsyncIterator[str]:
-    """SSE events: opening chunks, one chunk per delta, the usage chunk if asked for, then [DONE]. A client that
-    goes away cancels the iteration (Starlette listens for the disconnect), which aborts the engine requests."""
+def stream(state: ServingState, choices: list[Choice], shape: Shape, log_id: str) -> AsyncIterator[str]:
+    """The answer's events as SSE, then the shape's end. A client that goes away cancels the iteration
+    (Starlette listens for the disconnect), which aborts the engine requests."""
 
-    async def events() -> AsyncIterator[str]:
+    async def sse() -> AsyncIterator[str]:
         try:
-            for d in shape.opening(choices):
-                yield sse(shape.chunk([d]))
-            async with contextlib.aclosing(run(state, choices, log_id)) as outputs:
-                async for c, out in outputs:
-                    d = shape.delta(c, out)
-                    if d is not None:
-                        yield sse(shape.chunk([d]))
-            if include_usage:
-                yield sse(shape.chunk([], usage(choices)))
+            answer = shape.empty(choices)
+            async with contextlib.aclosing(events(state, choices, shape, answer, log_id)) as each:
+                async for e in each:
+                    yield e.sse()
         except ApiError as e:
-            yield sse(e.body())
+            for ev in shape.failed(e):
+                yield ev.sse()
         except Exception:
             log.exception("request %s failed while streaming", log_id)
-            yield sse(ApiError(500, "internal server error", type="internal_error").body())
-        yield "data: [DONE]\n\n"
+            for ev in shape.failed(ApiError(500, "internal server error", type="internal_error")):
+                yield ev.sse()
+        if shape.end:
+            yield shape.end
 
-    return events()
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return sse()
 
 
 def usage(choices: list[Choice]) -> p.Usage:

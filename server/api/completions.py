@@ -8,12 +8,15 @@ from server.api import protocol as p
 from server.api.choices import (
     Choice,
     Disconnected,
+    Event,
+    OpenAIShape,
     ServingState,
     answer,
     check_model,
     check_queue,
     new_choices,
     sampling_params,
+    usage,
 )
 from server.api.errors import ApiError
 from server.api.structured import output_grammar_for
@@ -45,17 +48,21 @@ async def completion(state: ServingState, body: p.CompletionRequest, log_id: str
                 c.prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             choices.append(c)
     shape = CompletionShape(state, body, response_id, int(time.time()))
-    return await answer(state, body, choices, shape, log_id, disconnected)
+    return await answer(state, choices, shape, log_id, disconnected, body.stream)
 
 
 @dataclass
-class CompletionShape:
+class CompletionShape(OpenAIShape):
     state: ServingState
     body: p.CompletionRequest
     response_id: str
     created: int
 
-    def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
+    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
+        d = self._delta(c, out)
+        return [] if d is None else [Event(self.chunk([d]))]
+
+    def _delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
         body = self.body
         text, logprobs = out.text, None
         if body.logprobs is not None:
@@ -83,7 +90,7 @@ class CompletionShape:
             out.text_offset.append(c.text_offset)
             c.text_offset += len(token)
 
-    def opening(self, choices: list[Choice]) -> list:
+    def opening(self, choices: list[Choice]) -> list[Event]:
         return []
 
     def chunk(self, choices: list[p.CompletionChoice], usage: p.Usage | None = None):
@@ -95,22 +102,28 @@ class CompletionShape:
             usage=usage,
         )
 
-    def empty(self, c: Choice) -> p.CompletionChoice:
-        logprobs = p.CompletionLogprobs() if self.body.logprobs is not None else None
-        return p.CompletionChoice(index=c.index, text="", logprobs=logprobs)
+    def empty(self, choices: list[Choice]) -> list[p.CompletionChoice]:
+        return [
+            p.CompletionChoice(
+                index=c.index,
+                text="",
+                logprobs=p.CompletionLogprobs() if self.body.logprobs is not None else None,
+            )
+            for c in choices
+        ]
 
-    def add(self, total: p.CompletionChoice, delta: p.CompletionChoice) -> None:
+    def add_choice(self, total: p.CompletionChoice, delta: p.CompletionChoice) -> None:
         total.text += delta.text
         total.finish_reason = delta.finish_reason
         if total.logprobs is not None:
             for name in LOGPROB_FIELDS:
                 getattr(total.logprobs, name).extend(getattr(delta.logprobs, name))
 
-    def response(self, choices: list[p.CompletionChoice], usage: p.Usage) -> p.CompletionResponse:
+    def response(self, answer: list[p.CompletionChoice], choices: list[Choice]) -> p.CompletionResponse:
         return p.CompletionResponse(
             id=self.response_id,
             created=self.created,
             model=self.state.model_name,
-            choices=choices,
-            usage=usage,
+            choices=answer,
+            usage=usage(choices),
         )

@@ -7,11 +7,13 @@ default", as in OpenAI's API.
 
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -75,7 +77,35 @@ def _bounded_depth(value: Any) -> Any:
 JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_depth)]  # a JSON schema, tool arguments
 
 
-def _one_of(handler, value: Any, message: str) -> Any:
+def list_or_string(item: Any, from_string: Callable[[str], list]) -> Any:
+    """A list of `item`, or a string that stands for the list from_string() makes of it (one text part). Parsed
+    as the list, so that an error names the part at fault rather than each member of a union."""
+
+    def as_list(value: Any) -> Any:
+        return from_string(value) if isinstance(value, str) else value
+
+    def documented(schema: dict) -> None:
+        kept = {k: schema.pop(k) for k in ("title", "description") if k in schema}
+        as_array = dict(schema)
+        schema.clear()
+        schema.update(kept, anyOf=[{"type": "string"}, as_array])
+
+    return Annotated[list[item], BeforeValidator(as_list), Field(json_schema_extra=documented)]
+
+
+def refuse_other(kinds: tuple[str, ...], what: str) -> Any:
+    """A `type` field of one of `kinds`; any other value is refused with a message naming it."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value not in kinds:
+            accepted = " or ".join(repr(k) for k in kinds)
+            raise ValueError(f"{what} of type {value[:64]!r} are not supported by kvserve (only {accepted})")
+        return value
+
+    return Annotated[Literal[kinds], BeforeValidator(check)]
+
+
+def one_of(handler, value: Any, message: str) -> Any:
     # Pydantic reports a failed union once per member ("prompt.str", "prompt.list[int]", ...); say it once.
     try:
         return handler(value)
@@ -131,8 +161,8 @@ class StructuredOutputs(Body):
         return self
 
 
-class SamplingFields(Body):
-    """The sampling fields both endpoints share."""
+class Sampling(Body):
+    """The sampling fields every generating endpoint takes: OpenAI's names, and vLLM's for what OpenAI's lack."""
 
     model: str | None = Field(None, description="The served model name; may be left out.")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
@@ -143,19 +173,27 @@ class SamplingFields(Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     seed: int | None = None
-    stop: Text | list[Text] | None = Field(
-        None, description=f"Up to {MAX_STOP} strings; never part of the text."
-    )
     stop_token_ids: list[int] = Field(default_factory=list)
     stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    user: str | None = None
     logit_bias: dict[int, float] | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; at most 300."
     )
+
+    def stop_list(self) -> list[str]:
+        return []
+
+
+class SamplingFields(Sampling):
+    """The fields completions and chat share."""
+
+    stop: Text | list[Text] | None = Field(
+        None, description=f"Up to {MAX_STOP} strings; never part of the text."
+    )
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    user: str | None = None
     best_of: int | None = Field(None, description="Not supported yet (only 1).")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: the output is made to match it by a grammar."
@@ -206,7 +244,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _check_prompt(cls, value, handler):
-        return _one_of(
+        return one_of(
             handler, value, "must be a string, a list of strings, a list of token ids or a list of lists"
         )
 
@@ -240,7 +278,7 @@ class ChatMessage(Body):
     @field_validator("content", mode="wrap")
     @classmethod
     def _check_content(cls, value, handler):
-        return _one_of(
+        return one_of(
             handler, value, "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
         )
 

@@ -365,6 +365,13 @@ class ToolCallParser:
         return ""
 
 
+def call_parser(tools: Tools | None, new_id: Callable[[], str] = new_call_id) -> ToolCallParser | None:
+    """The parser for one reply to a request that offers `tools`; None when no calls are to be parsed."""
+    if tools is None or not tools.active:
+        return None
+    return ToolCallParser({f.name for f in tools.functions}, new_id=new_id, parallel=tools.parallel)
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
