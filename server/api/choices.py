@@ -9,6 +9,7 @@ how they fold into the body, how its stream opens and ends).
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -171,13 +172,16 @@ def new_choices(
     names: dict[str, str] | None = None,
 ) -> list[Choice]:
     """n choices of one prompt, validated once now, so that a bad request is a 400 before any stream starts.
-    `names` renames the fields the engine names in its errors (max_tokens) to the endpoint's own."""
+    `names` renames the fields the engine's errors name (prompt, max_tokens) to the endpoint's own."""
     try:
         state.engine.validate(ids, params)
     except ValueError as e:
         message = str(e)
         word = message.split(" ", 1)[0]
-        param = (names or {}).get(word, word) if word in PARAM_NAMES else None
+        param = word if word in PARAM_NAMES else None
+        for name, own in (names or {}).items():
+            message = re.sub(rf"\b{name}\b", own, message)
+            param = own if param == name else param
         raise ApiError(400, message, param=param) from None
     choices = []
     for j in range(n):

@@ -1,5 +1,6 @@
-"""Errors as OpenAI shapes them: ApiError carries a status and OpenAI's error body, and the handlers turn every
-failure (ours, FastAPI's validation, Starlette's routing, anything unexpected) into one."""
+"""Errors as the API at hand shapes them: ApiError carries a status and OpenAI's error fields, and the handlers
+turn every failure (ours, FastAPI's validation, Starlette's routing, anything unexpected) into one. Anthropic's
+route (/v1/messages) answers in Anthropic's shape; every other route in OpenAI's."""
 
 import logging
 
@@ -8,11 +9,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from server.api import messages_protocol as mp
 from server.api import protocol as p
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 300
+ANTHROPIC_ROUTE = "/v1/messages"
+# Anthropic's error type for each status; any other is an api_error
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class ApiError(Exception):
@@ -38,8 +52,18 @@ class ApiError(Exception):
         return p.ErrorResponse(error=info)
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+def anthropic_error(error: ApiError) -> mp.AnthropicError:
+    message = error.message[:MAX_ERROR_CHARS]
+    return mp.AnthropicError(
+        error=mp.ErrorDetail(type=ANTHROPIC_TYPES.get(error.status, "api_error"), message=message)
+    )
+
+
+def error_response(error: ApiError, path: str) -> JSONResponse:
+    """The error as the API of the route at `path` shapes it."""
+    anthropic = path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+    body = anthropic_error(error) if anthropic else error.body()
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=error.headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -50,31 +74,34 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return error_response(error)
+    return error_response(error, request.url.path)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    # FastAPI says 422 with a list of errors; OpenAI clients expect 400 with the first one, naming the field.
+    return error_response(_bad_request(error), request.url.path)
+
+
+def _bad_request(error: RequestValidationError) -> ApiError:
+    # FastAPI says 422 with a list of errors; clients expect 400 with the first one, naming the field.
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"] if part != "body"]
     if first["type"] == "json_invalid":
-        return error_response(ApiError(400, f"the body is not valid JSON: {first['msg']}"))
+        return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     if not loc and first["type"] in ("model_attributes_type", "missing"):
-        return error_response(ApiError(400, "the body must be a JSON object"))
+        return ApiError(400, "the body must be a JSON object")
     param = ".".join(loc) or None
     message = first["msg"].removeprefix("Value error, ")
-    return error_response(ApiError(400, f"{param}: {message}" if param else message, param=param))
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     # Starlette's own: unknown route (404), wrong method (405), a body FastAPI could not parse (400).
     code = "not_found" if error.status_code == 404 else None
-    return error_response(
-        ApiError(error.status_code, str(error.detail), param=None, code=code, headers=error.headers)
-    )
+    refused = ApiError(error.status_code, str(error.detail), param=None, code=code, headers=error.headers)
+    return error_response(refused, request.url.path)
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     # The server logs the traceback (Starlette re-raises after this); the client learns nothing of the code.
     log.error("request %s failed: %s", getattr(request.state, "request_id", "-"), type(error).__name__)
-    return error_response(ApiError(500, "internal server error", type="internal_error"))
+    return error_response(ApiError(500, "internal server error", type="internal_error"), request.url.path)

@@ -41,7 +41,7 @@ class RequestGuard:
         )
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_request_bytes:
-            return await error_response(too_large)(scope, receive, send_with_id)
+            return await error_response(too_large, scope["path"])(scope, receive, send_with_id)
         chunks, size, more = [], 0, True
         try:
             async with asyncio.timeout(self.read_timeout):  # for the whole body: trickling does not reset it
@@ -53,7 +53,7 @@ class RequestGuard:
                     size += len(chunks[-1])
                     more = message.get("more_body", False)
                     if size > self.max_request_bytes:
-                        return await error_response(too_large)(scope, receive, send_with_id)
+                        return await error_response(too_large, scope["path"])(scope, receive, send_with_id)
         except TimeoutError:
             slow = ApiError(
                 408,
@@ -61,14 +61,13 @@ class RequestGuard:
                 code="request_timeout",
                 headers={"Connection": "close"},
             )
-            return await error_response(slow)(scope, receive, send_with_id)
+            return await error_response(slow, scope["path"])(scope, receive, send_with_id)
         body = b"".join(chunks)
         try:
             body.decode()  # JSON is UTF-8; say so rather than FastAPI's "error parsing the body"
         except UnicodeDecodeError:
-            return await error_response(ApiError(400, "the body is not valid UTF-8"))(
-                scope, receive, send_with_id
-            )
+            not_utf8 = ApiError(400, "the body is not valid UTF-8")
+            return await error_response(not_utf8, scope["path"])(scope, receive, send_with_id)
         replayed = False
 
         async def replay():

@@ -1,11 +1,13 @@
-"""The OpenAPI document of the served API: FastAPI's, with OpenAI's 400 in place of 422 and the stream chunks
+"""The OpenAPI document of the served API: FastAPI's, with a 400 in place of 422 and the stream chunks and events
 added. `kvserve openapi` prints it as YAML; the committed openapi.yaml is that output (a test diffs them)."""
 
 import yaml
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from server.api import messages_protocol as mp
 from server.api import protocol as p
+from server.api import responses_protocol as rp
 
 
 def openapi_schema(app: FastAPI) -> dict:
@@ -18,8 +20,14 @@ def openapi_schema(app: FastAPI) -> dict:
                 operation["responses"].pop("422", None)
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
-        # Stream chunks appear in no route signature, so FastAPI leaves them out; add them.
-        for chunk in (p.CompletionStreamResponse, p.ChatCompletionStreamResponse):
+        # Stream chunks and events appear in no route signature, so FastAPI leaves them out; add them.
+        streamed = (
+            p.CompletionStreamResponse,
+            p.ChatCompletionStreamResponse,
+            rp.ResponseStreamEvent,
+            mp.MessageStreamEvent,
+        )
+        for chunk in streamed:
             chunk_schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(chunk_schema.pop("$defs", {}))
             components[chunk.__name__] = chunk_schema

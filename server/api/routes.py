@@ -8,22 +8,28 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from server.api import messages_protocol as mp
 from server.api import protocol as p
+from server.api import responses_protocol as rp
 from server.api.chat import chat, chat_prompt_ids
 from server.api.choices import ServingState, check_model
 from server.api.completions import completion
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
+from server.api.messages import chat_messages, message, request_tools
+from server.api.responses import respond
 
 # --- dependencies -------------------------------------------------------------------------------
 
 
 async def check_api_key(request: Request) -> None:
+    """The key as OpenAI's clients send it (Authorization: Bearer) or as Anthropic's do (x-api-key)."""
     key = request.app.state.config.api_key
     if key is None:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    given = [request.headers.get("x-api-key", ""), bearer.strip() if scheme.lower() == "bearer" else ""]
+    if not any(g and hmac.compare_digest(g.encode(), key.encode()) for g in given):
         headers = {"WWW-Authenticate": "Bearer"}
         raise ApiError(
             401, "missing or invalid API key", "authentication_error", code="invalid_api_key", headers=headers
@@ -56,7 +62,7 @@ async def _client_gone(request: Request) -> None:
 # --- routes -------------------------------------------------------------------------------------
 
 
-def _errors(*statuses: int) -> dict:
+def _errors(*statuses: int, error: type = p.ErrorResponse) -> dict:
     why = {
         400: "Invalid request",
         401: "Missing or invalid API key",
@@ -65,12 +71,17 @@ def _errors(*statuses: int) -> dict:
         429: "Too many requests waiting; see Retry-After",
         503: "Model loading or server shutting down",
     }
-    return {s: {"model": p.ErrorResponse, "description": why[s]} for s in statuses}
+    return {s: {"model": error, "description": why[s]} for s in statuses}
 
 
-def _streamed(chunk: type) -> dict:
+def _streamed(chunk: type, named: bool = False) -> dict:
     schema = {"$ref": f"#/components/schemas/{chunk.__name__}"}
-    about = "JSON, or with stream: true server-sent events `data: <chunk JSON>` ending with `data: [DONE]`."
+    if named:
+        about = "JSON, or with stream: true server-sent events `event: <its type>` + `data: <event JSON>`."
+    else:
+        about = (
+            "JSON, or with stream: true server-sent events `data: <chunk JSON>` ending with `data: [DONE]`."
+        )
     return {200: {"description": about, "content": {"text/event-stream": {"schema": schema}}}}
 
 
@@ -112,6 +123,43 @@ async def completions(body: p.CompletionRequest, request: Request, state: Ready)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, state: Ready) -> Response:
     result = await chat(state, body, request.state.request_id, lambda: _client_gone(request))
     return _respond(result)
+
+
+@api_router.post(
+    "/v1/responses",
+    response_model=rp.ResponseObject,
+    responses={**_streamed(rp.ResponseStreamEvent, named=True), **GENERATION_ERRORS},
+)
+async def responses(body: rp.ResponsesRequest, request: Request, state: Ready) -> Response:
+    """OpenAI's Responses API, stateless: nothing is stored, each request carries its whole conversation."""
+    result = await respond(state, body, request.state.request_id, lambda: _client_gone(request))
+    return _respond(result)
+
+
+@api_router.post(
+    "/v1/messages",
+    response_model=mp.MessageResponse,
+    responses={
+        **_streamed(mp.MessageStreamEvent, named=True),
+        **_errors(400, 401, 404, 413, 429, 503, error=mp.AnthropicError),
+    },
+)
+async def messages(body: mp.MessagesRequest, request: Request, state: Ready) -> Response:
+    """Anthropic's Messages API; errors come in Anthropic's shape, and the key may come as x-api-key."""
+    result = await message(state, body, request.state.request_id, lambda: _client_gone(request))
+    return _respond(result)
+
+
+@api_router.post(
+    "/v1/messages/count_tokens",
+    response_model=mp.TokenCount,
+    responses=_errors(400, 401, 404, 413, 503, error=mp.AnthropicError),
+)
+def count_tokens(body: mp.CountTokensRequest, state: Ready) -> mp.TokenCount:
+    """The prompt tokens a /v1/messages request with this body would have."""
+    check_model(state, body.model)
+    ids = chat_prompt_ids(state, chat_messages(body), tools=request_tools(body))
+    return mp.TokenCount(input_tokens=len(ids))
 
 
 def _model_card(state: ServingState) -> p.ModelCard:

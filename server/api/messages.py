@@ -1,0 +1,210 @@
+"""/v1/messages, Anthropic's Messages API: the system prompt and messages (text, tool_use and tool_result blocks)
+become chat messages rendered through the chat template as /v1/chat/completions renders them, and the reply
+streams as content blocks (text, tool_use) in Anthropic's event sequence."""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from server.api import messages_protocol as mp
+from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
+from server.api.chat import chat_prompt_ids
+from server.api.choices import (
+    Choice,
+    Disconnected,
+    Event,
+    ServingState,
+    answer,
+    check_model,
+    check_queue,
+    new_choices,
+    rest_of_context,
+    sampling_params,
+    usage,
+)
+from server.api.errors import ApiError, anthropic_error
+from server.api.structured import answer_grammar, compiled, offered_tools
+from server.api.tools import Function, Tools, call_parser, new_call_id
+
+CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice types -> kvserve's
+ENGINE_NAMES = {"prompt": "messages", "stop": "stop_sequences"}  # the engine's field names, here
+SHUT_DOWN = "the server shut down before the message was finished"
+
+
+async def message(state: ServingState, body: mp.MessagesRequest, log_id: str, disconnected: Disconnected):
+    """A MessageResponse, an SSE stream of strings, or None when the client went away."""
+    check_model(state, body.model)
+    check_queue(state)
+    tools = request_tools(body)
+    ids = chat_prompt_ids(state, chat_messages(body), tools=tools)
+    # Clients written for large models ask for more than a small context holds: generate what fits, and say
+    # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
+    params = sampling_params(body, min(body.max_tokens, rest_of_context(state, ids, "messages")), None)
+    schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
+    params.grammar = await compiled(state, answer_grammar(schema, "output_config.format", tools))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    choices = new_choices(state, message_id, 0, ids, params, names=ENGINE_NAMES)
+    parser = call_parser(tools, new_id=lambda: new_call_id("toolu_"))
+    shape = MessagesShape(state, body, message_id, ReplyBlocks(parser))
+    return await answer(state, choices, shape, log_id, disconnected, body.stream)
+
+
+def request_tools(body: mp.MessagesRequest) -> Tools | None:
+    functions = [Function(t.name, t.description, t.input_schema) for t in body.tools]
+    choice = body.tool_choice
+    parallel = not choice.disable_parallel_tool_use
+    return offered_tools(functions, choice.name if choice.type == "tool" else CHOICES[choice.type], parallel)
+
+
+def chat_messages(body: mp.MessagesRequest) -> list[dict]:
+    """The conversation in the chat shape chat_prompt_ids() renders: the system blocks as the system message,
+    an assistant's tool_use blocks as its tool_calls, a user's tool_result blocks as tool messages (before its
+    text, as Anthropic has them first)."""
+    messages: list[dict] = []
+    if body.system:
+        messages.append({"role": "system", "content": "\n".join(b.text for b in body.system)})
+    call_ids = set()
+    for i, m in enumerate(body.messages):
+        texts, calls = [], []
+        for block in m.content:
+            match block:
+                case mp.TextBlock():
+                    texts.append(block.text)
+                case mp.ToolUseBlock() if m.role == "assistant":
+                    function = {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}
+                    calls.append({"id": block.id, "type": "function", "function": function})
+                    call_ids.add(block.id)
+                case mp.ToolResultBlock() if m.role == "user":
+                    if block.tool_use_id not in call_ids:
+                        why = f"tool_result {block.tool_use_id[:64]!r} follows no tool_use of that id"
+                        raise ApiError(400, f"messages.{i}: {why}", param=f"messages.{i}")
+                    content = "\n".join(b.text for b in block.content)
+                    messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+                case _:
+                    why = f"{block.type} blocks belong in {'assistant' if m.role == 'user' else 'user'} messages"
+                    raise ApiError(400, f"messages.{i}: {why}", param=f"messages.{i}")
+        if calls:
+            messages.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
+        elif texts:
+            messages.append({"role": m.role, "content": "\n".join(texts)})
+    if body.messages[-1].role == "assistant":
+        why = "a final assistant message (a prefill for the reply to continue) is not supported"
+        raise ApiError(400, why, param="messages")
+    return messages
+
+
+@dataclass
+class Reply:
+    """A message as its events fold into it: a tool_use block's input is JSON text until the block stops."""
+
+    message: mp.MessageResponse
+    input_json: dict[int, str] = field(default_factory=dict)  # by block
+
+
+@dataclass
+class MessagesShape:
+    """The reply as content blocks: a text block for each stretch of text, a tool_use block for each call."""
+
+    state: ServingState
+    body: mp.MessagesRequest
+    message_id: str
+    blocks: ReplyBlocks
+    end = ""
+
+    def opening(self, choices: list[Choice]) -> list[Event]:
+        return [named(mp.MessageStartEvent(message=self.empty(choices).message))]
+
+    def events(self, c: Choice, out) -> list[Event]:
+        return [named(self._event(step)) for step in self.blocks.feed(out.text, final=out.finished)]
+
+    def _event(self, step: Step):
+        block = step.block
+        match step:
+            case Opened() if block.call is None:
+                return mp.ContentBlockStartEvent(index=block.index, content_block=mp.TextBlock(text=""))
+            case Opened():
+                tool_use = mp.ToolUseBlock(id=block.call.id, name=block.call.name, input={})
+                return mp.ContentBlockStartEvent(index=block.index, content_block=tool_use)
+            case Grew(piece=piece) if block.call is None:
+                return mp.ContentBlockDeltaEvent(index=block.index, delta=mp.TextDelta(text=piece))
+            case Grew(piece=piece):
+                return mp.ContentBlockDeltaEvent(
+                    index=block.index, delta=mp.InputJsonDelta(partial_json=piece)
+                )
+            case Closed():
+                return mp.ContentBlockStopEvent(index=block.index)
+
+    def closing(self, answer: Reply, choices: list[Choice]) -> list[Event]:
+        (c,) = choices
+        if c.finish_reason == "abort":  # only a shutdown ends a request that way and still answers
+            return self.failed(ApiError(503, SHUT_DOWN, type="unavailable_error"))
+        delta = mp.MessageDelta(stop_reason=self._stop_reason(c), stop_sequence=c.stop_string)
+        return [
+            named(mp.MessageDeltaEvent(delta=delta, usage=self._usage(choices))),
+            named(mp.MessageStopEvent()),
+        ]
+
+    def _stop_reason(self, c: Choice) -> str:
+        if c.finish_reason == "length":
+            return (
+                "max_tokens"
+                if c.num_output_tokens >= self.body.max_tokens
+                else "model_context_window_exceeded"
+            )
+        if c.stop_string is not None:
+            return "stop_sequence"
+        return "tool_use" if self.blocks.num_calls else "end_turn"
+
+    @staticmethod
+    def _usage(choices: list[Choice]) -> mp.MessageUsage:
+        u = usage(choices)
+        cached = u.prompt_tokens_details.cached_tokens
+        return mp.MessageUsage(
+            input_tokens=u.prompt_tokens - cached,
+            output_tokens=u.completion_tokens,
+            cache_read_input_tokens=cached,
+        )
+
+    def failed(self, error: ApiError) -> list[Event]:
+        return [named(anthropic_error(error))]
+
+    def empty(self, choices: list[Choice]) -> Reply:
+        # before any output the cache is not yet looked up: the whole prompt counts as input until message_delta
+        first = mp.MessageUsage(input_tokens=len(choices[0].prompt_ids), output_tokens=0)
+        return Reply(mp.MessageResponse(id=self.message_id, model=self.state.model_name, usage=first))
+
+    def add(self, answer: Reply, event) -> None:
+        content = answer.message.content
+        match event:
+            case mp.ContentBlockStartEvent():
+                content.append(event.content_block.model_copy(deep=True))
+            case mp.ContentBlockDeltaEvent(delta=mp.TextDelta(text=text)):
+                content[event.index].text += text
+            case mp.ContentBlockDeltaEvent(delta=mp.InputJsonDelta(partial_json=piece)):
+                answer.input_json[event.index] = answer.input_json.get(event.index, "") + piece
+            case mp.ContentBlockStopEvent() if event.index in answer.input_json:
+                content[event.index].input = tool_input(answer.input_json.pop(event.index))
+            case mp.MessageDeltaEvent():
+                answer.message.stop_reason = event.delta.stop_reason
+                answer.message.stop_sequence = event.delta.stop_sequence
+                answer.message.usage = event.usage
+
+    def response(self, answer: Reply, choices: list[Choice]) -> mp.MessageResponse:
+        if choices[0].finish_reason == "abort":
+            raise ApiError(503, SHUT_DOWN, type="unavailable_error")
+        return answer.message
+
+
+def named(data) -> Event:
+    """An event under its type's name, as Anthropic's streams name them."""
+    return Event(data, data.type)
+
+
+def tool_input(text: str) -> dict:
+    """A tool_use block's input from its JSON; {} when that is not an object (a call cut short by max_tokens,
+    which Anthropic's clients retry with more)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
