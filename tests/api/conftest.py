@@ -155,6 +155,27 @@ def sse_events():
     return _sse_events
 
 
+def _named_sse_events(raw: bytes) -> list[dict]:
+    """The JSON events of a complete SSE body of named events (Responses', Anthropic's), checking the framing:
+    strict UTF-8, each event an `event: <name>` line then one `data: ` line whose JSON has that type, a blank
+    line after each, and no [DONE]."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n") and "[DONE]" not in text, text[-200:]
+    payloads = []
+    for block in text.split("\n\n")[:-1]:
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        payload = json.loads(data.removeprefix("data: "))
+        assert payload["type"] == head.removeprefix("event: "), block
+        payloads.append(payload)
+    return payloads
+
+
+@pytest.fixture
+def named_sse_events():
+    return _named_sse_events
+
+
 @pytest.fixture
 def new_engine():
     """new_engine(model dir, **EngineConfig fields) -> AsyncEngine, shut down at the end of the test."""

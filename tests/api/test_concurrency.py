@@ -78,3 +78,27 @@ def test_a_client_leaving_before_a_non_streamed_answer_aborts_it(long_engine, st
     after = scrape(url)
     assert after["kvserve:kv_cache_usage_perc"] == 0
     assert after["kvserve:request_success_total{abort}"] == before + 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 4000}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}),
+    ],
+)
+def test_leaving_a_responses_or_messages_stream_aborts_it(
+    route, body, long_engine, start_server, scrape, wait_for
+):
+    url, _ = start_server(long_engine)
+    before = scrape(url).get("kvserve:request_success_total{abort}", 0)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", route, json={**body, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("event: ")
+            wait_for(lambda: scrape(url)["kvserve:kv_cache_usage_perc"] > 0, what="generating")
+    wait_for(lambda: scrape(url)["kvserve:num_requests_running"] == 0, timeout=5, what="the abort")
+    after = scrape(url)
+    assert after["kvserve:kv_cache_usage_perc"] == 0
+    assert after["kvserve:request_success_total{abort}"] == before + 1

@@ -263,3 +263,112 @@ def test_one_log_line_per_request_without_the_prompt(tiny_engine, start_server, 
     (line,) = [r.getMessage() for r in caplog.records if "log-1" in r.getMessage()]
     assert "+ 6 output tokens" in line and "ttft" in line and "finish length" in line
     assert "secret" not in caplog.text
+
+
+# --- Anthropic's route, and the Responses route ---------------------------------------------------
+
+MESSAGE = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str, contains: str = "") -> str:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}; returns the message."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind and 0 < len(body["error"]["message"]) <= 300
+    assert contains in body["error"]["message"]
+    assert "Traceback" not in r.text and ".py" not in r.text
+    return body["error"]["message"]
+
+
+def test_anthropic_route_errors_in_anthropics_shape(tiny_engine, start_server, monkeypatch):
+    url, app = start_server(tiny_engine, api_key="k", max_request_bytes=2000)
+    key = {"x-api-key": "k"}
+    post = httpx.Client(base_url=url, headers=key).post
+    cases = [
+        ({"messages": MESSAGE["messages"]}, "max_tokens"),
+        ({**MESSAGE, "messages": []}, "messages"),
+        ({**MESSAGE, "temperature": -1}, "temperature"),
+        ({**MESSAGE, "stop_sequences": ["x"] * 17}, "stop_sequences"),
+        ({**MESSAGE, "tool_choice": {"type": "tool", "name": "f"}}, "tool_choice"),
+        ({**MESSAGE, "system": [{"type": "image"}]}, "image"),
+        ({**MESSAGE, "max_tokens": 0}, "max_tokens"),
+    ]
+    for body, contains in cases:
+        assert_anthropic_error(post("/v1/messages", json=body), 400, "invalid_request_error", contains)
+    raw = {"content-type": "application/json", **key}
+    assert_anthropic_error(post("/v1/messages", content=b"{bad", headers=raw), 400, "invalid_request_error")
+    for headers in [{}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}]:
+        r = httpx.post(f"{url}/v1/messages", json=MESSAGE, headers=headers)
+        assert_anthropic_error(r, 401, "authentication_error")
+    assert (
+        httpx.post(f"{url}/v1/messages", json=MESSAGE, headers={"Authorization": "Bearer k"}).status_code
+        == 200
+    )
+    assert post("/v1/messages", json=MESSAGE).status_code == 200
+    assert (
+        post("/v1/chat/completions", json={"messages": MESSAGE["messages"]}).status_code == 200
+    )  # x-api-key
+    assert_anthropic_error(post("/v1/messages", json={**MESSAGE, "model": "claude"}), 404, "not_found_error")
+    assert_anthropic_error(post("/v1/messages/nothing", json=MESSAGE), 404, "not_found_error")
+    big = {**MESSAGE, "system": "x" * 3000}
+    assert_anthropic_error(post("/v1/messages", json=big), 413, "request_too_large")
+    r = post("/v1/messages/count_tokens", json={"messages": MESSAGE["messages"], "model": "test-model"})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    begin_drain(app)
+    assert_anthropic_error(post("/v1/messages", json=MESSAGE), 503, "overloaded_error", "shutting down")
+    app.state.draining = False
+
+    async def broken(*args):
+        raise RuntimeError("secret detail in /srv/kvserve/server/api/messages.py")
+
+    monkeypatch.setattr(routes, "message", broken)
+    assert "secret" not in assert_anthropic_error(post("/v1/messages", json=MESSAGE), 500, "api_error")
+    # the other routes keep OpenAI's shape
+    assert_error(
+        post("/v1/responses", json={"input": "hi", "max_output_tokens": 0}), 400, "max_output_tokens"
+    )
+    assert_error(httpx.post(f"{url}/v1/responses", json={"input": "hi"}), 401)
+
+
+@pytest.mark.parametrize(
+    "route, body", [("/v1/messages", MESSAGE), ("/v1/responses", {"input": "hi", "max_output_tokens": 4})]
+)
+def test_429_on_the_new_routes(route, body, long_engine, start_server, wait_for):
+    url, _ = start_server(long_engine, max_queue=1)
+    with httpx.Client(base_url=url, timeout=30) as a, httpx.Client(base_url=url, timeout=30) as b:
+        with a.stream("POST", "/v1/completions", json=LONG):
+            wait_for(lambda: long_engine.stats().num_running == 1, what="one running")
+            with b.stream("POST", "/v1/completions", json=LONG):
+                wait_for(lambda: long_engine.stats().num_waiting == 1, what="one waiting")
+                r = httpx.post(f"{url}{route}", json=body)
+                assert int(r.headers["retry-after"]) >= 1
+                if route == "/v1/messages":
+                    assert_anthropic_error(r, 429, "rate_limit_error")
+                else:
+                    assert_error(r, 429)
+    wait_for(lambda: long_engine.stats().num_running + long_engine.stats().num_waiting == 0, what="aborts")
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/responses"])
+def test_drain_timeout_ends_the_new_routes_streams_with_a_failure(
+    route, long_engine, start_server, wait_for, named_sse_events
+):
+    url, app = start_server(long_engine, shutdown_timeout=0.3)
+    body = (
+        {**MESSAGE, "max_tokens": 4000}
+        if route == "/v1/messages"
+        else {"input": "hi", "max_output_tokens": 4000}
+    )
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", route, json={**body, "ignore_eos": True, "stream": True}) as running:
+            wait_for(lambda: long_engine.stats().num_running == 1, what="running")
+            asyncio.run(drain(app))
+            events = named_sse_events(running.read())
+    if route == "/v1/messages":  # Anthropic has no stop reason for it: the stream ends with an error event
+        assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "overloaded_error"
+    else:
+        assert events[-1]["type"] == "response.failed"
+        assert events[-1]["response"]["error"]["code"] == "server_error"
+    wait_for(lambda: long_engine.stats().kv_cache_usage == 0, timeout=2, what="blocks freed")

@@ -143,3 +143,30 @@ def test_routes_the_routers_poll(tiny_engine, start_server):
     assert httpx.get(f"{loading}/health").status_code == 503
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{loading}/metrics").text)}
     assert families["vllm:cache_config_info"].samples == [], "no cache shape before the cache exists"
+
+
+def test_responses_and_messages_are_counted_like_the_others(tiny_engine, start_server, scrape):
+    url, _ = start_server(tiny_engine)
+    before = scrape(url, idle=True)
+    r = httpx.post(
+        f"{url}/v1/responses", json={"input": "a", "max_output_tokens": 3, "ignore_eos": True}
+    ).json()
+    m = httpx.post(
+        f"{url}/v1/messages",
+        json={
+            "messages": [{"role": "user", "content": "a"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
+    assert m.status_code == 200
+    after = scrape(url, idle=True)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert moved("kvserve:request_success_total{length}") == 2
+    assert moved("kvserve:generation_tokens_total") == r["usage"]["output_tokens"] + 4 == 7
+    assert moved("kvserve:time_to_first_token_seconds_count") == 2
+    assert moved("kvserve:inter_token_latency_seconds_count") == (3 - 1) + (4 - 1)

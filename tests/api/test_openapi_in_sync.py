@@ -37,7 +37,8 @@ def test_every_route_has_component_schemas_errors_and_streams():
     paths = schema["paths"]
     assert set(paths) == {
         "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-        "/tokenize", "/detokenize", "/is_sleeping", "/server_info",
+        "/tokenize", "/detokenize", "/is_sleeping", "/server_info", "/v1/responses", "/v1/messages",
+        "/v1/messages/count_tokens",
     }  # fmt: skip
     for path, methods in paths.items():
         for method, op in methods.items():
@@ -47,12 +48,20 @@ def test_every_route_has_component_schemas_errors_and_streams():
                 assert refs(responses["200"]["content"]["application/json"]), (path, "200")
             if method == "post":
                 assert refs(op["requestBody"]["content"]["application/json"]), path
+                # Anthropic's route answers errors in Anthropic's shape
+                error = "AnthropicError" if path.startswith("/v1/messages") else "ErrorResponse"
                 for status in ("400", "401", "404", "413", "503"):
-                    assert refs(responses[status]) == {"ErrorResponse"}, (path, status)
-    for path, chunk in [("/v1/completions", "Completion"), ("/v1/chat/completions", "ChatCompletion")]:
+                    assert refs(responses[status]) == {error}, (path, status)
+    streams = {
+        "/v1/completions": "CompletionStreamResponse",
+        "/v1/chat/completions": "ChatCompletionStreamResponse",
+        "/v1/responses": "ResponseStreamEvent",
+        "/v1/messages": "MessageStreamEvent",
+    }
+    for path, events in streams.items():
         responses = paths[path]["post"]["responses"]
         assert "429" in responses
-        assert refs(responses["200"]["content"]["text/event-stream"]) == {f"{chunk}StreamResponse"}
+        assert refs(responses["200"]["content"]["text/event-stream"]) == {events}
     assert refs(paths["/v1/models"]["get"]["responses"]["401"]) == {"ErrorResponse"}
     assert refs(paths["/v1/models/{model}"]["get"]["responses"]["404"]) == {"ErrorResponse"}
     assert refs(paths["/health"]["get"]["responses"]["503"]) == {"ErrorResponse"}

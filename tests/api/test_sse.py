@@ -1,4 +1,7 @@
-"""Server-sent events as raw bytes: framing, [DONE], the usage chunk, roles, UTF-8, errors after the start."""
+"""Server-sent events as raw bytes: framing, [DONE], the usage chunk, roles, UTF-8, errors after the start; the
+named events of /v1/responses and /v1/messages."""
+
+import json
 
 import httpx
 import pytest
@@ -101,6 +104,77 @@ def test_an_engine_failure_after_the_start_is_one_error_event(
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 20, "ignore_eos": True})
     assert r.status_code == 500 and "file.py" not in r.text
     wait_for(lambda: engine.stats().kv_cache_usage == 0, timeout=2, what="blocks freed")
+
+
+RESPONSES = {"input": "Say hello.", "max_output_tokens": 6, "ignore_eos": True}
+MESSAGES = {"messages": CHAT["messages"], "max_tokens": 6, "ignore_eos": True}
+
+
+@pytest.mark.timeout(60)
+def test_responses_stream_is_named_events_in_order(tiny_engine, start_server, named_sse_events):
+    url, _ = start_server(tiny_engine)
+    events = named_sse_events(stream(url, "/v1/responses", RESPONSES).content)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+    ]  # fmt: skip
+    assert types[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete",  # cut by max_output_tokens
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert final["output"][0]["content"][0]["text"] == text and final["usage"]["output_tokens"] == 6
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    full = httpx.post(f"{url}/v1/responses", json={**RESPONSES, "seed": 1}, timeout=60).json()
+    assert full["status"] == "incomplete" and full["usage"]["output_tokens"] == 6
+
+
+@pytest.mark.timeout(60)
+def test_messages_stream_is_named_events_in_order(tiny_engine, start_server, named_sse_events):
+    url, _ = start_server(tiny_engine)
+    events = named_sse_events(stream(url, "/v1/messages", MESSAGES).content)
+    types = [e["type"] for e in events]
+    assert types[:2] == ["message_start", "content_block_start"]
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(types[2:-3]) == {"content_block_delta"}
+    start = events[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
+    assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert events[-2]["usage"]["output_tokens"] == 6
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/responses", {**RESPONSES, "max_output_tokens": 20}),
+        ("/v1/messages", {**MESSAGES, "max_tokens": 20}),
+    ],
+)
+def test_a_failure_after_the_start_ends_named_streams_with_an_error_event(
+    route, body, tiny_llama_dir, new_engine, start_server, named_sse_events
+):
+    engine = new_engine(tiny_llama_dir)
+    step, calls = engine._engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated fault in /some/file.py")
+        return step()
+
+    engine._engine.step = failing_step
+    url, _ = start_server(engine)
+    events = named_sse_events(stream(url, route, body).content)
+    last = events[-1]
+    assert last["type"] == "error" and "file.py" not in json.dumps(last)
+    if route == "/v1/messages":
+        assert last["error"]["type"] == "api_error" and last["error"]["message"]
+    else:
+        assert last["message"] and isinstance(last["sequence_number"], int)
+    assert all(e["type"] != "error" for e in events[:-1])
 
 
 # --- the real model -----------------------------------------------------------------------------

@@ -81,6 +81,20 @@ def sse_payloads(raw: bytes) -> list[dict]:
     return [json.loads(b.removeprefix("data: ")) for b in blocks]
 
 
+def named_sse_payloads(raw: bytes) -> list[dict]:
+    """The JSON events of a complete SSE body of named events (/v1/responses, /v1/messages): strict UTF-8, each
+    `event: <name>` then `data: <JSON of that type>`, no [DONE]."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n") and "[DONE]" not in text, text[-300:]
+    payloads = []
+    for block in text.split("\n\n")[:-1]:
+        head, data = block.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {payload['type']}" and data.startswith("data: "), block
+        payloads.append(payload)
+    return payloads
+
+
 def completion_text(payloads: list[dict]) -> tuple[str, str | None]:
     """(text, finish reason) of a one-choice completion stream; fails on an error event."""
     assert not any("error" in p for p in payloads), payloads
@@ -124,6 +138,18 @@ def assert_openai_error(r: httpx.Response, status: int | tuple[int, ...]) -> dic
     assert isinstance(error["message"], str) and 0 < len(error["message"]) <= 300
     assert_no_leak(r.text)
     return error
+
+
+def assert_anthropic_error(r: httpx.Response, status: int | tuple[int, ...]) -> dict:
+    """An Anthropic-shaped JSON error body (what /v1/messages answers) with the given status(es)."""
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert r.status_code in statuses, (r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert isinstance(body["error"]["message"], str) and 0 < len(body["error"]["message"]) <= 300
+    assert_no_leak(r.text)
+    return body["error"]
 
 
 def assert_no_leak(text: str) -> None:

@@ -1,5 +1,6 @@
 """Hostile input against a live server: generated from openapi.yaml by schemathesis, then targeted cases.
-Every answer is a 2xx that fits the schema or a 4xx with an OpenAI error body, never a 5xx or a leak."""
+Every answer is a 2xx that fits the schema or a 4xx with the route's error body (OpenAI's, or Anthropic's on
+/v1/messages), never a 5xx or a leak."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,16 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from live_server import MODEL_NAME, Server, assert_no_leak, assert_openai_error, sse_payloads, start_server
+from live_server import (
+    MODEL_NAME,
+    Server,
+    assert_anthropic_error,
+    assert_no_leak,
+    assert_openai_error,
+    named_sse_payloads,
+    sse_payloads,
+    start_server,
+)
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -17,7 +27,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from server.api import messages_protocol as mp
 from server.api import protocol as p
+from server.api import responses_protocol as rp
 
 OPENAPI = Path(__file__).resolve().parents[2] / "openapi.yaml"
 schema = schemathesis.openapi.from_path(OPENAPI)
@@ -33,11 +45,15 @@ def hostile_server(tiny_llama_dir, tmp_path_factory):
 
 
 def openai_shaped_errors(ctx, response, case) -> None:
+    """Errors in the route's shape: Anthropic's on /v1/messages, OpenAI's elsewhere."""
     assert_no_leak(response.text)
     if response.status_code >= 400:
-        error = json.loads(response.text)["error"]
-        assert set(error) == {"message", "type", "param", "code"}, response.text
-        assert isinstance(error["message"], str) and error["message"], response.text
+        body = json.loads(response.text)
+        if case.path.startswith("/v1/messages"):
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text
+        else:
+            assert set(body["error"]) == {"message", "type", "param", "code"}, response.text
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], response.text
 
 
 CHECKS = [
@@ -67,6 +83,11 @@ def test_generated_requests(case, hostile_server: Server):
     # schemathesis reads an SSE schema as the envelope of each event (OpenAPI 3.2); ours describes the JSON
     # payload of each `data:` line, so streams are checked here: framing, then each payload's shape.
     case.validate_response(response, checks=[c for c in CHECKS if c is not response_schema_conformance])
+    named = {"/v1/responses": rp.ResponseStreamEvent, "/v1/messages": mp.MessageStreamEvent}
+    if case.path in named:
+        for payload in named_sse_payloads(response.content):
+            named[case.path].model_validate(payload)
+        return
     for payload in sse_payloads(response.content):
         if "error" in payload:
             assert set(payload["error"]) == {"message", "type", "param", "code"}, payload
@@ -124,6 +145,78 @@ def test_targeted_cases_are_clear_4xx(hostile_server: Server):
     assert httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
 
 
+RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4}
+MESSAGE = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.timeout(180)
+def test_targeted_cases_on_responses_and_messages(hostile_server: Server):
+    url = hostile_server.url
+    deep = _nested_schema(80)
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    refused = [
+        ({**RESPONSE, "max_output_tokens": 10**12}, "input"),
+        ({**RESPONSE, "input": []}, "input"),
+        ({**RESPONSE, "input": 5}, "input"),
+        ({**RESPONSE, "input": [{"role": "wizard", "content": "hi"}]}, "input"),
+        ({**RESPONSE, "input": [{"type": "item_reference", "id": "x"}]}, "input"),
+        ({**RESPONSE, "tools": [tool] * 129}, "tools"),
+        ({**RESPONSE, "tools": [{**tool, "parameters": deep}]}, "tools"),
+        ({**RESPONSE, "tools": [{"type": "mcp", "server_label": "x"}]}, "tools"),
+        (
+            {**RESPONSE, "tool_choice": {"type": "function", "name": "g" * 10_000}, "tools": [tool]},
+            "tool_choice",
+        ),
+        ({**RESPONSE, "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}}, "text"),
+        (
+            {
+                **RESPONSE,
+                "text": {
+                    "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "(?=a)b"}}
+                },
+            },
+            "text.format",
+        ),
+        ({**RESPONSE, "temperature": -1}, "temperature"),
+        ({**RESPONSE, "background": True}, "background"),
+        ({**RESPONSE, "conversation": "conv_1"}, "conversation"),
+    ]
+    for body, param in refused:
+        error = assert_openai_error(httpx.post(f"{url}/v1/responses", json=body, timeout=60), 400)
+        assert (error["param"] or "").startswith(param), (str(body)[:200], error)
+    lone = b'{"input": [{"role": "user", "content": "a\\ud800"}]}'  # a lone surrogate escape: no text at all
+    assert assert_openai_error(post_raw(url, "/v1/responses", lone), 400)["param"].startswith("input")
+    # a call in the history with broken arguments is rendered as written
+    broken = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}
+    r = httpx.post(f"{url}/v1/responses", json={**RESPONSE, "input": [broken]}, timeout=60)
+    assert r.status_code == 200, r.text
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": deep}
+    messages = [
+        {**MESSAGE, "max_tokens": 10**12},  # more than the context: what fits is generated
+        {**MESSAGE, "messages": [{"role": "user", "content": [use]}]},
+        {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+        {**MESSAGE, "messages": [{"role": "user", "content": 5}]},
+        {**MESSAGE, "messages": [{"role": "system", "content": "hi"}]},
+        {**MESSAGE, "system": [{"type": "text"}]},
+        {**MESSAGE, "tools": [{"name": "f", "input_schema": deep}]},
+        {**MESSAGE, "tools": [{"name": "f", "input_schema": {"type": "object"}}] * 129},
+        {**MESSAGE, "tools": [{"type": "bash_20250124", "name": "bash"}]},
+        {**MESSAGE, "tool_choice": {"type": "any"}},  # no tools
+        {**MESSAGE, "stop_sequences": [""]},
+        {**MESSAGE, "top_k": -5},
+        {**MESSAGE, "output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+    ]
+    for body in messages:
+        r = httpx.post(f"{url}/v1/messages", json=body, timeout=60)
+        if body["max_tokens"] == 10**12:
+            assert r.status_code == 200, r.text
+            continue
+        assert assert_anthropic_error(r, 400)["type"] == "invalid_request_error", str(body)[:200]
+    assert httpx.post(f"{url}/v1/responses", json=RESPONSE, timeout=60).status_code == 200
+    assert httpx.post(f"{url}/v1/messages", json=MESSAGE, timeout=60).status_code == 200
+    assert "Traceback" not in hostile_server.log()
+
+
 @pytest.mark.timeout(120)
 def test_huge_nested_and_broken_bodies(hostile_server: Server):
     url = hostile_server.url
@@ -136,6 +229,15 @@ def test_huge_nested_and_broken_bodies(hostile_server: Server):
         assert_openai_error(post_raw(url, "/v1/chat/completions", deep_object), 400)
     for body in [b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', b"\xc3\x28", b'{"prompt": "\xed\xa0\x80"}']:
         assert_openai_error(post_raw(url, "/v1/completions", body), 400)
+        assert_openai_error(post_raw(url, "/v1/responses", body), 400)
+        assert_anthropic_error(post_raw(url, "/v1/messages", body), 400)
+    for depth in (1000, 100_000):
+        nested = b'{"input": ' + b"[" * depth + b"]" * depth + b"}"
+        assert_openai_error(post_raw(url, "/v1/responses", nested), 400)
+        deep_object = b'{"a": ' * depth + b"1" + b"}" * depth
+        assert_anthropic_error(post_raw(url, "/v1/messages", deep_object), 400)
+    huge = json.dumps({**MESSAGE, "system": "x" * (10 << 20)}).encode()
+    assert_anthropic_error(post_raw(url, "/v1/messages", huge), 413)
     # a lone surrogate escape is valid JSON; it must not break tokenizing or the answer
     r = post_raw(url, "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}')
     assert r.status_code == 200 or assert_openai_error(r, 400)

@@ -4,10 +4,12 @@ loopback."""
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, assert_openai_error
+from live_server import MODEL_NAME, assert_anthropic_error, assert_openai_error
 
 from server import cli, commands
+from server.api import messages_protocol as mp
 from server.api import protocol as p
+from server.api import responses_protocol as rp
 
 KEY = "sk-kvserve-test-7c1f9e0a5b"
 ROUTES = [
@@ -18,6 +20,9 @@ ROUTES = [
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5, 6]}),
     ("GET", "/server_info", None),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("POST", "/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
 ]
 
 
@@ -27,13 +32,21 @@ def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
     client = httpx.Client(base_url=server.url, timeout=30)
     wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
              {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"}]  # fmt: skip
+    wrong += [{"x-api-key": "wrong"}, {"x-api-key": f"Bearer {KEY}"}, {"x-api-key": ""}]
     for method, route, body in ROUTES:
         for headers in wrong:
             r = client.request(method, route, json=body, headers=headers)
-            assert_openai_error(r, 401)
+            if route.startswith("/v1/messages"):  # Anthropic's route answers in Anthropic's shape
+                assert assert_anthropic_error(r, 401)["type"] == "authentication_error"
+            else:
+                assert_openai_error(r, 401)
             assert r.headers["www-authenticate"] == "Bearer"
-        r = client.request(method, route, json=body, headers={"Authorization": f"Bearer {KEY}"})
-        assert r.status_code == 200, (route, r.text)
+        for headers in [
+            {"Authorization": f"Bearer {KEY}"},
+            {"x-api-key": KEY},
+        ]:  # OpenAI's clients, Anthropic's
+            r = client.request(method, route, json=body, headers=headers)
+            assert r.status_code == 200, (route, r.text)
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
     page = client.get("/")  # the chat page asks for the key in the browser; it holds none
@@ -60,8 +73,14 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
             ("/v1/chat/completions", {"model": path, "messages": [{"role": "user", "content": "hi"}]}),
             ("/tokenize", {"model": path, "prompt": "hi"}),
             ("/detokenize", {"model": path, "tokens": [5]}),
+            ("/v1/responses", {"model": path, "input": "hi"}),
         ]:
             assert assert_openai_error(client.post(route, json=body), 404)["code"] == "model_not_found"
+        message = {"model": path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert (
+            assert_anthropic_error(client.post("/v1/messages", json=message), 404)["type"]
+            == "not_found_error"
+        )
         # fields other servers read files from are ignored, never opened: the answer is the usual one
         body = {"prompt": path, "max_tokens": 2, "temperature": 0, "chat_template": path,
                 "chat_template_kwargs": {"path": path}}  # fmt: skip
@@ -72,7 +91,8 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
         assert assert_openai_error(r, 400)["param"] == "structured_outputs" and "root:" not in r.text
     # no request field of the API takes a path or a template: the full list of what requests can carry
     fields = set()
-    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest):
+    requests = (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest)
+    for model in (*requests, rp.ResponsesRequest, mp.MessagesRequest, mp.CountTokensRequest):
         fields |= set(model.model_fields)
     assert not {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}
 
