@@ -74,6 +74,8 @@ class Norm(nn.Module):
             return self.kernel(x, None, self.weight, self.eps)[0]
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
+    __call__ = forward  # without nn.Module's hook machinery, as Linear: see Block
+
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +108,8 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale)
         return self.o(out.reshape(T, -1))
 
+    __call__ = forward  # see Block
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops):
@@ -125,6 +129,8 @@ class MLP(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
+    __call__ = forward  # see Block
+
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops):
@@ -138,6 +144,10 @@ class Block(nn.Module):
         h, residual = self.norm1.add_forward(x, residual)
         h, residual = self.norm2.add_forward(self.attn(h, rope, k_cache, v_cache, meta), residual)
         return self.mlp(h), residual
+
+    # Called directly, without nn.Module's hook machinery (nothing hooks the model's layers), as Linear is:
+    # ~2 us less on each of ~90 calls a step, 2-3% of a lone decode step (measured interleaved, 600 steps each).
+    __call__ = forward
 
 
 class Transformer(nn.Module):
