@@ -34,7 +34,7 @@ class Engine:
             self.tokenizer.eos_token_ids
         )
         self.vocab_size = self.model_config.vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (shown to the client) when the request can never be served. Reads only what is

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from model.tokenizer import Tokenizer
 from server.engine.request import JSON_LAYOUT, GrammarSpec
 
 CACHE_SIZE = 256  # compiled grammars kept, by request
@@ -74,8 +75,8 @@ def fill_bitmasks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
 class GrammarCompiler:
     """Compiles GrammarSpecs against one tokenizer, with a cache; safe to call from any thread."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        self._source = tokenizer  # read at the first grammar: a server that never gets one pays nothing
         self._vocab_size = vocab_size  # the model's: the bitmask covers every logit, even padding ids
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # made at the first grammar (~0.2-0.5 s)
@@ -90,7 +91,7 @@ class GrammarCompiler:
                 return self._cache[spec]
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                    self._source.to_json(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids
                 )
             tokenizer = self._tokenizer
         # Outside the lock: a large grammar takes a while, and llguidance lets go of the GIL meanwhile.
