@@ -77,6 +77,9 @@ class Shape(Protocol):
     Streamed or not, an answer is the same events: the stream sends them, the body folds them."""
 
     end: str  # written after the last event ("data: [DONE]" in OpenAI's chat and completions)
+    # Its closing events carry the whole answer (Responses' response.completed), so a stream folds every event
+    # too; otherwise a stream folds nothing (per token, that would be work no one reads).
+    closes_with_answer: bool
 
     def opening(self, choices: list[Choice]) -> list[Event]:
         """Events before any output (chat: each choice's role; Responses: response.created)."""
@@ -85,7 +88,8 @@ class Shape(Protocol):
         """The events one engine output makes (none when there is nothing to send)."""
 
     def closing(self, answer: Any, choices: list[Choice]) -> list[Event]:
-        """Events after every choice finished; `answer` holds the fold of the events so far."""
+        """Events after every choice finished; `answer` holds the fold of the events so far (None in a
+        stream, unless closes_with_answer)."""
 
     def failed(self, error: ApiError) -> list[Event]:
         """The events that end a stream that failed after it started."""
@@ -105,6 +109,7 @@ class OpenAIShape:
     errors in OpenAI's body and [DONE] at the end. A subclass has `body` and makes chunks with `chunk()`."""
 
     end = "data: [DONE]\n\n"
+    closes_with_answer = False
 
     def closing(self, answer: list, choices: list[Choice]) -> list[Event]:
         options = self.body.stream_options
@@ -220,11 +225,12 @@ async def answer(
 async def events(
     state: ServingState, choices: list[Choice], shape: Shape, answer: Any, log_id: str, until=None
 ) -> AsyncIterator[Event]:
-    """Every event of the answer in order, each folded into `answer` before it goes out: the opening ones,
-    those of each engine output, and the closing ones once every choice has finished."""
+    """Every event of the answer in order, each folded into `answer` (unless None) before it goes out: the
+    opening ones, those of each engine output, and the closing ones once every choice has finished."""
 
     def folded(e: Event) -> Event:
-        shape.add(answer, e.data)
+        if answer is not None:
+            shape.add(answer, e.data)
         return e
 
     for e in shape.opening(choices):
@@ -275,7 +281,7 @@ def stream(state: ServingState, choices: list[Choice], shape: Shape, log_id: str
 
     async def sse() -> AsyncIterator[str]:
         try:
-            answer = shape.empty(choices)
+            answer = shape.empty(choices) if shape.closes_with_answer else None
             async with contextlib.aclosing(events(state, choices, shape, answer, log_id)) as each:
                 async for e in each:
                     yield e.sse()

@@ -110,6 +110,7 @@ class MessagesShape:
     message_id: str
     blocks: ReplyBlocks
     end = ""
+    closes_with_answer = False  # message_delta carries the stop reason and usage only
 
     def opening(self, choices: list[Choice]) -> list[Event]:
         return [named(mp.MessageStartEvent(message=self.empty(choices).message))]

@@ -90,6 +90,7 @@ class ResponsesShape:
     item_ids: dict[int, str] = field(default_factory=dict)  # by block
     sequence_number: int = 0
     end = ""
+    closes_with_answer = True
 
     def _event(self, kind: type, **fields) -> Event:
         data = kind(sequence_number=self.sequence_number, **fields)
