@@ -60,7 +60,14 @@ def cpu_kernels():
     name = "kvserve_cpu_kernels_" + level
     sources = [
         str(SOURCES / f)
-        for f in ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp")
+        for f in (
+            "kernels.cpp",
+            "paged_attention.cpp",
+            "rms_norm.cpp",
+            "activation.cpp",
+            "quant_gemm.cpp",
+            "layer_stack.cpp",
+        )
     ]
     try:
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the same libgomp, already loaded)

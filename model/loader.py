@@ -181,6 +181,7 @@ def load_model(
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.prepare(module)
+    model.weights_ready()
     return model, config
 
 

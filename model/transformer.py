@@ -4,10 +4,12 @@ Variation is a few config switches: RMSNorm or LayerNorm, SwiGLU or GELU MLP, Ro
 biases. Tokens arrive flat ([T]): a step's prefill chunks and decodes go through the same code, and K/V are
 written and read through the slots and block tables of the step's attention metadata (model/attention.py).
 
-How the heavy ops run is given at construction (`Ops`): every GEMM's weight format (model/linear.py) and the
-RMSNorm kernel. Attention runs as the step's metadata says.
+How the heavy ops run is given at construction (`Ops`): every GEMM's weight format (model/linear.py), the
+RMSNorm and SwiGLU kernels, and whether the blocks run as one C++ call once loaded (model/layer_stack.py, the
+same bits as the loop below). Attention runs as the step's metadata says.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from torch import nn
 from model.attention import paged_attention
 from model.config import ModelConfig
 from model.kv_cache import KVCache
+from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
 
 
@@ -30,14 +33,18 @@ class Ops:
     # (x, residual | None, weight, eps) -> [norm(x + residual), x + residual]: the C++ kernel; None = PyTorch ops
     rms_norm: Callable | None = None
     silu_mul: Callable | None = None  # [gate, up] -> silu(gate) * up: the C++ kernel; None = PyTorch ops
+    # (loaded model) -> its blocks as one call with the same bits (model/layer_stack.py), or None; None = a loop
+    layer_stack: Callable | None = None
 
     @classmethod
     def with_kernels(cls, linear, kernels) -> "Ops":
-        """`linear` GEMMs, and the norm and activation of kvserve's C++ CPU kernels (model/kernels.py), or
-        PyTorch ops when kernels is None."""
+        """`linear` GEMMs, and the norm, activation and layer loop of kvserve's C++ CPU kernels
+        (model/kernels.py), or PyTorch ops when kernels is None."""
         if kernels is None:
             return cls(linear)
-        return cls(linear, kernels.rms_norm, kernels.silu_mul)
+        return cls(
+            linear, kernels.rms_norm, kernels.silu_mul, functools.partial(build_layer_stack, kernels=kernels)
+        )
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -172,6 +179,13 @@ class Transformer(nn.Module):
         self.norm = Norm(config, ops.rms_norm)
         if config.positions == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._build_layer_stack = ops.layer_stack
+        self.layer_stack = None  # the blocks as one call, once the weights are ready
+
+    def weights_ready(self) -> None:
+        """Called by the loader once every weight is loaded and prepared (packed, quantized)."""
+        if self._build_layer_stack is not None:
+            self.layer_stack = self._build_layer_stack(self)
 
     def forward(
         self,
@@ -191,9 +205,12 @@ class Transformer(nn.Module):
                 torch.cat((cos, cos), -1).to(x.dtype)[:, None],
                 torch.cat((-sin, sin), -1).to(x.dtype)[:, None],
             )
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, *kv_cache.layer(i), meta)
+        if self.layer_stack is not None:
+            x, residual = self.layer_stack(x, rope, kv_cache, meta)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, rope, *kv_cache.layer(i), meta)
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

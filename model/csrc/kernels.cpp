@@ -1,20 +1,6 @@
 // The Python module of kvserve's CPU kernels, built by model/kernels.py (torch.utils.cpp_extension).
-#include <torch/extension.h>
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
-                              std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
-                              std::optional<torch::Tensor> slots, std::optional<torch::Tensor> cos,
-                              std::optional<torch::Tensor> sin);
-torch::Tensor silu_mul(torch::Tensor x);
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
-                                    double eps);
-torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                      std::optional<torch::Tensor> bias, int64_t N, bool float_out);
-torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias,
-                      int64_t N, bool float_out);
-torch::Tensor q4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, torch::Tensor ids, int64_t K);
-torch::Tensor q8_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor ids, int64_t K);
+#include "kernels.h"
+#include "layer_stack.h"
 
 // The heavy kernels let go of the GIL while they run: the engine steps on its own thread, and the server's event
 // loop must be able to stream tokens and take requests meanwhile (holding it, a kernel made the loop wait for
@@ -35,4 +21,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("q4_rows", &q4_rows, "rows of a packed 4-bit weight, dequantized to float32");
   m.def("q8_rows", &q8_rows, "rows of a packed 8-bit weight, dequantized to float32");
+  py::class_<QuantGemm>(m, "QuantGemm", "a GEMM on packed quantized weights: 4-bit with mins, else 8-bit")
+      .def(py::init([](torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> mins,
+                       std::optional<torch::Tensor> bias, int64_t n) { return QuantGemm{packed, scales, mins, bias, n}; }));
+  py::class_<Layer>(m, "Layer", "one llama-style decoder layer's weights")
+      .def(py::init([](torch::Tensor norm1, QuantGemm qkv, QuantGemm o, torch::Tensor norm2, QuantGemm up,
+                       QuantGemm down) { return Layer{norm1, qkv, o, norm2, up, down}; }));
+  py::class_<LayerStack>(m, "LayerStack", "a step's decoder layers in one call (layer_stack.cpp)")
+      .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       double eps, double scale) {
+        return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale};
+      }))
+      .def("forward", &LayerStack::forward, no_gil());
 }

@@ -21,6 +21,7 @@ def test_the_default_model_is_served_from_its_quantized_weights(quantized):
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     assert {m.bits for name, m in linears.items() if name.startswith("layers.")} == {4}  # the GGUF's Q4_1
     assert model.lm_head.bits == 8 and model.embed is model.lm_head  # Q8_0, tied
+    assert model.layer_stack is not None  # the blocks run as one C++ call (model/layer_stack.py)
     held = {
         t.data_ptr(): t.numel() * t.element_size()
         for t in [*model.parameters(), *model.buffers()]

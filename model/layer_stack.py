@@ -1,0 +1,56 @@
+"""A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for llama-style models (RMSNorm,
+SwiGLU) whose block GEMMs all run on quantized weights with kvserve's CPU kernels: the default model's path.
+
+The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
+have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the
+weights are read in ~4 ms and the Python around ~270 kernel calls (module calls, argument conversion, views)
+cost ~1 ms more; prefill steps gain nothing measurable and lose nothing.
+"""
+
+from model.attention_cpu import KERNEL_CHUNK
+
+
+class LayerStack:
+    """The model's blocks as one call: (x, rope, kv_cache, meta) -> (last block's output, residual stream).
+    meta must be the CPU kernel's metadata (model/attention_cpu.py), as it is wherever the kernels run."""
+
+    def __init__(self, stack):
+        self.stack = stack  # the compiled LayerStack, holding every layer's packed weights
+
+    def __call__(self, x, rope, kv_cache, meta):
+        cos, sin = rope if rope is not None else (None, None)
+        x, residual = self.stack.forward(
+            x, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.block_tables, meta.seqs, meta.block_size,
+            meta.window, KERNEL_CHUNK, cos, sin,
+        )  # fmt: skip
+        return x, residual
+
+
+def build_layer_stack(model, kernels) -> LayerStack | None:
+    """The loaded model's blocks as one LayerStack, or None where the C++ loop does not cover them (LayerNorm,
+    GELU, or any block weight left dense)."""
+    config = model.config
+    if config.norm != "rmsnorm" or config.mlp != "swiglu":
+        return None
+    layers = []
+    for block in model.layers:
+        linears = (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down)
+        if any(getattr(linear, "bits", None) is None for linear in linears):
+            return None
+        gemms = [_gemm(kernels, linear) for linear in linears]
+        layers.append(kernels.Layer(block.norm1.weight, *gemms[:2], block.norm2.weight, *gemms[2:]))
+    attn = model.layers[0].attn
+    return LayerStack(
+        kernels.LayerStack(
+            layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale
+        )
+    )
+
+
+def _gemm(kernels, linear):
+    """A quantized Linear's packed weights (model/quant.py's QuantizedLinear.prepare) as the C++ GEMM."""
+    if linear.bits == 4:
+        packed, scales, mins, bias, n = linear.gemm_args
+    else:
+        (packed, scales, bias, n), mins = linear.gemm_args, None
+    return kernels.QuantGemm(packed, scales, mins, bias, n)

@@ -1,0 +1,61 @@
+"""The decoder layers as one C++ call (model/layer_stack.py): the same bits as the Python loop, and only where
+it covers the model."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from model.attention_cpu import CpuKernelAttention
+from model.kernels import cpu_kernels
+from model.kv_cache import KVCache
+from model.linear import PlainLinear
+from model.loader import load_model
+from model.quant import QuantizedLinear
+from model.transformer import Ops
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
+
+
+def load(path, bits: int | None, stack: bool = True):
+    kernels = cpu_kernels()
+    linear = QuantizedLinear(kernels, PlainLinear(), bits) if bits else PlainLinear()
+    ops = Ops.with_kernels(linear, kernels)
+    if not stack:
+        ops = dataclasses.replace(ops, layer_stack=None)
+    return load_model(path, torch.bfloat16, "cpu", ops)
+
+
+def mixed_step(model, config):
+    """One step of three sequences: a prompt's first chunk, a later chunk of another and a decode, over a cache
+    holding earlier K/V (the same random ones on every call). Returns the hidden states and the cache."""
+    cache = KVCache(config, num_blocks=16, block_size=16, dtype=torch.bfloat16, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    attention = CpuKernelAttention(cpu_kernels(), block_size=16)
+    query_lens, seq_lens = [20, 9, 1], [20, 41, 37]
+    positions, meta = attention.build(query_lens, seq_lens, [[1, 2], [3, 4, 5], [6, 7, 8]])
+    ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        hidden = model(ids, positions, meta, cache)
+    return hidden, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, an untied LM head
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_stack_gives_the_loops_bits(tiny_model_factory, arch, bits):
+    path = tiny_model_factory(arch)
+    stacked, config = load(path, bits)
+    looped, _ = load(path, bits, stack=False)
+    assert stacked.layer_stack is not None and looped.layer_stack is None
+    a, cache_a = mixed_step(stacked, config)
+    b, cache_b = mixed_step(looped, config)
+    assert torch.equal(a, b)
+    assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)  # the same K/V written
+    assert a.abs().sum() > 0
+
+
+def test_the_stack_only_covers_quantized_llama_style_blocks(tiny_model_factory):
+    assert load(tiny_model_factory("llama"), bits=None)[0].layer_stack is None  # dense bfloat16 GEMMs
+    assert load(tiny_model_factory("gpt2"), bits=8)[0].layer_stack is None  # LayerNorm, GELU
