@@ -80,6 +80,12 @@ inline void unpack_q4(const uint8_t* p, vuint& low, vuint& high) {
 
 // 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256)
 inline vuint unpack_q8(const uint8_t* p) {
+#if defined(__AVX512BF16__)
+  // each half to 16 float32, then both to bfloat16 in one instruction that keeps the bytes' order
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
+#endif
   vsbyte32 b;
   __builtin_memcpy(&b, p, 32);
   const vint w = bitcast<vint>(__builtin_convertvector(b, vsword32));  // lane j: q[2j] | q[2j+1] << 16 (signed)
@@ -90,18 +96,32 @@ inline vuint unpack_q8(const uint8_t* p) {
 // Pair vectors per group: vector v of group g holds the 16 lanes' weights k = 2v, 2v + 1 of the group
 constexpr int VECS = GROUP / 2;
 
-// the tile's weights as bfloat16 pair vectors, [groups][VECS] (to reuse them over many rows)
+// A group's scale d and offset m - 128 d (4-bit; 0 for 8-bit), float32, from the packed float16 ones
 template <bool Q4>
-void unpack_tile(const uint8_t* w, int64_t groups, vuint* out) {
+inline void group_scales(const at::Half* scale, const at::Half* min, vfloat& d, vfloat& offset) {
+  d = load_halves(scale);
+  offset = Q4 ? load_halves(min) - 128.0f * d : vfloat{};
+}
+
+// An unpacked tile: per group, its VECS bfloat16 pair vectors, then d and the offset as float32 vectors
+constexpr int UNPACKED = VECS + 2;
+
+// the tile unpacked once, [groups][UNPACKED], to reuse it over many rows
+template <bool Q4>
+void unpack_tile(const uint8_t* w, const at::Half* scale, const at::Half* min, int64_t groups, vuint* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * 512 / (Q4 ? 2 : 1);
-    vuint* o = out + g * VECS;
+    vuint* o = out + g * UNPACKED;
     for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
       if constexpr (Q4)
         unpack_q4(wg + c * 32, o[2 * c], o[2 * c + 1]);
       else
         o[c] = unpack_q8(wg + c * 32);
     }
+    vfloat d, offset;
+    group_scales<Q4>(scale + g * TILE, Q4 ? min + g * TILE : nullptr, d, offset);
+    o[VECS] = bitcast<vuint>(d);
+    o[VECS + 1] = bitcast<vuint>(offset);
   }
 }
 
@@ -109,7 +129,8 @@ void unpack_tile(const uint8_t* w, int64_t groups, vuint* out) {
 // from the tile unpacked once. Either way each row gets the same operations in the same order.
 template <bool Q4, int R>
 void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked,
-               const at::Half* scale, const at::Half* min, int64_t groups, vfloat* y) {
+               const at::Half* scale, const at::Half* min, int64_t groups, vfloat* out) {
+  vfloat y[R];  // local, so that the compiler keeps it in registers
   for (int r = 0; r < R; ++r) y[r] = vfloat{};
   for (int64_t g = 0; g < groups; ++g) {
     vfloat acc[R];
@@ -118,25 +139,30 @@ void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t
     auto dot_rows = [&](vuint pairs, int64_t k) {
       for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
     };
+    vfloat d, offset;
     if (unpacked) {
-      for (int v = 0; v < VECS; ++v) dot_rows(unpacked[k0 + v], k0 + v);
-    } else if constexpr (Q4) {
-      for (int c = 0; c < 8; ++c) {
-        vuint low, high;
-        unpack_q4(w + g * 256 + c * 32, low, high);
-        dot_rows(low, k0 + 2 * c);
-        dot_rows(high, k0 + 2 * c + 1);
-      }
+      const vuint* u = unpacked + g * UNPACKED;
+      for (int v = 0; v < VECS; ++v) dot_rows(u[v], k0 + v);
+      d = bitcast<vfloat>(u[VECS]);
+      offset = bitcast<vfloat>(u[VECS + 1]);
     } else {
-      for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(w + g * 512 + c * 32), k0 + c);
+      if constexpr (Q4) {
+        for (int c = 0; c < 8; ++c) {
+          vuint low, high;
+          unpack_q4(w + g * 256 + c * 32, low, high);
+          dot_rows(low, k0 + 2 * c);
+          dot_rows(high, k0 + 2 * c + 1);
+        }
+      } else {
+        for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(w + g * 512 + c * 32), k0 + c);
+      }
+      group_scales<Q4>(scale + g * TILE, Q4 ? min + g * TILE : nullptr, d, offset);
     }
-    const vfloat d = load_halves(scale + g * TILE);
     for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
-    if constexpr (Q4) {
-      const vfloat offset = load_halves(min + g * TILE) - 128.0f * d;
+    if constexpr (Q4)
       for (int r = 0; r < R; ++r) y[r] += offset * xsum[r][g];
-    }
   }
+  for (int r = 0; r < R; ++r) out[r] = y[r];
 }
 
 template <bool Q4>
@@ -150,9 +176,42 @@ void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const
   }
 }
 
-template <typename Out>
-inline void store(Out* dst, int64_t n, vfloat v, const float* bias) {
-  for (int64_t l = 0; l < n; ++l) dst[l] = static_cast<Out>(bias ? v[l] + bias[l] : v[l]);
+// the sum of 32 bfloat16 in float32, in a fixed order: each pair, then a tree over the 16 pair sums
+inline float group_sum(const c10::BFloat16* x) {
+  vword32 h;
+  __builtin_memcpy(&h, x, sizeof(h));
+  const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
+  return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
+}
+
+typedef uint16_t vhalfword __attribute__((vector_size(VL * sizeof(uint16_t))));
+
+// 16 float32 -> bfloat16 with c10's rounding (to nearest even, NaN to 0x7FC0), so the bits are what
+// static_cast<c10::BFloat16> gives, 16 at a time
+inline vhalfword to_bf16(vfloat v) {
+  const vuint u = bitcast<vuint>(v);
+  const vuint rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+  const vuint nan = bitcast<vuint>(v != v);
+  return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), vhalfword);
+}
+
+inline void store(float* dst, int64_t n, vfloat v, const float* bias) {
+  if (bias) {
+    vfloat b{};
+    __builtin_memcpy(&b, bias, n * sizeof(float));
+    v += b;
+  }
+  __builtin_memcpy(dst, &v, n * sizeof(float));
+}
+
+inline void store(c10::BFloat16* dst, int64_t n, vfloat v, const float* bias) {
+  if (bias) {
+    vfloat b{};
+    __builtin_memcpy(&b, bias, n * sizeof(float));
+    v += b;
+  }
+  const vhalfword h = to_bf16(v);
+  __builtin_memcpy(dst, &h, n * sizeof(uint16_t));
 }
 
 torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> mins,
@@ -188,28 +247,28 @@ torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor
     float* dst = xsum.data_ptr<float>();
     const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
     at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        float s = 0.0f;
-        for (int k = 0; k < GROUP; ++k) s += static_cast<float>(xb[i * GROUP + k]);
-        dst[i] = s;
-      }
+      for (int64_t i = i0; i < i1; ++i) dst[i] = group_sum(xb + i * GROUP);
     });
     xs = dst;
   }
-  // More rows than one block: each tile's weights are unpacked once and reused by every block of rows.
-  const bool reuse = M > MAX_ROWS;
+  // More than two blocks of rows: each tile's weights are unpacked once and reused by every block (measured:
+  // up to two blocks, unpacking in each block is faster than storing the unpacked tile and reading it back).
+  const bool reuse = M > 2 * MAX_ROWS;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     const uint32_t* xr[MAX_ROWS];
     const float* xsr[MAX_ROWS];
     vfloat y[MAX_ROWS];
-    std::vector<vuint> unpacked(reuse ? groups * VECS : 0);
+    std::vector<vuint> unpacked(reuse ? groups * UNPACKED : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * TILE, n = std::min<int64_t>(TILE, N - n0), off = t * groups;
-      if (reuse && q4) unpack_tile<true>(wp + off * chunk_bytes, groups, unpacked.data());
-      if (reuse && !q4) unpack_tile<false>(wp + off * chunk_bytes, groups, unpacked.data());
+      if (reuse && q4) unpack_tile<true>(wp + off * chunk_bytes, sp + off * TILE, op + off * TILE, groups, unpacked.data());
+      if (reuse && !q4) unpack_tile<false>(wp + off * chunk_bytes, sp + off * TILE, nullptr, groups, unpacked.data());
       const vuint* up = reuse ? unpacked.data() : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m0));
+      // blocks of as equal a size as can be (9 rows: 5 + 4, not 8 + 1, whose one chain of products would
+      // wait on each product's latency); a row's operations do not depend on its block
+      const int64_t blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+      for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+        const int R = static_cast<int>((M - m0) / (blocks - b));
         for (int r = 0; r < R; ++r) {
           xr[r] = xp + (m0 + r) * (K / 2);
           xsr[r] = xs ? xs + (m0 + r) * groups : nullptr;
@@ -225,6 +284,7 @@ torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor
           else
             store(reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + (m0 + r) * N + n0, n, y[r], bp);
         }
+        m0 += R;
       }
     }
   });
