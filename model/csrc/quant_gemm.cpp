@@ -126,16 +126,21 @@ void unpack_tile(const uint8_t* w, const at::Half* scale, const at::Half* min, i
 }
 
 // y[r] (16 outputs of one tile) for R rows of x, over all groups: from the packed weights, or (unpacked set)
-// from the tile unpacked once. Either way each row gets the same operations in the same order.
+// from the tile unpacked once. Either way each row gets the same operations in the same order. With next set
+// (the following tile's packed weights), each group asks for that tile's matching bytes ahead: a step reads
+// its weights from memory (tens of MB), and the hardware's prefetcher alone stalls at each tile's start
+// (measured on the default model's GEMMs, cold: 1.10-1.24x at 1-8 rows, 1.04x at 32-64).
 template <bool Q4, int R>
 void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked,
-               const at::Half* scale, const at::Half* min, int64_t groups, vfloat* out) {
+               const at::Half* scale, const at::Half* min, int64_t groups, vfloat* out, const uint8_t* next) {
   vfloat y[R];  // local, so that the compiler keeps it in registers
   for (int r = 0; r < R; ++r) y[r] = vfloat{};
   for (int64_t g = 0; g < groups; ++g) {
     vfloat acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
     const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
+    if (next)
+      for (int i = 0; i < (Q4 ? 256 : 512); i += 64) __builtin_prefetch(next + g * (Q4 ? 256 : 512) + i);
     auto dot_rows = [&](vuint pairs, int64_t k) {
       for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
     };
@@ -166,11 +171,11 @@ void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t
 }
 
 template <bool Q4>
-void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked,
+void rows_block(int R, const uint32_t* const* x, const float* const* xsum, const uint8_t* w, const vuint* unpacked, const uint8_t* next,
                 const at::Half* scale, const at::Half* min, int64_t groups, vfloat* y) {
   switch (R) {
 #define ROWS(n) \
-  case n: return tile_rows<Q4, n>(x, xsum, w, unpacked, scale, min, groups, y);
+  case n: return tile_rows<Q4, n>(x, xsum, w, unpacked, scale, min, groups, y, next);
     ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
   }
@@ -269,14 +274,15 @@ torch::Tensor gemm(bool q4, torch::Tensor x, torch::Tensor packed, torch::Tensor
       const int64_t blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
         const int R = static_cast<int>((M - m0) / (blocks - b));
+        const uint8_t* next = b == 0 && t + 1 < t1 ? wp + (off + groups) * chunk_bytes : nullptr;  // once a tile
         for (int r = 0; r < R; ++r) {
           xr[r] = xp + (m0 + r) * (K / 2);
           xsr[r] = xs ? xs + (m0 + r) * groups : nullptr;
         }
         if (q4)
-          rows_block<true>(R, xr, xsr, wp + off * chunk_bytes, up, sp + off * TILE, op + off * TILE, groups, y);
+          rows_block<true>(R, xr, xsr, wp + off * chunk_bytes, up, next, sp + off * TILE, op + off * TILE, groups, y);
         else
-          rows_block<false>(R, xr, xsr, wp + off * chunk_bytes, up, sp + off * TILE, nullptr, groups, y);
+          rows_block<false>(R, xr, xsr, wp + off * chunk_bytes, up, next, sp + off * TILE, nullptr, groups, y);
         const float* bp = bias_p ? bias_p + n0 : nullptr;
         for (int r = 0; r < R; ++r) {
           if (float_out)
