@@ -19,11 +19,10 @@ class LayerStack:
 
     def __call__(self, x, rope, kv_cache, meta):
         cos, sin = rope if rope is not None else (None, None)
-        x, residual = self.stack.forward(
+        return self.stack.forward(
             x, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.block_tables, meta.seqs, meta.block_size,
             meta.window, KERNEL_CHUNK, cos, sin,
         )  # fmt: skip
-        return x, residual
 
 
 def build_layer_stack(model, kernels) -> LayerStack | None:

@@ -85,16 +85,21 @@ inline vuint unpack_q8(const uint8_t* p) {
   const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
-#endif
+#else
   vsbyte32 b;
   __builtin_memcpy(&b, p, 32);
   const vint w = bitcast<vint>(__builtin_convertvector(b, vsword32));  // lane j: q[2j] | q[2j+1] << 16 (signed)
   const vfloat even = __builtin_convertvector((w << 16) >> 16, vfloat), odd = __builtin_convertvector(w >> 16, vfloat);
   return (bitcast<vuint>(even) >> 16) | (bitcast<vuint>(odd) & 0xFFFF0000u);
+#endif
 }
 
 // Pair vectors per group: vector v of group g holds the 16 lanes' weights k = 2v, 2v + 1 of the group
 constexpr int VECS = GROUP / 2;
+
+// Packed bytes of one group of a tile: 16 lanes x 32 weights, 4 or 8 bits each
+template <bool Q4>
+constexpr int64_t GROUP_BYTES = Q4 ? 256 : 512;
 
 // A group's scale d and offset m - 128 d (4-bit; 0 for 8-bit), float32, from the packed float16 ones
 template <bool Q4>
@@ -110,7 +115,7 @@ constexpr int UNPACKED = VECS + 2;
 template <bool Q4>
 void unpack_tile(const uint8_t* w, const at::Half* scale, const at::Half* min, int64_t groups, vuint* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * 512 / (Q4 ? 2 : 1);
+    const uint8_t* wg = w + g * GROUP_BYTES<Q4>;
     vuint* o = out + g * UNPACKED;
     for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
       if constexpr (Q4)
@@ -140,7 +145,7 @@ void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
     const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
     if (next)
-      for (int i = 0; i < (Q4 ? 256 : 512); i += 64) __builtin_prefetch(next + g * (Q4 ? 256 : 512) + i);
+      for (int64_t i = 0; i < GROUP_BYTES<Q4>; i += 64) __builtin_prefetch(next + g * GROUP_BYTES<Q4> + i);
     auto dot_rows = [&](vuint pairs, int64_t k) {
       for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, x[r][k]);
     };
@@ -154,12 +159,12 @@ void tile_rows(const uint32_t* const* x, const float* const* xsum, const uint8_t
       if constexpr (Q4) {
         for (int c = 0; c < 8; ++c) {
           vuint low, high;
-          unpack_q4(w + g * 256 + c * 32, low, high);
+          unpack_q4(w + g * GROUP_BYTES<Q4> + c * 32, low, high);
           dot_rows(low, k0 + 2 * c);
           dot_rows(high, k0 + 2 * c + 1);
         }
       } else {
-        for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(w + g * 512 + c * 32), k0 + c);
+        for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(w + g * GROUP_BYTES<Q4> + c * 32), k0 + c);
       }
       group_scales<Q4>(scale + g * TILE, Q4 ? min + g * TILE : nullptr, d, offset);
     }
@@ -200,22 +205,20 @@ inline vhalfword to_bf16(vfloat v) {
   return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), vhalfword);
 }
 
+// the first n of v (+ bias) into dst
+inline vfloat with_bias(vfloat v, int64_t n, const float* bias) {
+  vfloat b{};
+  if (bias) __builtin_memcpy(&b, bias, n * sizeof(float));
+  return v + b;
+}
+
 inline void store(float* dst, int64_t n, vfloat v, const float* bias) {
-  if (bias) {
-    vfloat b{};
-    __builtin_memcpy(&b, bias, n * sizeof(float));
-    v += b;
-  }
+  v = with_bias(v, n, bias);
   __builtin_memcpy(dst, &v, n * sizeof(float));
 }
 
 inline void store(c10::BFloat16* dst, int64_t n, vfloat v, const float* bias) {
-  if (bias) {
-    vfloat b{};
-    __builtin_memcpy(&b, bias, n * sizeof(float));
-    v += b;
-  }
-  const vhalfword h = to_bf16(v);
+  const vhalfword h = to_bf16(with_bias(v, n, bias));
   __builtin_memcpy(dst, &h, n * sizeof(uint16_t));
 }
 
