@@ -1,54 +1,96 @@
-"""kvserve's C++ kernels for the CPU (model/csrc: paged attention, RMSNorm, SwiGLU, quantized GEMMs), compiled with
-torch.utils.cpp_extension and cached on disk.
+"""kvserve's C++ kernels for the CPU (model/csrc: paged attention, RMSNorm, SwiGLU, quantized GEMMs, the layer
+loop), one build per CPU tier (model/cpu_tier.py).
 
-Where they cannot be built (no C++ compiler, an unusual platform) kvserve logs why and runs PyTorch ops
-instead; `--cpu-kernels off` asks for that outright. scripts/install.sh builds them (~40 s, once per machine
-and source version), else the first use does; TORCH_EXTENSIONS_DIR says where builds are kept (default
-~/.cache/torch_extensions).
+They are compiled at install time, never when a server starts: scripts/install.sh runs
+`python -m model.kernels build`, which builds every tier this CPU can run (KVSERVE_KERNEL_TIERS=all: every tier
+of the platform, for images that run on other hosts) into the install's own folder, one sub-folder per tier
+and hash of the sources, flags and torch version. A start loads the module of its tier from there, or fails
+with the command that builds it: a missing or stale build is never rebuilt behind the user's back, and no
+start waits on another process's compiler. Where a build failed at install (no C++ compiler) the failure is
+recorded and kvserve runs PyTorch ops instead, with a warning (`--cpu-kernels off` asks for that outright).
 """
 
+import argparse
 import functools
+import hashlib
+import importlib.util
+import inspect
 import logging
 import os
-import platform
+import shutil
+import sys
 from pathlib import Path
 
 import torch
 
+from model import cpu_tier
+from model.cpu_tier import CpuTier
+
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
+COMPILED = ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp",
+            "quant_gemm_bf16.cpp", "quant_gemm_f32.cpp", "layer_stack.cpp")  # fmt: skip
+BUILD_COMMAND = "bash scripts/install.sh (or: python -m model.kernels build)"
+FAILED = "FAILED"  # a build folder holding this file records why the build failed
 
 
-def cpu_flags() -> tuple[str, list[str]]:
-    """The instruction-set level to compile for and its flags, from what torch found on this CPU plus
-    AVX512-BF16 from /proc/cpuinfo (not -march=native, so that a build cached on a shared disk never meets a
-    CPU that lacks them: the build's name says its level)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "generic", []
-    level = torch.backends.cpu.get_cpu_capability()
-    if level.startswith("AVX512"):
-        flags = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"]
-        if _has_avx512_bf16():  # one instruction for the quantized GEMMs' bfloat16 pair products
-            return "avx512bf16", [*flags, "-mavx512bf16"]
-        return "avx512f", flags
-    if level == "AVX2":
-        return "avx2", ["-mavx2", "-mfma"]
-    return "generic", []
+class KernelsNotBuilt(RuntimeError):
+    pass
 
 
-def _has_avx512_bf16() -> bool:
+def kernels_dir() -> Path:
+    """Where this install keeps its builds: KVSERVE_KERNELS_DIR, else inside the install's prefix (the venv)."""
+    return Path(os.environ.get("KVSERVE_KERNELS_DIR") or Path(sys.prefix) / "share" / "kvserve" / "kernels")
+
+
+def module_name(tier: CpuTier) -> str:
+    return "kvserve_cpu_kernels_" + tier.name
+
+
+def build_folder(tier: CpuTier) -> Path:
+    """The folder of this tier's build of these exact sources, for this torch and Python."""
+    h = hashlib.sha256()
+    for path in sorted(SOURCES.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(
+        " ".join(tier.cflags).encode() + torch.__version__.encode() + sys.implementation.cache_tag.encode()
+    )
+    return kernels_dir() / f"{tier.name}-{h.hexdigest()[:16]}"
+
+
+def build(tier: CpuTier) -> Path:
+    """Compile the kernels for `tier` into its build folder (nothing to do when they are there). A failure is
+    recorded in the folder and raised. ninja works in one folder per tier, so an edit recompiles only what it
+    touched; the module is then copied into the build folder under a temporary name and renamed, so a killed
+    build leaves nothing half-made where a start looks."""
+    final = build_folder(tier)
+    so = final / (module_name(tier) + ".so")
+    if so.is_file():
+        return final
+    work = kernels_dir() / f".work-{tier.name}"
+    work.mkdir(parents=True, exist_ok=True)
     try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
+        _compile(tier, work)
+    except Exception as e:
+        final.mkdir(parents=True, exist_ok=True)
+        (final / FAILED).write_text(f"{type(e).__name__}: {e}\n")
+        raise
+    for old in kernels_dir().glob(f"{tier.name}-*"):  # builds of older sources, or a recorded failure
+        shutil.rmtree(old, ignore_errors=True)
+    final.mkdir(parents=True)
+    partial = final / (so.name + ".partial")
+    shutil.copyfile(work / so.name, partial)
+    partial.rename(so)
+    return final
 
 
-@functools.cache
-def cpu_kernels():
-    """The compiled module (paged_attention, rms_norm), or None where it cannot be built."""
-    from torch.utils.cpp_extension import load
+def _compile(tier: CpuTier, work: Path) -> None:
+    """ninja-build the module in `work` with torch's own build recipe, without importing it: torch's load()
+    imports what it built, and the module of a tier this CPU cannot run faults when loaded (an image builds every
+    tier). Nor does this take load()'s lock file, which a killed build used to leave behind, hanging every later
+    start until it was removed by hand."""
+    from torch.utils import cpp_extension
 
     try:  # the ninja that pip installed beside kvserve, also when its venv's bin/ is not on PATH
         import ninja
@@ -56,27 +98,97 @@ def cpu_kernels():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    level, flags = cpu_flags()
-    name = "kvserve_cpu_kernels_" + level
-    sources = [
-        str(SOURCES / f)
-        for f in (
-            "kernels.cpp",
-            "paged_attention.cpp",
-            "rms_norm.cpp",
-            "activation.cpp",
-            "quant_gemm.cpp",
-            "layer_stack.cpp",
-        )
-    ]
-    try:
+    build_library = cpp_extension._write_ninja_file_and_build_library
+    arguments = dict(
+        name=module_name(tier),
+        sources=[str(SOURCES / f) for f in COMPILED],
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the same libgomp, already loaded)
-        return load(
-            name,
-            sources,
-            extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"],
+        extra_cflags=["-O3", "-fopenmp", *tier.cflags],
+        extra_cuda_cflags=[],
+        extra_sycl_cflags=[],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[],
+        build_directory=str(work),
+        verbose=False,
+        with_cuda=False,
+        with_sycl=False,
+        is_standalone=False,
+    )
+    accepted = inspect.signature(build_library).parameters  # its arguments grew over torch's versions
+    build_library(**{k: v for k, v in arguments.items() if k in accepted})
+
+
+def built(tier: CpuTier) -> bool:
+    """Whether the install built (or tried to build: see load) the kernels of these sources for `tier`."""
+    folder = build_folder(tier)
+    return (folder / (module_name(tier) + ".so")).is_file() or (folder / FAILED).is_file()
+
+
+@functools.cache
+def load(name: str):
+    """The built module of the named tier. Raises KernelsNotBuilt when it is missing or was built from other
+    sources; returns None where its build failed at install (logged)."""
+    tier = cpu_tier.BY_NAME[name]
+    folder = build_folder(tier)
+    so = folder / (module_name(tier) + ".so")
+    if not so.is_file():
+        if (folder / FAILED).is_file():
+            reason = (folder / FAILED).read_text().strip().splitlines()[-1]
+            log.warning("the C++ CPU kernels could not be built at install, using PyTorch ops: %s", reason)
+            return None
+        raise KernelsNotBuilt(
+            f"kvserve's C++ CPU kernels for the {name} tier are not built for these sources (no {folder}): run "
+            f"{BUILD_COMMAND}, or serve with --cpu-kernels off"
         )
-    except Exception as e:  # compiler or ninja missing, build error: the PyTorch path still works
-        log.warning("the C++ CPU kernels could not be built, using PyTorch ops instead: %s", e)
-        return None
+    spec = importlib.util.spec_from_file_location(module_name(tier), so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cpu_kernels(tier: str = "auto"):
+    """The compiled module for a CPU tier (default: the one this process runs as), or None where its build
+    failed at install. Raises KernelsNotBuilt when it was never built for these sources."""
+    return load(cpu_tier.select(tier)[0].name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m model.kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "command",
+        choices=["build", "check"],
+        help="build: compile what is missing (a failure only warns: kvserve then runs PyTorch ops); check: "
+        "fail unless every tier is built, and each this CPU runs loads",
+    )
+    parser.add_argument(
+        "--tiers",
+        default=os.environ.get("KVSERVE_KERNEL_TIERS", "runnable"),
+        help="runnable (the tiers this CPU runs), all (every tier of this platform), or names, comma-separated",
+    )
+    args = parser.parse_args()
+    if args.tiers == "runnable":
+        tiers = cpu_tier.runnable()
+    elif args.tiers == "all":
+        tiers = cpu_tier.platform_tiers()
+    else:
+        tiers = [cpu_tier.BY_NAME[n.strip()] for n in args.tiers.split(",")]
+    if args.command == "check":
+        # a tier this CPU cannot run is only looked for: loading it would fault
+        ok = [(build_folder(t) / (module_name(t) + ".so")).is_file() for t in tiers]
+        ok += [load(t.name) is not None for t in tiers if t in cpu_tier.runnable()]
+        print(
+            f"kvserve's CPU kernels: {', '.join(t.name for t in tiers)}: {'ok' if all(ok) else 'NOT BUILT'}"
+        )
+        return 0 if all(ok) else 1
+    for tier in tiers:
+        try:
+            print(f"kvserve's CPU kernels, {tier.name} tier: {build(tier)}")
+        except Exception as e:  # no compiler: kvserve still runs, on PyTorch ops (see load)
+            print(
+                f"warning: kvserve's CPU kernels, {tier.name} tier, could not be built: {e}", file=sys.stderr
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

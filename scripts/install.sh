@@ -15,6 +15,8 @@
 #   TORCH_SPEC           the torch requirement (default: torch==2.13.0, the CPU wheel on these machines)
 #   TORCH_INDEX_URL      where torch comes from elsewhere, e.g. https://download.pytorch.org/whl/cpu
 #                        or https://download.pytorch.org/whl/cu128 (default: the configured index)
+#   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: runnable (default: the tiers this CPU runs), all
+#                        (every tier of the platform, for an image that runs elsewhere), or names (avx2,generic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,9 +63,11 @@ EOF
     echo "kvserve's dependencies installed into $("$python" -c 'import sys; print(sys.prefix)')"
 else
     "${pip[@]}" -e ".$extras"
-    # The C++ CPU kernels (model/csrc) are compiled here, once (~30 s), rather than at the first start of the
-    # server or in the middle of a test. Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
-    "$python" -c "from model.kernels import cpu_kernels; cpu_kernels()"
+    # The C++ CPU kernels (model/csrc) are compiled here, for every tier this CPU runs (~1-2 min a tier on 2
+    # cores; an edit recompiles only what it touched), into this install's own folder: a server start never
+    # compiles. KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
+    # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
+    "$python" -m model.kernels build
     echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
 fi
 # The chat page's tests drive a real browser: Debian's Chromium through its own ChromeDriver (the pair always

@@ -56,6 +56,7 @@ def engine_config(args, **overrides):
         dtype=args.dtype,
         quantization=args.quantization,
         cpu_kernels=args.cpu_kernels,
+        cpu_tier=args.cpu_tier,
     )
     for k, v in overrides.items():
         setattr(config, k, v)

@@ -1,10 +1,30 @@
-"""Shared fixtures: tiny random Hugging Face models built on the fly, and the real default model."""
+"""Shared fixtures: tiny random Hugging Face models built on the fly, the real default model, and kvserve's C++
+kernels as built for every CPU tier this host can execute."""
 
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from model import cpu_tier
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU tier this run computed as (CI's log says it), and which others the tier tests covered."""
+    tier, why = cpu_tier.select()
+    runnable = ", ".join(t.name for t in cpu_tier.runnable())
+    terminalreporter.write_line(f"kvserve CPU tier: {tier.name} ({why}); kernel tests ran on: {runnable}")
+
+
+@pytest.fixture(params=[t.name for t in cpu_tier.runnable()])
+def tier_kernels(request):
+    """kvserve's C++ kernels as built for each tier this CPU can execute (an AVX-512 host: its own, avx2 and
+    generic), for the kernels' own tests: every tier computes its own bits, each must be right and invariant."""
+    from model.kernels import load
+
+    return load(request.param)
+
 
 TINY_TOKENIZER_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -8,13 +8,13 @@
 
 // x [T, 2F] = [gate, up] -> silu(gate) * up [T, F], rounded as transformers' LlamaMLP rounds it: silu in float32,
 // rounded to x's dtype, times up in float32, rounded again.
-torch::Tensor silu_mul(torch::Tensor x) {
+at::Tensor silu_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2F]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "float32, bfloat16 or float16 only");
   x = x.contiguous();
   const int64_t T = x.size(0), F = x.size(1) / 2;
-  auto y = torch::empty({T, F}, x.options());
+  auto y = at::empty({T, F}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();

@@ -1,4 +1,6 @@
 // The Python module of kvserve's CPU kernels, built by model/kernels.py (torch.utils.cpp_extension).
+#include <torch/python.h>  // tensors across pybind11: lighter than torch/extension.h
+
 #include "kernels.h"
 #include "layer_stack.h"
 
@@ -15,19 +17,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin") = py::none(), no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned (CPU)");
-  m.def("q4_gemm", &q4_gemm, "x W^T on 4-bit weights in groups of 32 (w = d q + m), x bfloat16 (CPU)",
+  m.def("q4_gemm", &q4_gemm, "x W^T on 4-bit weights in groups of 32 (w = d q + m), x bfloat16 or float32 (CPU)",
         no_gil());
-  m.def("q8_gemm", &q8_gemm, "x W^T on 8-bit weights in groups of 32 (w = d q), x bfloat16 (CPU)",
+  m.def("q8_gemm", &q8_gemm, "x W^T on 8-bit weights in groups of 32 (w = d q), x bfloat16 or float32 (CPU)",
         no_gil());
   m.def("q4_rows", &q4_rows, "rows of a packed 4-bit weight, dequantized to float32");
   m.def("q8_rows", &q8_rows, "rows of a packed 8-bit weight, dequantized to float32");
-  py::class_<QuantGemm>(m, "QuantGemm", "a GEMM on packed quantized weights: 4-bit with mins, else 8-bit")
-      .def(py::init([](torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> mins,
-                       std::optional<torch::Tensor> bias, int64_t n) { return QuantGemm{packed, scales, mins, bias, n}; }));
-  py::class_<Layer>(m, "Layer", "one llama-style decoder layer's weights")
-      .def(py::init([](torch::Tensor norm1, QuantGemm qkv, QuantGemm o, torch::Tensor norm2, QuantGemm up,
+  py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on packed quantized weights: 4-bit with mins, else 8-bit")
+      .def(py::init([](at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
+                       std::optional<at::Tensor> bias, int64_t n) { return QuantGemm{packed, scales, mins, bias, n}; }));
+  py::class_<Layer>(m, "Layer", py::module_local(), "one llama-style decoder layer's weights")
+      .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, QuantGemm up,
                        QuantGemm down) { return Layer{norm1, qkv, o, norm2, up, down}; }));
-  py::class_<LayerStack>(m, "LayerStack", "a step's decoder layers in one call (layer_stack.cpp)")
+  py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        double eps, double scale) {
         return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale};

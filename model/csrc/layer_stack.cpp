@@ -12,7 +12,7 @@
 
 #include "kernels.h"
 
-torch::Tensor QuantGemm::operator()(const torch::Tensor& x) const {
+at::Tensor QuantGemm::operator()(const at::Tensor& x) const {
   if (mins) return q4_gemm(x, packed, scales, *mins, bias, n, false);
   return q8_gemm(x, packed, scales, bias, n, false);
 }
@@ -20,16 +20,16 @@ torch::Tensor QuantGemm::operator()(const torch::Tensor& x) const {
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers, KVH, slots, D]; slots, block_tables, seqs, block_size,
 // window, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin [T, D] or none. Returns the last
 // block's output and the residual stream it adds to (the final norm adds them), as the Python loop does.
-std::vector<torch::Tensor> LayerStack::forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
-                                               torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seqs,
+std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
+                                               at::Tensor slots, at::Tensor block_tables, at::Tensor seqs,
                                                int64_t block_size, int64_t window, int64_t chunk,
-                                               std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin) const {
+                                               std::optional<at::Tensor> cos, std::optional<at::Tensor> sin) const {
   TORCH_CHECK(x.dim() == 2 && k_cache.size(0) == static_cast<int64_t>(layers.size()), "one cache per layer");
   const int64_t T = x.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
-  torch::Tensor residual;
+  at::Tensor residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& layer = layers[i];
-    torch::Tensor h;
+    at::Tensor h;
     if (residual.defined()) {
       auto normed = rms_norm(x, residual, layer.norm1, eps);
       h = normed[0];

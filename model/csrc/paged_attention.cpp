@@ -12,40 +12,42 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int KT = VL;  // keys per tile
 
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vint{__VA_ARGS__})
-#endif
-
-// out[l] = the sum of the lanes of part[l], by a fixed tree of pairwise half-sums: at each level two vectors
-// become one holding the halves of each input's partial sums added together
-inline vfloat sum_each(const vfloat* part) {
-  vfloat p8[8], p4[4], p2[2];
-  for (int i = 0; i < 8; ++i) {
-    const vfloat a = part[2 * i], b = part[2 * i + 1];
-    p8[i] = SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const vfloat a = p8[2 * i], b = p8[2 * i + 1];
-    p4[i] = SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-            SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const vfloat a = p4[2 * i], b = p4[2 * i + 1];
-    p2[i] = SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-            SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return SHUFFLE(p2[0], p2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUFFLE(p2[0], p2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+// One level of sum_each's tree: a and b each hold 2H partial sums per group of lanes; the result holds H, a's
+// groups first, each lane the sum of a lane and the lane H further on. lane(H, high, i) is the source lane (of
+// the concatenation a, b) of result lane i in the low and the high halves.
+constexpr int lane(int H, bool high, int i) {
+  const int n = VL / (2 * H), s = i / H;  // n groups of 2H lanes in each input
+  return (s / n) * VL + (s % n) * 2 * H + i % H + (high ? H : 0);
 }
+
+template <int H, size_t... I>
+inline vfloat fold(vfloat a, vfloat b, std::index_sequence<I...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, lane(H, false, I)...) + __builtin_shufflevector(a, b, lane(H, true, I)...);
+#else
+  return __builtin_shuffle(a, b, vint{lane(H, false, I)...}) + __builtin_shuffle(a, b, vint{lane(H, true, I)...});
+#endif
+}
+
+template <int H>
+inline vfloat reduce(vfloat* p) {  // 2H vectors -> H, in place, until one is left
+  for (int i = 0; i < H; ++i) p[i] = fold<H>(p[2 * i], p[2 * i + 1], std::make_index_sequence<VL>{});
+  if constexpr (H == 1)
+    return p[0];
+  else
+    return reduce<H / 2>(p);
+}
+
+// out[l] = the sum of the lanes of part[l] (VL vectors, overwritten), by a fixed tree of pairwise half-sums: at
+// each level two vectors become one holding the halves of each input's partial sums added together
+inline vfloat sum_each(vfloat* part) { return reduce<VL / 2>(part); }
 
 struct Work {
   int64_t seq, head, first_query;
@@ -181,7 +183,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
       const int64_t a = std::max(first_key(pos), t0), b = std::min(pos + 1, t0 + n);
       const float* p = &S[v * L - lo];
       float* o = &acc[v * D];
-      if constexpr (DC > 0 && DC % KT == 0) {
+      if constexpr (DC > 0 && DC % KT == 0 && DC / KT <= 8) {  // the output row in registers
         vfloat o_reg[DC / KT];
         __builtin_memcpy(o_reg, o, sizeof(o_reg));
         for (int64_t j = a; j < b; ++j) {
@@ -211,11 +213,11 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 // its sequence's keys. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
 // and values are first written into the caches; with cos and sin ([T, D], the model's dtype), q and the new
 // keys are first rotated by their positions (RoPE, in float32; keys rounded once, when stored).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
-                              std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
-                              std::optional<torch::Tensor> slots, std::optional<torch::Tensor> cos,
-                              std::optional<torch::Tensor> sin) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                              at::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
+                              std::optional<at::Tensor> k, std::optional<at::Tensor> v,
+                              std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
+                              std::optional<at::Tensor> sin) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -228,7 +230,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t G = H / KVH;
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slots.has_value(), "k, v and slots go together");
   TORCH_CHECK(cos.has_value() == sin.has_value() && (!cos || k), "cos and sin go together, with k");
-  torch::Tensor slot_ids, cos_c, sin_c;
+  at::Tensor slot_ids, cos_c, sin_c;
   if (k) {
     TORCH_CHECK(k->dim() == 3 && v->dim() == 3 && k->size(0) == T && k->size(1) == KVH && k->size(2) == D &&
                     v->sizes() == k->sizes() && k->stride(2) == 1 && k->stride(1) == D && v->stride(2) == 1 &&
@@ -244,7 +246,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                     sin_c.scalar_type() == q.scalar_type(),
                 "cos and sin must be [T, D] of q's dtype");
   }
-  auto out = torch::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
   const int32_t* seq = seq_info.data_ptr<int32_t>();

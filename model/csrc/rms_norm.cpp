@@ -33,7 +33,7 @@ void norm_row(const T* x, const T* r, const T* weight, T* y, T* sum, int64_t H, 
 
 // x [T, H], residual [T, H] or none, weight [H]. Returns [weight * norm(x)], or with a residual
 // [weight * norm(x + residual), x + residual].
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
+std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
                                     double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x must be [T, H], weight [H]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -41,14 +41,14 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, std::optional<torch::Tensor
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x dtypes differ");
   x = x.contiguous();
   weight = weight.contiguous();
-  torch::Tensor r;
+  at::Tensor r;
   if (residual) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "residual mismatch");
     r = residual->contiguous();
   }
   const int64_t T = x.size(0), H = x.size(1);
-  auto y = torch::empty_like(x);
-  auto sum = r.defined() ? torch::empty_like(x) : torch::Tensor();
+  auto y = at::empty_like(x);
+  auto sum = r.defined() ? at::empty_like(x) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = r.defined() ? r.data_ptr<scalar_t>() : nullptr;

@@ -1,12 +1,35 @@
-// What the CPU kernels share: GCC vector extensions (the compiler lowers a 16-float vector to whatever SIMD
-// the target has: AVX-512, AVX2, NEON) and conversions to float32, where all their arithmetic happens.
+// What the CPU kernels share: GCC vector extensions of the target's own vector width (16 floats with AVX-512,
+// 8 with AVX2, 4 on the baseline: SSE2, NEON) and conversions to float32, where all their arithmetic happens.
+// The width must be the target's: a wider vector has no register of its own there, and GCC keeps it on the
+// stack, every operation a load and a store (measured: a 16-float kernel built for AVX2 ran ~10x slower).
 #pragma once
 
-#include <torch/extension.h>
+// ATen's own headers, not torch/extension.h: the kernels need tensors, dispatch and parallel_for, and the whole
+// C++ front end doubled every file's compile time (each tier builds every file again)
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
+#if defined(__AVX512F__)
 constexpr int VL = 16;  // lanes of a vector
+#elif defined(__AVX__)
+constexpr int VL = 8;
+#else
+constexpr int VL = 4;
+#endif
 typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(VL * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(VL * sizeof(uint32_t))));
+
+template <typename V, typename W>
+inline V bitcast(W w) {
+  static_assert(sizeof(V) == sizeof(W));
+  V v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
 
 inline float hsum(vfloat v) {  // a fixed tree, so the same bits every time
   for (int w = VL / 2; w > 0; w /= 2)
@@ -28,7 +51,5 @@ inline vfloat vexp(vfloat x) {
   const vfloat r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
   const vfloat p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
   const vint bits = (__builtin_convertvector(k, vint) + 127) << 23;
-  vfloat two_k;
-  __builtin_memcpy(&two_k, &bits, sizeof(two_k));
-  return p * two_k;
+  return p * bitcast<vfloat>(bits);
 }

@@ -134,8 +134,10 @@ def _vllm_families(model_name: str, s: EngineStats):
     info = GaugeMetricFamily(
         VLLM_PREFIX + "cache_config_info",
         "The KV cache's configuration, in the labels (value 1).",
-        labels=["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        labels=["engine", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
     )
     if s.num_blocks:  # not before the model has loaded and sized its cache
-        info.add_metric(["0", str(s.block_size), str(s.num_blocks), str(s.enable_prefix_caching)], 1)
+        info.add_metric(
+            ["0", str(s.block_size), str(s.num_blocks), s.kv_cache_dtype, str(s.enable_prefix_caching)], 1
+        )
     yield info

@@ -19,4 +19,7 @@ class EngineConfig:
     # auto: keep a checkpoint's quantized weights (a GGUF's) quantized on CPU | none: dequantize them |
     # int8, int4: also quantize dense weights at load (weight-only, groups of 32)
     quantization: str = "auto"
-    cpu_kernels: str = "auto"  # C++ attention and RMSNorm on CPU: auto (where they build) | on | off
+    cpu_kernels: str = "auto"  # C++ kernels on CPU: auto (where they built at install) | on | off
+    cpu_tier: str = (
+        "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | avx512bf16 | avx512 | avx2 | generic
+    )

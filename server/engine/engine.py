@@ -27,6 +27,7 @@ class Engine:
         self.model_config = self.runner.model_config
         self.tokenizer = Tokenizer.from_dir(model_path, chat_template)
         self.max_model_len = context_length(self.model_config, config, self.runner.num_blocks)
+        self.kv_cache_dtype = str(self.runner.kv_cache.k.dtype).removeprefix("torch.")
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         # stop tokens: the union of config.json, generation_config.json and the tokenizer's EOS
@@ -109,4 +110,4 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        return dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)

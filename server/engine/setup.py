@@ -1,4 +1,5 @@
-"""What the engine decides once, at start: device, dtype, kernels, weight format, KV-cache size, context length.
+"""What the engine decides once, at start: device, CPU tier, kernels, dtype, weight format, KV-cache size and
+context length.
 
 build_runner() makes every choice here, in this order, and hands the ModelRunner what it chose; nothing is
 switched later.
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import torch
 
+from model import cpu_tier, kernels
 from model.attention import TorchAttention, min_query_len_for_invariance
 from model.attention_cpu import CpuKernelAttention
 from model.config import ModelConfig
-from model.kernels import cpu_kernels
+from model.cpu_tier import CpuTier
 from model.kv_cache import KVCache
 from model.linear import Linear, OneDnnLinear, PlainLinear
 from model.loader import load_model
@@ -32,23 +34,21 @@ CPU_KV_CACHE_BYTES = 2 << 30
 def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     bound_onednn_caches()
     device = select_device(config.device)
-    kernels = select_cpu_kernels(config.cpu_kernels, device)
-    bits = select_quantization(config, device, kernels, Path(model_path))
-    # the quantized GEMMs take bfloat16 activations
-    dtype = (
-        torch.bfloat16 if bits is not None and config.dtype == "auto" else select_dtype(config.dtype, device)
-    )
+    tier = select_cpu_tier(config.cpu_tier, device, config.cpu_kernels)
+    cpu_kernels = select_cpu_kernels(config.cpu_kernels, device, tier)
+    dtype = select_dtype(config.dtype, device, tier)
+    bits = select_quantization(config, device, cpu_kernels, Path(model_path), dtype)
     # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders) for
     # small row counts: the GEMMs that do pad small batches (measured per weight shape at load). By default
-    # for 16-bit dtypes (the CPU default), where it is nearly free, not for float32, where more GEMMs pad.
+    # for 16-bit dtypes (the avx512bf16 tier), where it is nearly free, not for float32, where more GEMMs pad.
     # The quantized GEMMs are batch-invariant as they are.
     invariant = config.batch_invariant if config.batch_invariant is not None else dtype != torch.float32
     invariant = invariant and device.type == "cpu"
     dense = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
     linear = dense(batch_invariant=invariant)
     if bits is not None:
-        linear = QuantizedLinear(kernels, linear, bits or None)
-    ops = Ops.with_kernels(linear, kernels)
+        linear = QuantizedLinear(cpu_kernels, linear, bits or None)
+    ops = Ops.with_kernels(linear, cpu_kernels)
     log.info("loading %s on %s in %s", model_path, device, str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_path, dtype, device, ops)
     log.info(
@@ -56,12 +56,12 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
         describe_weights(model) if bits is not None else "",
         "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
-        "kvserve's C++ CPU kernels" if kernels else "PyTorch ops",
+        "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
     num_blocks = num_cache_blocks(model_config, config, dtype, device)
     kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
-    if kernels is not None:  # batch-invariant as it is
-        attention = CpuKernelAttention(kernels, config.block_size, model_config.sliding_window)
+    if cpu_kernels is not None:  # batch-invariant as it is
+        attention = CpuKernelAttention(cpu_kernels, config.block_size, model_config.sliding_window)
     else:
         mc = model_config
         min_query_len = (
@@ -76,7 +76,32 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype)
 
 
-def select_quantization(config: EngineConfig, device: torch.device, kernels, path: Path) -> int | None:
+def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTier | None:
+    """The CPU tier to run as (model/cpu_tier.py), logged with why; None off the CPU. `auto` on a CPU better
+    than the one the install built for (an image built elsewhere) takes the best tier it built, and says so."""
+    if device.type != "cpu":
+        return None
+    tier, why = cpu_tier.select(name)
+    if name == "auto" and kernels_mode != "off" and not kernels.built(tier):
+        below = cpu_tier.runnable()[cpu_tier.runnable().index(tier) :]
+        fallback = next((t for t in below if kernels.built(t)), None)
+        if fallback is not None:
+            log.warning(
+                "the %s tier's kernels are not built here: run %s to build them",
+                tier.name,
+                kernels.BUILD_COMMAND,
+            )
+            tier, why = (
+                fallback,
+                f"{tier.name} would be, but this install built the kernels for {fallback.name}",
+            )
+    log.info("CPU tier %s (%s): %s", tier.name, why, tier.summary)
+    return tier
+
+
+def select_quantization(
+    config: EngineConfig, device: torch.device, cpu_kernels, path: Path, dtype: torch.dtype
+) -> int | None:
     """How the weights run: None = dense (a checkpoint's quantized weights dequantized), 0 = a checkpoint's
     quantized weights kept so, 4 / 8 = dense weights also quantized to that many bits at load."""
     mode, quantized_file = config.quantization, (path / QUANTIZED_FILE).is_file()
@@ -87,10 +112,10 @@ def select_quantization(config: EngineConfig, device: torch.device, kernels, pat
     why_not = None
     if device.type != "cpu":
         why_not = "the quantized GEMMs are CPU kernels"
-    elif kernels is None:
+    elif cpu_kernels is None:
         why_not = "the C++ CPU kernels are off or could not be built"
-    elif config.dtype not in ("auto", "bfloat16"):
-        why_not = f"the quantized GEMMs take bfloat16 activations, not {config.dtype}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why_not = f"the quantized GEMMs take float32 or bfloat16 activations, not {str(dtype).removeprefix('torch.')}"
     if why_not and mode != "auto":
         raise ValueError(f"--quantization {mode}: {why_not}")
     if why_not:
@@ -134,39 +159,28 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
+def select_dtype(name: str, device: torch.device, tier: CpuTier | None) -> torch.dtype:
+    """--dtype, else bfloat16 on GPUs and the CPU tier's own numbers on CPU (bfloat16 only where the CPU
+    multiplies it natively: elsewhere every bfloat16 operation is a conversion around float32 arithmetic)."""
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
         return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    # bfloat16 halves the bytes read per token and its CPU GEMM rows are batch-invariant; without native
-    # bf16 instructions it is emulated and slower than float32.
-    return (
-        torch.bfloat16
-        if torch.backends.cpu.get_cpu_capability() == "AVX512" and _has_bf16()
-        else torch.float32
-    )
+    return tier.dtype if tier is not None else torch.bfloat16
 
 
-def _has_bf16() -> bool:
-    try:
-        return "avx512_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-def select_cpu_kernels(mode: str, device: torch.device):
-    """The C++ CPU kernels (model/kernels.py) when they are wanted and build, else None (PyTorch ops)."""
+def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
+    """The C++ CPU kernels built for the tier (model/kernels.py) when they are wanted, else None (PyTorch ops).
+    Missing or stale ones are an error naming the install command; ones whose build failed at install are
+    skipped with a warning unless asked for (`on`)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"unknown --cpu-kernels {mode!r}: use auto, on or off")
     if device.type != "cpu" or mode == "off":
         return None
-    kernels = cpu_kernels()
-    if kernels is None and mode == "on":
-        raise RuntimeError("--cpu-kernels on: the C++ kernels could not be built (see the log)")
-    return kernels
+    module = kernels.load(tier.name)
+    if module is None and mode == "on":
+        raise RuntimeError("--cpu-kernels on: the C++ kernels could not be built at install (see the log)")
+    return module
 
 
 def num_cache_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device) -> int:

@@ -24,11 +24,12 @@ def build_metadata(
     min_query_len=1,
     cpu_kernel=False,
     cache=None,
+    kernels=None,
 ):
     """The step's positions and metadata from the C++ kernel's backend or the PyTorch one (which needs the
     geometry of the cache it will read: pass it)."""
     if cpu_kernel:
-        backend = CpuKernelAttention(cpu_kernels(), block_size, sliding_window)
+        backend = CpuKernelAttention(kernels or cpu_kernels(), block_size, sliding_window)
     else:
         kv_heads, num_slots = cache.shape[:2] if cache is not None else (1, block_size)
         backend = TorchAttention(
@@ -169,11 +170,10 @@ def test_rows_for_invariance_finds_the_padding_a_kernel_needs():
 # The C++ kernel (model/csrc/paged_attention.cpp): the CPU path by default.
 
 
-def kernel_attention(q, k, v, k_cache, v_cache, lens, tables, block_size, window=None):
+def kernel_attention(kernels, q, k, v, k_cache, v_cache, lens, tables, block_size, window=None):
     """The kernel over sequences given as (new tokens, context length) pairs, laid out flat in q/k/v."""
-    _, meta = build_metadata(
-        [a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window, cpu_kernel=True
-    )
+    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window,
+                             cpu_kernel=True, kernels=kernels)  # fmt: skip
     assert isinstance(meta, CpuKernelMetadata)
     return paged_attention(q, k, v, k_cache, v_cache, meta, None, q.shape[-1] ** -0.5)
 
@@ -185,7 +185,9 @@ def kernel_attention(q, k, v, k_cache, v_cache, lens, tables, block_size, window
 @pytest.mark.parametrize("q_len,ctx_len,window", [(1, 1, None), (1, 37, None), (7, 40, None), (33, 33, None),
                                                   (40, 70, 9), (1, 70, 17)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_equals_textbook_formula(heads, kv_heads, head_dim, q_len, ctx_len, window, dtype):
+def test_cpu_kernel_equals_textbook_formula(
+    tier_kernels, heads, kv_heads, head_dim, q_len, ctx_len, window, dtype
+):
     torch.manual_seed(heads * 100 + q_len)
     block_size, num_blocks = 4, 32
     table = torch.randperm(num_blocks)[: (ctx_len + block_size - 1) // block_size].tolist()
@@ -196,9 +198,8 @@ def test_cpu_kernel_equals_textbook_formula(heads, kv_heads, head_dim, q_len, ct
         _, prefix = build_metadata([ctx_len - q_len], [ctx_len - q_len], [table], block_size)
         k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1))
         v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
-    out = kernel_attention(
-        q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, [(q_len, ctx_len)], [table], block_size, window
-    )
+    out = kernel_attention(tier_kernels, q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, [(q_len, ctx_len)],
+                           [table], block_size, window)  # fmt: skip
     assert out.dtype == dtype and out.shape == q.shape
     scale = head_dim**-0.5
     for i in range(q_len):  # query i (position ctx_len - q_len + i) sees keys lo .. its position
@@ -213,7 +214,7 @@ def test_cpu_kernel_equals_textbook_formula(heads, kv_heads, head_dim, q_len, ct
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(dtype):
+def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(tier_kernels, dtype):
     """A sequence's outputs are bit-identical whether its tokens come in one pass, in chunks of any size, one
     decode at a time, or beside other sequences' decodes and chunks (no padding needed for that)."""
     torch.manual_seed(6)
@@ -234,7 +235,7 @@ def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(dtyp
             extra = sum(a for a, _ in lens[1:])
             s = slice(done, done + c)
             out = kernel_attention(
-                torch.cat([q[s], other_q[:extra]]), torch.cat([k[s], other_k[:extra]]),
+                tier_kernels, torch.cat([q[s], other_q[:extra]]), torch.cat([k[s], other_k[:extra]]),
                 torch.cat([v[s], other_v[:extra]]), k_cache, v_cache, lens, tables, bs,
             )  # fmt: skip
             outs.append(out[:c])
@@ -254,7 +255,7 @@ def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(dtyp
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(dtype):
+def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(tier_kernels, dtype):
     """Given the new k and v and the rotary cos/sin, the kernel rotates q and k, writes k and v by slot and
     attends in one call: what PyTorch's apply_rope + index_copy_ + the kernel give (up to rounding)."""
     torch.manual_seed(8)
@@ -267,7 +268,8 @@ def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(dtype):
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     caches = torch.randn(2, KVH, 24 * bs, D).to(dtype)
-    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, cpu_kernel=True)
+    _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, bs, cpu_kernel=True,
+                             kernels=tier_kernels)  # fmt: skip
     fused_k, fused_v = caches[0].clone(), caches[1].clone()
     fused = paged_attention(q, k, v, fused_k, fused_v, meta, (cos, sin), D**-0.5)
     apart_k, apart_v = caches[0].clone(), caches[1].clone()

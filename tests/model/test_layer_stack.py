@@ -17,23 +17,23 @@ from model.transformer import Ops
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
 
 
-def load(path, bits: int | None, stack: bool = True):
-    kernels = cpu_kernels()
+def load(path, bits: int | None, stack: bool = True, kernels=None, dtype=torch.bfloat16):
+    kernels = kernels or cpu_kernels()
     linear = QuantizedLinear(kernels, PlainLinear(), bits) if bits else PlainLinear()
     ops = Ops.with_kernels(linear, kernels)
     if not stack:
         ops = dataclasses.replace(ops, layer_stack=None)
-    return load_model(path, torch.bfloat16, "cpu", ops)
+    return load_model(path, dtype, "cpu", ops)
 
 
-def mixed_step(model, config):
+def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     """One step of three sequences: a prompt's first chunk, a later chunk of another and a decode, over a cache
     holding earlier K/V (the same random ones on every call). Returns the hidden states and the cache."""
-    cache = KVCache(config, num_blocks=16, block_size=16, dtype=torch.bfloat16, device="cpu")
+    cache = KVCache(config, num_blocks=16, block_size=16, dtype=dtype, device="cpu")
     g = torch.Generator().manual_seed(0)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
-    attention = CpuKernelAttention(cpu_kernels(), block_size=16)
+    attention = CpuKernelAttention(kernels or cpu_kernels(), block_size=16)
     query_lens, seq_lens = [20, 9, 1], [20, 41, 37]
     positions, meta = attention.build(query_lens, seq_lens, [[1, 2], [3, 4, 5], [6, 7, 8]])
     ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
@@ -44,13 +44,14 @@ def mixed_step(model, config):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, an untied LM head
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_stack_gives_the_loops_bits(tiny_model_factory, arch, bits):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, bits, dtype):
     path = tiny_model_factory(arch)
-    stacked, config = load(path, bits)
-    looped, _ = load(path, bits, stack=False)
+    stacked, config = load(path, bits, kernels=tier_kernels, dtype=dtype)
+    looped, _ = load(path, bits, stack=False, kernels=tier_kernels, dtype=dtype)
     assert stacked.layer_stack is not None and looped.layer_stack is None
-    a, cache_a = mixed_step(stacked, config)
-    b, cache_b = mixed_step(looped, config)
+    a, cache_a = mixed_step(stacked, config, tier_kernels, dtype)
+    b, cache_b = mixed_step(looped, config, tier_kernels, dtype)
     assert torch.equal(a, b)
     assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)  # the same K/V written
     assert a.abs().sum() > 0

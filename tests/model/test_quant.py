@@ -31,9 +31,11 @@ def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     )
 
 
-def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> Linear:
+def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None) -> Linear:
     N, K = qt.shape
-    layer = Linear(K, N, bias is not None, QuantizedLinear(cpu_kernels(), PlainLinear()), rows=True)
+    layer = Linear(
+        K, N, bias is not None, QuantizedLinear(kernels or cpu_kernels(), PlainLinear()), rows=True
+    )
     if bias is not None:
         layer.bias = torch.nn.Parameter(bias, requires_grad=False)
     layer.quantized = qt
@@ -55,41 +57,50 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(kind):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (7, 32), (100, 576)])  # N not a multiple of 16 too
-def test_gemm_computes_x_times_the_exact_weights(kind, N, K):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each tier's activations, on every tier
+def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype):
     qt, _ = gguf_weight(kind, N, K, seed=N + K)
-    layer = layer_for(qt)
-    x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    layer = layer_for(qt, kernels=tier_kernels)
+    x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).to(dtype)
     exact = x.double() @ qt.dequantize().double().T  # [13, N]
     with torch.inference_mode():
-        got32 = layer.logits(x)
-        got16 = layer(x)
-    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16 and got16.shape == (13, N)
+        logits = layer.logits(x)
+        out = layer(x)
+    assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (13, N)
     scale = exact.abs().max()
-    torch.testing.assert_close(got32.double(), exact, rtol=0, atol=1e-5 * scale)
-    assert torch.equal(got16, got32.bfloat16())  # the same sums, rounded once
+    torch.testing.assert_close(logits.double(), exact, rtol=0, atol=1e-5 * scale)
+    assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
 
 
 @pytest.mark.timeout(120)
-def test_bias_is_added_in_float32():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bias_is_added_in_float32(tier_kernels, dtype):
     qt, _ = gguf_weight("Q4_1", 32, 64)
     bias = torch.randn(32)
-    layer = layer_for(qt, bias)
-    x = torch.randn(5, 64).bfloat16()
+    layer = layer_for(qt, bias, kernels=tier_kernels)
+    x = torch.randn(5, 64).to(dtype)
     with torch.inference_mode():
-        without = layer_for(qt).logits(x)
+        without = layer_for(qt, kernels=tier_kernels).logits(x)
         assert torch.equal(layer.logits(x), without + bias)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_row_gets_the_same_bits_in_any_batch(kind):
-    qt, _ = gguf_weight(kind, 64, 192)
-    layer = layer_for(qt)
-    x = torch.randn(37, 192, generator=torch.Generator().manual_seed(2)).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype):
+    """Every kernel path (one row over several tiles, blocks of rows from the packed weights, blocks of rows
+    over a tile unpacked once) gives a row the same bits."""
+    qt, _ = gguf_weight(kind, 100, 192)
+    layer = layer_for(qt, kernels=tier_kernels)
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[3, 5] = 1e-30  # tiny activations, the same in every path too
     with torch.inference_mode():
         full = layer(x)
-        for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(3, 12), slice(8, 25), slice(36, 37)):
+        logits = layer.logits(x)
+        for rows in (slice(0, 1), slice(5, 6), slice(0, 2), slice(0, 3), slice(3, 12), slice(8, 25),
+                     slice(36, 37), slice(1, 70), slice(3, 4)):  # fmt: skip
             assert torch.equal(layer(x[rows]), full[rows]), rows
+            assert torch.equal(layer.logits(x[rows]), logits[rows]), rows
 
 
 @pytest.mark.timeout(60)

@@ -22,9 +22,12 @@ import pytest
 from live_server import MODEL_NAME, Server, free_port, scrape, start_server, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
-# 350 blocks of 16 tokens at 4 KiB a block (the tiny llama in bfloat16): the workload's 15 prefixes take
-# ~570 blocks in all, so a replica holds about half of them
-REPLICA_FLAGS = ("--kv-cache-memory", "1400KiB", "--shutdown-timeout", "20")
+from model import cpu_tier
+
+# 350 blocks of 16 tokens (4 KiB a block for the tiny llama in bfloat16, 8 KiB in float32: the dtype of the
+# CPU's tier): the workload's 15 prefixes take ~570 blocks in all, so a replica holds about half of them
+CACHE_KIB = 350 * 2 * cpu_tier.select()[0].dtype.itemsize
+REPLICA_FLAGS = ("--kv-cache-memory", f"{CACHE_KIB}KiB", "--shutdown-timeout", "20")
 NUM_PREFIXES = 15
 PREFIX_CHARS = 600  # about as many tokens: the tiny tokenizer is byte-level with three merges
 ROUNDS = 5

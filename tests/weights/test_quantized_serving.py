@@ -4,6 +4,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from model import cpu_tier
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
@@ -24,23 +25,28 @@ def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(
     qtype = GGMLQuantizationType[type_name]
     tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=qtype, tied=True)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
-    quantized = engine_for(folder)
     dequantized = engine_for(folder, quantization="none", dtype="float32")
-    bits = {m.bits for m in quantized.runner.model.modules() if isinstance(m, Linear)}
-    assert bits == {8 if type_name == "Q8_0" else 4}  # every matrix of the tiny GGUF is in type_name
-    assert all(m.weight.is_meta for m in quantized.runner.model.modules() if isinstance(m, Linear))
     ids = list(range(3, 60))
-    a, b = quantized.score(ids), dequantized.score(ids)
-    # bfloat16 activations against float32: close, and the same most likely token nearly everywhere
-    assert (a - b).abs().max() < 0.05 * b.abs().max()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    reference = dequantized.score(ids)
+    for dtype, tolerance in (("float32", 1e-4), ("bfloat16", 0.05)):  # each tier's activations
+        quantized = engine_for(folder, dtype=dtype)
+        bits = {m.bits for m in quantized.runner.model.modules() if isinstance(m, Linear)}
+        assert bits == {8 if type_name == "Q8_0" else 4}  # every matrix of the tiny GGUF is in type_name
+        assert all(m.weight.is_meta for m in quantized.runner.model.modules() if isinstance(m, Linear))
+        scores = quantized.score(ids)
+        # float32 activations: the same sums in another order; bfloat16 ones: close, and the same most
+        # likely token nearly everywhere
+        assert (scores - reference).abs().max() < tolerance * reference.abs().max(), dtype
+        assert (scores.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
 
 
 @pytest.mark.timeout(180)
-def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab):
+@pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable()])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab, tier, dtype):
     tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     engine = engine_for(ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False),
-                        max_num_batched_tokens=24)  # fmt: skip
+                        max_num_batched_tokens=24, dtype=dtype, cpu_tier=tier)  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = {f"p{i}": list(range(5 + i, 40 + 3 * i)) for i in range(6)}
 
@@ -63,13 +69,13 @@ def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab)
 def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, tiny_gguf, byte_vocab):
     tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
-    with pytest.raises(ValueError, match="bfloat16 activations"):
-        engine_for(folder, quantization="int4", dtype="float32")
+    with pytest.raises(ValueError, match="float32 or bfloat16 activations, not float16"):
+        engine_for(folder, quantization="int4", dtype="float16")
     with pytest.raises(ValueError, match="unknown --quantization"):
         engine_for(folder, quantization="int3")
-    # auto with float32 serves the same file dequantized (and says so in the log)
-    model = engine_for(folder, dtype="float32").runner.model
-    assert model.lm_head.weight.dtype == torch.float32 and not model.lm_head.weight.is_meta
+    # auto with float16 serves the same file dequantized (and says so in the log)
+    model = engine_for(folder, dtype="float16").runner.model
+    assert model.lm_head.weight.dtype == torch.float16 and not model.lm_head.weight.is_meta
 
 
 @pytest.mark.timeout(60)
@@ -83,8 +89,8 @@ def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, tiny_gg
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):
-        assert select_quantization(EngineConfig(), cuda, None, folder) is None
+        assert select_quantization(EngineConfig(), cuda, None, folder, torch.bfloat16) is None
     assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
     with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
-        select_quantization(EngineConfig(quantization="int4"), cuda, None, folder)
-    assert select_quantization(EngineConfig(), torch.device("cpu"), object(), folder) == 0
+        select_quantization(EngineConfig(quantization="int4"), cuda, None, folder, torch.bfloat16)
+    assert select_quantization(EngineConfig(), torch.device("cpu"), object(), folder, torch.float32) == 0

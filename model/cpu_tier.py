@@ -1,0 +1,149 @@
+"""The CPU tier kvserve runs as, chosen once at start: the instructions its C++ kernels are compiled for and the
+numbers each tier computes in.
+
+A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
+instruction, so activations, dense weights and the KV cache are bfloat16 there. Everywhere else bfloat16 is
+only a storage format, each use a conversion around float32 arithmetic: those tiers compute in float32, and
+the quantized GEMMs take float32 activations against the exact integer weights. A request's bits may differ
+between tiers (other instructions, other sums) but never within one.
+
+`select("auto")` takes the best tier that both the CPU (its /proc/cpuinfo flags) and torch's own dispatch
+(ATEN_CPU_CAPABILITY) allow; a tier named outright (--cpu-tier, KVSERVE_CPU_TIER) must be one the CPU has. With
+torch's ATEN_CPU_CAPABILITY and oneDNN's ONEDNN_MAX_CPU_ISA set to the tier's `aten` and `onednn` as well, a
+whole process computes as it would on that tier's CPU.
+"""
+
+import platform
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+_AVX2 = ("avx2", "fma", "f16c")
+
+
+@dataclass(frozen=True)
+class CpuTier:
+    name: str
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
+    cflags: tuple[str, ...]  # the C++ kernels' compiler flags for these instructions
+    dtype: torch.dtype  # activations, dense weights and the KV cache
+    aten: str  # torch's ATEN_CPU_CAPABILITY for the same instructions
+    onednn: str  # oneDNN's ONEDNN_MAX_CPU_ISA for the same instructions
+    summary: str  # what is native, for the start-up log and the README
+
+    def runs_on(self, flags: frozenset[str]) -> bool:
+        return set(self.needs) <= flags
+
+
+def _m(flags: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple("-m" + f.replace("_", "") for f in flags)
+
+
+# Best first.
+TIERS = (
+    CpuTier(
+        "avx512bf16",
+        (*_AVX512, "avx512_bf16", *_AVX2),
+        _m((*_AVX512, "avx512_bf16", *_AVX2)),
+        torch.bfloat16,
+        "avx512",
+        "AVX512_CORE_BF16",
+        "AVX-512 with bfloat16 pair products: bfloat16 activations and KV cache",
+    ),
+    CpuTier(
+        "avx512",
+        (*_AVX512, *_AVX2),
+        _m((*_AVX512, *_AVX2)),
+        torch.float32,
+        "avx512",
+        "AVX512_CORE",
+        "AVX-512, no bfloat16 arithmetic: float32 activations and KV cache",
+    ),
+    CpuTier(
+        "avx2",
+        _AVX2,
+        _m(_AVX2),
+        torch.float32,
+        "avx2",
+        "AVX2",
+        "AVX2 + FMA, no bfloat16 arithmetic: float32 activations and KV cache",
+    ),
+    # any CPU: the kernels' vector code compiled for the platform's baseline (SSE2 on x86-64, NEON on arm64)
+    CpuTier(
+        "generic",
+        (),
+        (),
+        torch.float32,
+        "default",
+        "ALL",
+        "baseline vectors: float32 activations and KV cache",
+    ),
+)
+BY_NAME = {t.name: t for t in TIERS}
+_ATEN_RANK = {"avx512": 2, "avx2": 1, "default": 0}  # how far torch's own kernels go
+
+
+def platform_tiers() -> tuple[CpuTier, ...]:
+    """Every tier a compiler can target on this platform, whatever this CPU runs (x86-64: all of them)."""
+    return TIERS if _x86() else (BY_NAME["generic"],)
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo, x86 only; empty elsewhere: the generic tier)."""
+    if not _x86():
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def torch_capability() -> str:
+    """torch's own dispatch level as ATEN_CPU_CAPABILITY names it: avx512, avx2 or default."""
+    level = torch.backends.cpu.get_cpu_capability().lower()
+    return level if level in _ATEN_RANK else "default"
+
+
+def runnable(flags: frozenset[str] | None = None) -> list[CpuTier]:
+    """Every tier this CPU can execute, best first (an AVX-512 host runs avx2 and generic too)."""
+    flags = cpu_flags() if flags is None else flags
+    return [t for t in TIERS if t.runs_on(flags)]
+
+
+def select(name: str = "auto") -> tuple[CpuTier, str]:
+    """The tier to run as and why, for the log: `auto` is the best the CPU and torch's dispatch allow."""
+    flags, capability = cpu_flags(), torch_capability()
+    have = runnable(flags)
+    if name == "auto":
+        capped = [t for t in have if _ATEN_RANK[t.aten] <= _ATEN_RANK[capability]]
+        tier = capped[0]
+        why = f"the best this CPU runs ({have[0].name})"
+        if tier is not have[0]:
+            why += f", capped by torch's ATEN_CPU_CAPABILITY={capability}"
+        return tier, why
+    if name not in BY_NAME:
+        raise ValueError(f"unknown CPU tier {name!r}: use auto or one of {', '.join(BY_NAME)}")
+    tier = BY_NAME[name]
+    if tier not in have:
+        missing = ", ".join(f for f in tier.needs if f not in flags)
+        raise ValueError(
+            f"CPU tier {name!r} needs {missing}, which this CPU lacks; it runs {', '.join(t.name for t in have)}"
+        )
+    why = "asked for"
+    if tier.aten != capability:
+        why += (
+            f"; torch's own ops still dispatch at {capability}: set ATEN_CPU_CAPABILITY={tier.aten} and "
+            f"ONEDNN_MAX_CPU_ISA={tier.onednn} too to compute as on that CPU"
+        )
+    return tier, why

@@ -1,0 +1,273 @@
+// The quantized GEMM for float32 activations: every tier without bfloat16 arithmetic (AVX-512F, AVX2 + FMA, the
+// baseline), and float32 models on any tier.
+//
+// Per group of 32 weights, a row's sum runs on the exact integers: sum_k x_k q_k in float32, one fused
+// multiply-add after another, k ascending, then y += d * sum (+ m * sum_k x_k for 4-bit). q goes from the
+// packed bytes to float32 exactly (an integer conversion), so nothing is rounded to a coarser weight.
+//
+// The packed layout is the one quant_gemm.cpp describes, read VL lanes at a time: 32 packed bytes hold 16 lanes'
+// 16-bit words (bytes 2j, 2j + 1 of lane j), and one word holds the lane's q for 4 k (4-bit: k = 4c + i in bits
+// 8i .. 8i + 3, k = 4c + 2 + i in bits 8i + 4 .. 8i + 7) or 2 k (8-bit: its two bytes).
+//
+// Each output lane's sum is one chain of 32 dependent multiply-adds per group, so a kernel keeps many chains
+// in flight: one row takes several tiles at once (the weights straight from their packed bytes), many rows
+// take one tile unpacked once into float32, in blocks of rows whose accumulators fill the vector registers.
+
+#include "quant_gemm.h"
+
+namespace {
+
+// One row: TILES_AT_ONCE tiles together, their NV vectors of chains each in flight (AVX2: 3 x 2 = 6, enough to
+// cover a multiply-add's latency while the unpacking's own work runs beside them)
+constexpr int TILES_AT_ONCE = VL == 16 ? 4 : VL == 8 ? 3 : 2;
+// Many rows: blocks of BLOCK_ROWS rows of one unpacked tile (AVX2: 6 x 2 accumulators, 2 weight vectors and
+// x's broadcast: 15 of 16 registers)
+constexpr int BLOCK_ROWS = VL == 16 ? 16 : VL == 8 ? 6 : 2;
+
+typedef uint16_t vword __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef int16_t vsword __attribute__((vector_size(VL * sizeof(int16_t))));
+
+// a*b + c, rounded once where the CPU fuses it (every x86 tier but the baseline), in the same way everywhere
+inline vfloat madd(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  return bitcast<vfloat>(_mm512_fmadd_ps(bitcast<__m512>(a), bitcast<__m512>(b), bitcast<__m512>(c)));
+#elif defined(__FMA__)
+  return bitcast<vfloat>(_mm256_fmadd_ps(bitcast<__m256>(a), bitcast<__m256>(b), bitcast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+inline vfloat to_float(vint q) { return __builtin_convertvector(q, vfloat); }
+
+// v in every lane (one broadcast: `vfloat{} + v` would add 0.0 first, which the compiler must keep for -0.0)
+inline vfloat splat(float v) {
+#if defined(__AVX512F__)
+  return bitcast<vfloat>(_mm512_set1_ps(v));
+#elif defined(__AVX__)
+  return bitcast<vfloat>(_mm256_set1_ps(v));
+#else
+  vfloat r;
+  for (int l = 0; l < VL; ++l) r[l] = v;
+  return r;
+#endif
+}
+
+// lanes h*VL .. h*VL + VL - 1 of a chunk's 16 words, zero- or sign-extended to 32 bits (one instruction from
+// memory with AVX2 or AVX-512, which GCC does not find on its own)
+inline vint words(const uint8_t* chunk, int h) {
+  const uint8_t* p = chunk + h * VL * 2;
+#if defined(__AVX512F__)
+  return bitcast<vint>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX2__)
+  return bitcast<vint>(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  vword w;
+  __builtin_memcpy(&w, p, sizeof(w));
+  return __builtin_convertvector(w, vint);
+#endif
+}
+inline vint signed_words(const uint8_t* chunk, int h) {
+  const uint8_t* p = chunk + h * VL * 2;
+#if defined(__AVX512F__)
+  return bitcast<vint>(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX2__)
+  return bitcast<vint>(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  vsword w;
+  __builtin_memcpy(&w, p, sizeof(w));
+  return __builtin_convertvector(w, vint);
+#endif
+}
+
+// The 4 (4-bit) or 2 (8-bit) k of chunk c as float32 vectors, lanes h*VL ..: q[k0 + i] * 2^s[i] in wf[i], each
+// q masked where it lies in the word rather than shifted down first (one operation each instead of two):
+// 4-bit s = (0, 8, 4, 0), the last by a shift; 8-bit s = (24, 0). The kernel multiplies them by x_k * 2^-s[i]
+// (SCALES, applied to x once per GEMM), and (x_k 2^-s)(q 2^s) is x_k q exactly: the same products, the same
+// sums, one operation less per k. (An |x_k| below ~1e-31 becomes 0 there: below what float32 sums keep anyway.)
+constexpr float SCALES4[4] = {1.0f, 0x1p-8f, 0x1p-4f, 1.0f}, SCALES8[2] = {0x1p-24f, 1.0f};
+
+inline void unpack4(const uint8_t* chunk, int h, vfloat* wf) {
+  const vint w = words(chunk, h);
+  wf[0] = to_float(w & 0x000F);
+  wf[1] = to_float(w & 0x0F00);
+  wf[2] = to_float(w & 0x00F0);
+  wf[3] = to_float(w >> 12);
+}
+inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
+  const vint w = signed_words(chunk, h);
+  wf[0] = to_float(w << 24);
+  wf[1] = to_float(w >> 8);
+}
+
+// the sum of 32 float32, in a fixed order: VL-lane vectors added in turn, then a tree
+inline float group_sum(const float* x) {
+  vfloat s;
+  __builtin_memcpy(&s, x, sizeof(s));
+  for (int i = VL; i < GROUP; i += VL) {
+    vfloat v;
+    __builtin_memcpy(&v, x + i, sizeof(v));
+    s += v;
+  }
+  return hsum(s);
+}
+
+template <bool Q4>
+struct F32Kernel {
+  // one row: tiles at once from the packed weights; more: one tile at a time, unpacked once there are two
+  // blocks of rows to reuse it
+  static Plan plan(int64_t M) {
+    if (M == 1) return {1, TILES_AT_ONCE, false};
+    return {BLOCK_ROWS, 1, M > BLOCK_ROWS};
+  }
+  static constexpr int MAX_ROWS = BLOCK_ROWS, MAX_TILES = TILES_AT_ONCE;
+  using Unpacked = vfloat;
+  // per group: q (scaled as unpack4 and unpack8 give it) as float32 for each k ([32][NV]), then d and m
+  static constexpr int UNPACKED = (GROUP + 2) * NV;
+  static constexpr int PER_CHUNK = Q4 ? 4 : 2;  // k per chunk of 32 packed bytes
+
+  const Packed& w;
+  const float* x;     // [M, K], scaled: see SCALES4
+  const float* xsum;  // [M, groups] (4-bit), of x as given
+
+  static void unpack_chunk(const uint8_t* chunk, int h, vfloat* wf) {
+    Q4 ? unpack4(chunk, h, wf) : unpack8(chunk, h, wf);
+  }
+
+  void unpack(int64_t t, vfloat* out) const {
+    const uint8_t* wt = w.tile(t);
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      vfloat* o = out + g * UNPACKED;
+      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+        for (int h = 0; h < NV; ++h) {
+          vfloat wf[PER_CHUNK];
+          unpack_chunk(wt + g * group_bytes(Q4) + c * 32, h, wf);
+          for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
+        }
+      for (int h = 0; h < NV; ++h) {
+        o[GROUP * NV + h] = load_halves(w.tile_scale(t) + g * TILE + h * VL);
+        o[(GROUP + 1) * NV + h] = Q4 ? load_halves(w.tile_min(t) + g * TILE + h * VL) : vfloat{};
+      }
+    }
+  }
+
+  // y[r][tt * 16 ..] += a group's sums times d (+ m times the group's sum of x)
+  template <int R, int TT>
+  void add_group(const vfloat (&acc)[R][TT][NV], const vfloat (&d)[TT][NV], const vfloat (&m)[TT][NV],
+                 int64_t m0, int64_t g, float* y) const {
+    for (int r = 0; r < R; ++r)
+      for (int tt = 0; tt < TT; ++tt)
+        for (int h = 0; h < NV; ++h) {
+          float* dst = y + (r * TT + tt) * TILE + h * VL;
+          vfloat v;
+          __builtin_memcpy(&v, dst, sizeof(v));
+          v = madd(acc[r][tt][h], d[tt][h], v);
+          if constexpr (Q4) v = madd(m[tt][h], splat(xsum[(m0 + r) * w.groups() + g]), v);
+          __builtin_memcpy(dst, &v, sizeof(v));
+        }
+  }
+
+  // R rows x TT tiles from the packed weights. The loops are unrolled whole, so that every accumulator's index
+  // is a constant and it lives in a register (GCC kept some on the stack otherwise, each multiply-add then
+  // waiting on a store and a load).
+  template <int R, int TT>
+  void packed_rows(int64_t t, int64_t m0, const uint8_t* next, float* y) const {
+    const int64_t groups = w.groups();
+    const uint8_t* wt[TT];
+    for (int tt = 0; tt < TT; ++tt) wt[tt] = w.tile(t + tt);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (next)  // the next step's tiles' bytes, group by group, asked for ahead: see quant_gemm_bf16.cpp
+        for (int tt = 0; tt < TT; ++tt)
+          for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + (tt * groups + g) * group_bytes(Q4) + i);
+      vfloat acc[R][TT][NV] = {};
+      const float* xk = x + m0 * w.K + g * GROUP;
+#pragma GCC unroll 16
+      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+#pragma GCC unroll 8
+        for (int tt = 0; tt < TT; ++tt)
+#pragma GCC unroll 4
+          for (int h = 0; h < NV; ++h) {
+            vfloat wf[PER_CHUNK];
+            unpack_chunk(wt[tt] + g * group_bytes(Q4) + c * 32, h, wf);
+            for (int i = 0; i < PER_CHUNK; ++i)
+              for (int r = 0; r < R; ++r)
+                acc[r][tt][h] = madd(wf[i], splat(xk[r * w.K + c * PER_CHUNK + i]), acc[r][tt][h]);
+          }
+      vfloat d[TT][NV], m[TT][NV];
+      for (int tt = 0; tt < TT; ++tt)
+        for (int h = 0; h < NV; ++h) {
+          d[tt][h] = load_halves(w.tile_scale(t + tt) + g * TILE + h * VL);
+          m[tt][h] = Q4 ? load_halves(w.tile_min(t + tt) + g * TILE + h * VL) : vfloat{};
+        }
+      add_group<R, TT>(acc, d, m, m0, g, y);
+    }
+  }
+
+  // R rows of one tile, unpacked: per k, the tile's NV weight vectors are loaded once for all R rows
+  template <int R>
+  void unpacked_rows(int64_t m0, const vfloat* unpacked, float* y) const {
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      const vfloat* u = unpacked + g * UNPACKED;
+      vfloat acc[R][1][NV] = {};
+      const float* xk = x + m0 * w.K + g * GROUP;
+#pragma GCC unroll 32
+      for (int k = 0; k < GROUP; ++k)
+        for (int r = 0; r < R; ++r) {
+          const vfloat xb = splat(xk[r * w.K + k]);
+          for (int h = 0; h < NV; ++h) acc[r][0][h] = madd(u[k * NV + h], xb, acc[r][0][h]);
+        }
+      vfloat d[1][NV], m[1][NV];
+      for (int h = 0; h < NV; ++h) {
+        d[0][h] = u[GROUP * NV + h];
+        m[0][h] = u[(GROUP + 1) * NV + h];
+      }
+      add_group<R, 1>(acc, d, m, m0, g, y);
+    }
+  }
+
+  void rows(int R, int nt, int64_t t, int64_t m0, const vfloat* unpacked, const uint8_t* next, float* y) const {
+    std::fill(y, y + R * nt * TILE, 0.0f);
+    if (R == 1 && !unpacked) {
+      switch (nt) {
+#define TILES(n) \
+  case n:        \
+    if constexpr (n <= TILES_AT_ONCE) return packed_rows<1, n>(t, m0, next, y);
+        TILES(1) TILES(2) TILES(3) TILES(4)
+#undef TILES
+      }
+    }
+    switch (R) {
+#define ROWS(n)                                                                         \
+  case n:                                                                               \
+    if constexpr (n <= BLOCK_ROWS) {                                                    \
+      if (unpacked) return unpacked_rows<n>(m0, unpacked, y);                           \
+      return packed_rows<n, 1>(t, m0, next, y);                                         \
+    }                                                                                   \
+    break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13)
+      ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+    }
+  }
+};
+
+void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
+  const int64_t groups = w.groups(), K = w.K;
+  std::vector<float> xsum(w.q4 ? M * groups : 0);  // each row's sum over each group (the m term)
+  std::vector<float> scaled(M * K);                // x_k * 2^-s: see SCALES4
+  at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = x + i * GROUP;
+      if (w.q4) xsum[i] = group_sum(src);
+      for (int k = 0; k < GROUP; ++k) scaled[i * GROUP + k] = src[k] * (w.q4 ? SCALES4[k % 4] : SCALES8[k % 2]);
+    }
+  });
+  if (w.q4)
+    run_tiles(F32Kernel<true>{w, scaled.data(), xsum.data()}, w, M, out);
+  else
+    run_tiles(F32Kernel<false>{w, scaled.data(), nullptr}, w, M, out);
+}
+
+}  // namespace
+
+void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out) { gemm(w, x, M, out); }

@@ -1,0 +1,185 @@
+"""The CPU tier kvserve runs as (model/cpu_tier.py) and the kernels built for it at install (model/kernels.py):
+chosen from the CPU, forced only to a tier the CPU has, each tier's own numbers, and a start that never compiles."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import cpu_tier, kernels
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be a CPU with the given flags and torch dispatch level."""
+
+    def pretend(flags: frozenset[str], capability: str = "avx512"):
+        monkeypatch.setattr(cpu_tier, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(cpu_tier, "torch_capability", lambda: capability)
+
+    return pretend
+
+
+@pytest.mark.timeout(10)
+def test_each_cpu_gets_its_best_tier_and_its_own_numbers(cpu):
+    cpu(ZEN4)
+    tier, why = cpu_tier.select()
+    assert tier.name == "avx512bf16" and tier.dtype == torch.bfloat16 and "best this CPU runs" in why
+    assert [t.name for t in cpu_tier.runnable()] == ["avx512bf16", "avx512", "avx2", "generic"]
+    cpu(AVX2_ONLY, "avx2")
+    tier, _ = cpu_tier.select()
+    assert tier.name == "avx2" and tier.dtype == torch.float32  # no bfloat16 arithmetic: float32 activations
+    assert [t.name for t in cpu_tier.runnable()] == ["avx2", "generic"]
+    cpu(frozenset())  # another architecture, or no /proc/cpuinfo
+    assert cpu_tier.select()[0].name == "generic"
+
+
+@pytest.mark.timeout(10)
+def test_torchs_own_dispatch_level_caps_the_automatic_choice(cpu):
+    cpu(ZEN4, capability="avx2")  # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host
+    tier, why = cpu_tier.select()
+    assert tier.name == "avx2" and "ATEN_CPU_CAPABILITY=avx2" in why
+
+
+@pytest.mark.timeout(10)
+def test_a_tier_is_forced_only_where_the_cpu_has_it(cpu):
+    cpu(ZEN4, capability="avx512")
+    tier, why = cpu_tier.select("avx2")
+    # torch still dispatching at AVX-512: said, with the variables that make the whole process an AVX2 one
+    assert tier.name == "avx2" and "ATEN_CPU_CAPABILITY=avx2" in why and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    cpu(AVX2_ONLY, "avx2")
+    with pytest.raises(ValueError, match="needs avx512f.*lacks; it runs avx2, generic"):
+        cpu_tier.select("avx512bf16")
+    with pytest.raises(ValueError, match="unknown CPU tier 'avx3'"):
+        cpu_tier.select("avx3")
+
+
+@pytest.mark.timeout(10)
+def test_each_tier_is_compiled_for_its_own_instructions():
+    flags = {t.name: t.cflags for t in cpu_tier.TIERS}
+    assert "-mavx512bf16" in flags["avx512bf16"] and "-mavx512bf16" not in flags["avx512"]
+    assert "-mavx512f" in flags["avx512"] and not any("avx512" in f for f in flags["avx2"])
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(flags["avx2"]) and flags["generic"] == ()
+
+
+@pytest.fixture
+def empty_install(tmp_path, monkeypatch):
+    """A kernels folder with nothing built in it, and load()'s cache cleared before and after."""
+    monkeypatch.setenv("KVSERVE_KERNELS_DIR", str(tmp_path))
+    kernels.load.cache_clear()
+    yield tmp_path
+    kernels.load.cache_clear()
+
+
+@pytest.mark.timeout(30)
+def test_a_start_never_compiles_and_names_the_install_command(empty_install, monkeypatch):
+    import torch.utils.cpp_extension
+
+    def compile_(*args, **kwargs):
+        raise AssertionError("a start compiled")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_)
+    monkeypatch.setattr(torch.utils.cpp_extension, "_write_ninja_file_and_build_library", compile_)
+    with pytest.raises(kernels.KernelsNotBuilt, match=r"not built for these sources.*scripts/install\.sh"):
+        kernels.load("generic")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "--model",
+            "unused",
+            "--prompt",
+            "x",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVSERVE_KERNELS_DIR": str(empty_install)},
+    )
+    assert out.returncode == 1 and "scripts/install.sh" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_build_is_recorded_and_runs_pytorch_ops_with_a_warning(empty_install, monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    from server.engine.setup import select_cpu_kernels
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_write_ninja_file_and_build_library", no_compiler)
+    generic = cpu_tier.BY_NAME["generic"]
+    with pytest.raises(RuntimeError, match="command not found"):
+        kernels.build(generic)
+    assert "command not found" in (kernels.build_folder(generic) / kernels.FAILED).read_text()
+    cpu = torch.device("cpu")
+    assert select_cpu_kernels("auto", cpu, generic) is None
+    assert "could not be built at install" in caplog.text and "command not found" in caplog.text
+    with pytest.raises(RuntimeError, match="--cpu-kernels on"):
+        select_cpu_kernels("on", cpu, generic)
+    assert select_cpu_kernels("off", cpu, generic) is None
+
+
+@pytest.mark.timeout(30)
+def test_builds_are_kept_per_tier_and_per_version_of_the_sources(
+    empty_install, monkeypatch, tmp_path_factory
+):
+    sources = tmp_path_factory.mktemp("csrc")
+    for path in kernels.SOURCES.iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(kernels, "SOURCES", sources)
+    avx2, generic = cpu_tier.BY_NAME["avx2"], cpu_tier.BY_NAME["generic"]
+    before = kernels.build_folder(avx2)
+    assert before.parent == empty_install and before.name.startswith("avx2-")
+    assert kernels.build_folder(generic) != before and kernels.build_folder(avx2) == before
+    (sources / "vec.h").write_text((sources / "vec.h").read_text() + "\n// an edit\n")
+    assert kernels.build_folder(avx2) != before  # an edited source is a stale build, never loaded
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable()])
+def test_the_engine_runs_as_any_tier_this_cpu_has(tiny_model_factory, tier, caplog):
+    with caplog.at_level("INFO"):
+        engine = Engine(tiny_model_factory("llama"), EngineConfig(kv_cache_memory=8 << 20, cpu_tier=tier))
+    expected = cpu_tier.BY_NAME[tier]
+    assert engine.runner.dtype == expected.dtype and engine.stats().kv_cache_dtype == str(expected.dtype)[6:]
+    assert f"CPU tier {tier} (" in caplog.text
+    assert engine.score(list(range(3, 20))).isfinite().all()
+
+
+@pytest.mark.timeout(30)
+def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(empty_install, caplog):
+    """An image built on another host (or an install told to build fewer tiers) starts on the best tier it
+    has and says so; a tier named outright that is not built is the install command's error."""
+    import shutil
+
+    from server.engine.setup import select_cpu_kernels, select_cpu_tier
+
+    best, generic = cpu_tier.select()[0], cpu_tier.BY_NAME["generic"]
+    if best is generic:
+        pytest.skip("this CPU's best tier is the generic one: nothing weaker to have built")
+    real = kernels.build_folder(generic).name
+    kernels.load.cache_clear()
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("KVSERVE_KERNELS_DIR")
+        shutil.copytree(kernels.build_folder(generic), empty_install / real)
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO"):
+        tier = select_cpu_tier("auto", cpu, "auto")
+    assert tier is generic and select_cpu_kernels("auto", cpu, tier) is not None
+    assert f"{best.name} would be, but this install built the kernels for generic" in caplog.text
+    assert "scripts/install.sh" in caplog.text
+    with pytest.raises(kernels.KernelsNotBuilt, match=best.name):
+        select_cpu_kernels("auto", cpu, select_cpu_tier(best.name, cpu, "auto"))
