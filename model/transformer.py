@@ -128,13 +128,15 @@ class MLP(nn.Module):
         self.silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
+        return self.down(self.activation(self.up(x)))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:  # [T, n_up] -> [T, intermediate]
         if not self.swiglu:
-            return self.down(F.gelu(h, approximate="tanh"))
+            return F.gelu(h, approximate="tanh")
         if self.silu_mul is not None:
-            return self.down(self.silu_mul(h))
+            return self.silu_mul(h)
         gate, up = h.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return F.silu(gate) * up
 
     __call__ = forward  # see Block
 
@@ -195,16 +197,9 @@ class Transformer(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
-        rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        else:
-            freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
-            cos, sin = freqs.cos(), freqs.sin()
-            rope = (
-                torch.cat((cos, cos), -1).to(x.dtype)[:, None],
-                torch.cat((-sin, sin), -1).to(x.dtype)[:, None],
-            )
+        rope = self.rope(positions, x.dtype)
         if self.layer_stack is not None:
             x, residual = self.layer_stack(x, rope, kv_cache, meta)
         else:
@@ -212,6 +207,14 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, rope, *kv_cache.layer(i), meta)
         return self.norm.add_forward(x, residual)[0]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, cos) and (-sin, sin) of each position's rotary angles, [T, 1, D] each; None without RoPE."""
+        if self.pos_embed is not None:
+            return None
+        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""

@@ -1,5 +1,5 @@
-"""Offline benchmarks: the model alone (prefill, single-stream decode), the engine under concurrency, and the
-quality of a quantized model against its float32 reference."""
+"""Offline benchmarks: the model alone (prefill, single-stream decode), where a decode step's time goes, the
+engine under concurrency, and the quality of a quantized model against its float32 reference."""
 
 import dataclasses
 import json
@@ -170,6 +170,108 @@ def bench_steps(engines: dict[str, Engine], batch_size: int, input_len: int, ste
     return {
         "batch_size": batch_size,
         **{f"{name}_tokens_per_s": round(batch_size / statistics.median(t), 1) for name, t in times.items()},
+    }
+
+
+# a block's GEMMs, by name: where each Linear sits in model/transformer.py
+GEMMS = {"qkv": ("attn", "qkv"), "o": ("attn", "o"), "gate_up": ("mlp", "up"), "down": ("mlp", "down")}
+
+
+def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int, reps: int) -> dict:
+    """Where a decode step's time goes. The engine's own step (median of `steps`, `batch_size` sequences of
+    ~context_len tokens each), then its parts replayed alone on the model's own weights and KV cache, in the
+    order a step runs them (the weights as cold as a step finds them): the block GEMMs by shape, the LM head,
+    attention (RoPE and K/V stores included), RMSNorm and SwiGLU; medians of `reps` replays. The rest is the
+    step around the model: scheduling, metadata, embedding rows, RoPE tables, sampling and detokenizing."""
+    engine.reset()
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"step-{i}" for i in range(batch_size)]
+    for rid, prompt in zip(ids, random_prompts(batch_size, context_len, engine.vocab_size), strict=True):
+        engine.add_request(rid, prompt, params)
+    prefilling = set(ids)
+    while prefilling:
+        prefilling -= {out.request_id for out in engine.step()}
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+
+    runner = engine.runner
+    model, dtype, B = runner.model, runner.dtype, batch_size
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    blocks = {name: [getattr(getattr(layer, a), b) for layer in model.layers]
+              for name, (a, b) in GEMMS.items()}  # fmt: skip
+    inputs = {name: rand(B, linears[0].in_features) for name, linears in blocks.items()}
+    head_input = rand(B, model.lm_head.in_features)
+    # B sequences of context_len + 1 tokens in blocks of the cache, each decoding its next token
+    block_size = runner.kv_cache.block_size
+    n = -(-(context_len + 1) // block_size)
+    tables = [list(range(i * n, (i + 1) * n)) for i in range(B)]
+    positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
+    rope = model.rope(positions, dtype)
+    attn = model.layers[0].attn
+    q, k, v = (
+        rand(B, attn.num_heads, attn.head_dim),
+        *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
+    )
+    hidden, residual = rand(B, model.config.hidden_size), rand(B, model.config.hidden_size)
+    up = rand(B, blocks["gate_up"][0].out_features)
+    per_call: dict[str, list[float]] = {name: [] for name in blocks}
+    totals: dict[str, list[float]] = {
+        "block_gemms": [],
+        "lm_head": [],
+        "attention": [],
+        "norms_and_swiglu": [],
+    }
+
+    def timed(fn, *args) -> float:
+        start = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - start
+
+    def norms_and_swiglu(layer) -> None:  # a block's two norms (with their residual adds) and its activation
+        layer.norm1.add_forward(hidden, residual)
+        layer.norm2.add_forward(hidden, residual)
+        layer.mlp.activation(up)
+
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first is a warm-up
+            gemms = 0.0
+            for i in range(len(model.layers)):
+                for name, linears in blocks.items():
+                    t = timed(linears[i], inputs[name])
+                    per_call[name].append(t)
+                    gemms += t
+            totals["block_gemms"].append(gemms)
+            totals["lm_head"].append(timed(model.lm_head.logits, head_input))
+            totals["attention"].append(
+                sum(timed(meta.attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale)
+                    for i in range(len(model.layers)))
+            )  # fmt: skip
+            totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))
+    step_ms = 1e3 * statistics.median(times)
+    parts = {name: 1e3 * statistics.median(ts[1:]) for name, ts in totals.items()}
+    return {
+        "batch_size": B,
+        "context_len": context_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "step_ms": round(step_ms, 2),
+        **{f"{name}_ms": round(ms, 2) for name, ms in parts.items()},
+        "rest_ms": round(step_ms - sum(parts.values()), 2),
+        "gemm_us_per_call": {
+            f"{name} {blocks[name][0].out_features}x{blocks[name][0].in_features}": round(
+                1e6 * statistics.median(ts[len(model.layers) :]), 1
+            )
+            for name, ts in per_call.items()
+        },
     }
 
 

@@ -17,6 +17,7 @@ from server.commands import (
     cmd_bench_kernels,
     cmd_bench_model,
     cmd_bench_offline,
+    cmd_bench_profile,
     cmd_bench_quality,
     cmd_bench_structured,
     cmd_chat,
@@ -189,6 +190,12 @@ BENCH_STEPS_FLAGS = (  # bench-invariance and bench-kernels: two engines' decode
     Flag("--input-len", 128, int),
     Flag("--steps", 100, int, help="decode steps measured per engine and batch size"),
 )
+BENCH_PROFILE_FLAGS = (
+    Flag("--batch-sizes", [1, 32], int, nargs="+"),
+    Flag("--context-len", 200, int, help="tokens each sequence holds when its decode steps are timed"),
+    Flag("--steps", 200, int, help="engine steps timed per batch size"),
+    Flag("--reps", 20, int, help="replays of the step's parts per batch size"),
+)
 BENCH_QUALITY_FLAGS = (
     Flag("--text", help="a UTF-8 text file (default: ~3,000 tokens shipped with kvserve)"),
     Flag("--window", 512, int, help="tokens per sequence the text is cut into"),
@@ -262,6 +269,11 @@ def commands() -> dict[str, Command]:
             cmd_bench_kernels,
             "decode tokens/s with the C++ CPU kernels and with PyTorch ops, interleaved",
             (model, ("benchmark", BENCH_STEPS_FLAGS)),
+        ),
+        "bench-profile": Command(
+            cmd_bench_profile,
+            "where a decode step's time goes: the step, and its parts replayed on the model's own weights",
+            (model, ("benchmark", BENCH_PROFILE_FLAGS)),
         ),
         "bench-quality": Command(
             cmd_bench_quality,

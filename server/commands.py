@@ -231,6 +231,15 @@ def cmd_bench_model(args) -> int:
     return 0
 
 
+def cmd_bench_profile(args) -> int:
+    from server.bench import bench_profile, print_json
+
+    engine = build_engine(args, max_num_seqs=max(args.batch_sizes))
+    for b in args.batch_sizes:
+        print_json(bench_profile(engine, b, args.context_len, args.steps, args.reps))
+    return 0
+
+
 def cmd_bench_quality(args) -> int:
     from server.bench import DEFAULT_QUALITY_TEXT, bench_quality, print_json
 

@@ -90,3 +90,20 @@ def test_interleaved_benches_report_both_engines_per_batch_size(tiny_llama_dir, 
         x, y = r[f"{a}_tokens_per_s"], r[f"{b}_tokens_per_s"]
         assert x > 0 and y > 0
         assert summary(x, y) in (r.get("cost_percent"), r.get("speedup"))
+
+
+@pytest.mark.timeout(120)
+def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
+    import json
+
+    out = kvserve("bench-profile", "--model", str(tiny_llama_dir), "--batch-sizes", "1", "3", "--steps", "4",
+                  "--reps", "2", "--context-len", "20", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms")
+        assert r["step_ms"] > 0 and all(r[p] > 0 for p in parts)
+        assert r["rest_ms"] == pytest.approx(r["step_ms"] - sum(r[p] for p in parts), abs=0.02)
+        # the tiny llama's four block GEMMs, named with their shapes (out x in)
+        assert list(r["gemm_us_per_call"]) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128"]

@@ -1,7 +1,8 @@
 // What the CPU kernels share: GCC vector extensions of the target's own vector width (16 floats with AVX-512,
 // 8 with AVX2, 4 on the baseline: SSE2, NEON) and conversions to float32, where all their arithmetic happens.
 // The width must be the target's: a wider vector has no register of its own there, and GCC keeps it on the
-// stack, every operation a load and a store (measured: a 16-float kernel built for AVX2 ran ~10x slower).
+// stack, every operation a load and a store (seen: the 16-float quantized GEMM built for AVX2, 41% of whose
+// instructions touched the stack, took 781 us for one row of a 1536 x 576 weight; torch's float32 GEMM, 89 us).
 #pragma once
 
 // ATen's own headers, not torch/extension.h: the kernels need tensors, dispatch and parallel_for, and the whole
