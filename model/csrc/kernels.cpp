@@ -21,6 +21,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("q8_gemm", &q8_gemm, "x W^T on 8-bit weights in groups of 32 (w = d q), x bfloat16 or float32 (CPU)",
         no_gil());
+  // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)
+#if defined(__AVX512BF16__)
+  m.attr("gemm_bfloat16_as") = "bfloat16";
+#elif defined(__AVX2__)
+  m.attr("gemm_bfloat16_as") = "int16";
+#else
+  m.attr("gemm_bfloat16_as") = "float32";
+#endif
+#if defined(__AVX2__)
+  m.attr("gemm_float32_as") = "int16";
+#else
+  m.attr("gemm_float32_as") = "float32";
+#endif
   m.def("q4_rows", &q4_rows, "rows of a packed 4-bit weight, dequantized to float32");
   m.def("q8_rows", &q8_rows, "rows of a packed 8-bit weight, dequantized to float32");
   py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on packed quantized weights: 4-bit with mins, else 8-bit")

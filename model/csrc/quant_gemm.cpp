@@ -52,7 +52,11 @@ at::Tensor gemm(bool q4, at::Tensor x, at::Tensor packed, at::Tensor scales, std
   }
 #endif
   x = x.to(at::kFloat).contiguous();  // exact from bfloat16
+#if defined(__AVX2__)
+  gemm_i16(w, x.data_ptr<float>(), M, o);
+#else
   gemm_f32(w, x.data_ptr<float>(), M, o);
+#endif
   return out;
 }
 

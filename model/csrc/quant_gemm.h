@@ -100,19 +100,22 @@ struct Plan {
 // (vectors per group of an unpacked tile), and:
 //   unpack(t, dst)  tile t's weights unpacked, [groups][UNPACKED]
 //   rows(R, nt, t, m0, unpacked, next, y)  y[r][i] = output i of tiles t .. t + nt - 1 (i < nt * 16) for row
-//       m0 + r, from the unpacked tile (nt = 1) or, null, the packed ones; next: the tiles after, to prefetch
+//       m0 + r, from the unpacked tiles (one after the other) or, null, the packed ones; next: the tiles
+//       after, to prefetch
 template <class Kernel>
 void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& out) {
-  const Plan plan = Kernel::plan(M);
+  const Plan plan = kernel.plan(M);
   const int64_t steps = (w.tiles() + plan.tiles - 1) / plan.tiles;
+  const int64_t per_tile = w.groups() * Kernel::UNPACKED;
   at::parallel_for(0, steps, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<typename Kernel::Unpacked> unpacked(plan.unpack ? w.groups() * Kernel::UNPACKED : 0);
+    std::vector<typename Kernel::Unpacked> unpacked(plan.unpack ? plan.tiles * per_tile : 0);
     alignas(64) float y[Kernel::MAX_ROWS * Kernel::MAX_TILES * TILE];
     const int64_t blocks = (M + plan.rows - 1) / plan.rows;
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t t = s * plan.tiles, nt = std::min<int64_t>(plan.tiles, w.tiles() - t);
       const int64_t n0 = t * TILE, n = std::min<int64_t>(nt * TILE, w.N - n0);
-      if (plan.unpack) kernel.unpack(t, unpacked.data());
+      if (plan.unpack)
+        for (int64_t i = 0; i < nt; ++i) kernel.unpack(t + i, unpacked.data() + i * per_tile);
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
         const int R = static_cast<int>((M - m0) / (blocks - b));
         const uint8_t* next = b == 0 && s + 1 < s1 ? w.tile(t + nt) : nullptr;  // once a step
@@ -124,8 +127,13 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
   });
 }
 
-// The kernels, each over x [M, K] (row-major)
+// The kernels, each over x [M, K] (row-major): float32 activations as int16 (AVX2) or as they are (baseline);
+// bfloat16 ones as they are where the CPU multiplies them (AVX512-BF16)
+#if defined(__AVX2__)
+void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out);
+#else
 void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out);
+#endif
 #if defined(__AVX512BF16__)
 void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
 #endif

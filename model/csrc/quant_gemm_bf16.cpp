@@ -63,7 +63,7 @@ template <bool Q4>
 struct Bf16Kernel {
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
   // is faster than storing the unpacked tile and reading it back)
-  static Plan plan(int64_t M) { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
+  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
   using Unpacked = vuint;
   static constexpr int UNPACKED = VECS + 2;  // per group: its pair vectors, then d and the offset (float32)

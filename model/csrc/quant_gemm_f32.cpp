@@ -1,83 +1,52 @@
-// The quantized GEMM for float32 activations: every tier without bfloat16 arithmetic (AVX-512F, AVX2 + FMA, the
-// baseline), and float32 models on any tier.
+// The quantized GEMM on the baseline tier (no AVX2: x86-64's SSE2, arm64's NEON), float32 activations (bfloat16
+// ones widened first). CPUs with AVX2 take quant_gemm_i16.cpp instead.
 //
-// Per group of 32 weights, a row's sum runs on the exact integers: sum_k x_k q_k in float32, one fused
-// multiply-add after another, k ascending, then y += d * sum (+ m * sum_k x_k for 4-bit). q goes from the
-// packed bytes to float32 exactly (an integer conversion), so nothing is rounded to a coarser weight.
+// Per group of 32 weights, a row's sum runs on the exact integers: sum_k x_k q_k in float32, one multiply-add
+// after another, k ascending, then y += d * sum (+ m * sum_k x_k for 4-bit). q goes from the packed bytes to
+// float32 exactly (an integer conversion), so nothing is rounded to a coarser weight.
 //
 // The packed layout is the one quant_gemm.cpp describes, read VL lanes at a time: 32 packed bytes hold 16 lanes'
 // 16-bit words (bytes 2j, 2j + 1 of lane j), and one word holds the lane's q for 4 k (4-bit: k = 4c + i in bits
 // 8i .. 8i + 3, k = 4c + 2 + i in bits 8i + 4 .. 8i + 7) or 2 k (8-bit: its two bytes).
 //
-// Each output lane's sum is one chain of 32 dependent multiply-adds per group, so a kernel keeps many chains
-// in flight: one row takes several tiles at once (the weights straight from their packed bytes), many rows
-// take one tile unpacked once into float32, in blocks of rows whose accumulators fill the vector registers.
+// Each output lane's sum is one chain of 32 dependent multiply-adds per group, so a kernel keeps several chains
+// in flight: one row takes two tiles at once (the weights straight from their packed bytes), more rows take one
+// tile unpacked once into float32, in blocks of rows whose accumulators fill the 16 vector registers.
 
 #include "quant_gemm.h"
 
+#if !defined(__AVX2__)
+
 namespace {
 
-// One row: TILES_AT_ONCE tiles together, their NV vectors of chains each in flight (AVX2: 3 x 2 = 6, enough to
-// cover a multiply-add's latency while the unpacking's own work runs beside them)
-constexpr int TILES_AT_ONCE = VL == 16 ? 4 : VL == 8 ? 3 : 2;
-// Many rows: blocks of BLOCK_ROWS rows of one unpacked tile (AVX2: 6 x 2 accumulators, 2 weight vectors and
-// x's broadcast: 15 of 16 registers)
-constexpr int BLOCK_ROWS = VL == 16 ? 16 : VL == 8 ? 6 : 2;
+constexpr int TILES_AT_ONCE = 2;  // one row: 2 tiles x NV vectors of chains
+constexpr int BLOCK_ROWS = 2;     // more rows: 2 x NV accumulators, NV weight vectors, x's broadcast
 
 typedef uint16_t vword __attribute__((vector_size(VL * sizeof(uint16_t))));
 typedef int16_t vsword __attribute__((vector_size(VL * sizeof(int16_t))));
 
-// a*b + c, rounded once where the CPU fuses it (every x86 tier but the baseline), in the same way everywhere
-inline vfloat madd(vfloat a, vfloat b, vfloat c) {
-#if defined(__AVX512F__)
-  return bitcast<vfloat>(_mm512_fmadd_ps(bitcast<__m512>(a), bitcast<__m512>(b), bitcast<__m512>(c)));
-#elif defined(__FMA__)
-  return bitcast<vfloat>(_mm256_fmadd_ps(bitcast<__m256>(a), bitcast<__m256>(b), bitcast<__m256>(c)));
-#else
-  return a * b + c;
-#endif
-}
+// a*b + c, as the target rounds it (one expression everywhere, so every path rounds alike)
+inline vfloat madd(vfloat a, vfloat b, vfloat c) { return a * b + c; }
 
 inline vfloat to_float(vint q) { return __builtin_convertvector(q, vfloat); }
 
-// v in every lane (one broadcast: `vfloat{} + v` would add 0.0 first, which the compiler must keep for -0.0)
+// v in every lane
 inline vfloat splat(float v) {
-#if defined(__AVX512F__)
-  return bitcast<vfloat>(_mm512_set1_ps(v));
-#elif defined(__AVX__)
-  return bitcast<vfloat>(_mm256_set1_ps(v));
-#else
   vfloat r;
   for (int l = 0; l < VL; ++l) r[l] = v;
   return r;
-#endif
 }
 
-// lanes h*VL .. h*VL + VL - 1 of a chunk's 16 words, zero- or sign-extended to 32 bits (one instruction from
-// memory with AVX2 or AVX-512, which GCC does not find on its own)
+// lanes h*VL .. h*VL + VL - 1 of a chunk's 16 words, zero- or sign-extended to 32 bits
 inline vint words(const uint8_t* chunk, int h) {
-  const uint8_t* p = chunk + h * VL * 2;
-#if defined(__AVX512F__)
-  return bitcast<vint>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__AVX2__)
-  return bitcast<vint>(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
   vword w;
-  __builtin_memcpy(&w, p, sizeof(w));
+  __builtin_memcpy(&w, chunk + h * VL * 2, sizeof(w));
   return __builtin_convertvector(w, vint);
-#endif
 }
 inline vint signed_words(const uint8_t* chunk, int h) {
-  const uint8_t* p = chunk + h * VL * 2;
-#if defined(__AVX512F__)
-  return bitcast<vint>(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__AVX2__)
-  return bitcast<vint>(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
   vsword w;
-  __builtin_memcpy(&w, p, sizeof(w));
+  __builtin_memcpy(&w, chunk + h * VL * 2, sizeof(w));
   return __builtin_convertvector(w, vint);
-#endif
 }
 
 // The 4 (4-bit) or 2 (8-bit) k of chunk c as float32 vectors, lanes h*VL ..: q[k0 + i] * 2^s[i] in wf[i], each
@@ -116,7 +85,7 @@ template <bool Q4>
 struct F32Kernel {
   // one row: tiles at once from the packed weights; more: one tile at a time, unpacked once there are two
   // blocks of rows to reuse it
-  static Plan plan(int64_t M) {
+  Plan plan(int64_t M) const {
     if (M == 1) return {1, TILES_AT_ONCE, false};
     return {BLOCK_ROWS, 1, M > BLOCK_ROWS};
   }
@@ -227,27 +196,13 @@ struct F32Kernel {
 
   void rows(int R, int nt, int64_t t, int64_t m0, const vfloat* unpacked, const uint8_t* next, float* y) const {
     std::fill(y, y + R * nt * TILE, 0.0f);
-    if (R == 1 && !unpacked) {
-      switch (nt) {
-#define TILES(n) \
-  case n:        \
-    if constexpr (n <= TILES_AT_ONCE) return packed_rows<1, n>(t, m0, next, y);
-        TILES(1) TILES(2) TILES(3) TILES(4)
-#undef TILES
-      }
+    if (unpacked) {  // one tile (the plan's)
+      if (R == 1) return unpacked_rows<1>(m0, unpacked, y);
+      return unpacked_rows<2>(m0, unpacked, y);
     }
-    switch (R) {
-#define ROWS(n)                                                                         \
-  case n:                                                                               \
-    if constexpr (n <= BLOCK_ROWS) {                                                    \
-      if (unpacked) return unpacked_rows<n>(m0, unpacked, y);                           \
-      return packed_rows<n, 1>(t, m0, next, y);                                         \
-    }                                                                                   \
-    break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13)
-      ROWS(14) ROWS(15) ROWS(16)
-#undef ROWS
-    }
+    if (R == 2) return packed_rows<2, 1>(t, m0, next, y);
+    if (nt == 2) return packed_rows<1, 2>(t, m0, next, y);
+    return packed_rows<1, 1>(t, m0, next, y);
   }
 };
 
@@ -271,3 +226,5 @@ void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
 }  // namespace
 
 void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out) { gemm(w, x, M, out); }
+
+#endif

@@ -5,6 +5,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from model import cpu_tier
+from model.kernels import cpu_kernels
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
@@ -28,14 +29,15 @@ def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(
     dequantized = engine_for(folder, quantization="none", dtype="float32")
     ids = list(range(3, 60))
     reference = dequantized.score(ids)
-    for dtype, tolerance in (("float32", 1e-4), ("bfloat16", 0.05)):  # each tier's activations
+    # each tier's activations: float32 ones as they are, or (AVX2) rounded to int16 per group of 32
+    float32 = 1e-3 if cpu_kernels().gemm_float32_as == "int16" else 1e-4
+    for dtype, tolerance in (("float32", float32), ("bfloat16", 0.05)):
         quantized = engine_for(folder, dtype=dtype)
         bits = {m.bits for m in quantized.runner.model.modules() if isinstance(m, Linear)}
         assert bits == {8 if type_name == "Q8_0" else 4}  # every matrix of the tiny GGUF is in type_name
         assert all(m.weight.is_meta for m in quantized.runner.model.modules() if isinstance(m, Linear))
         scores = quantized.score(ids)
-        # float32 activations: the same sums in another order; bfloat16 ones: close, and the same most
-        # likely token nearly everywhere
+        # close to the float32 reference, and the same most likely token nearly everywhere
         assert (scores - reference).abs().max() < tolerance * reference.abs().max(), dtype
         assert (scores.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
 

@@ -1,0 +1,246 @@
+// The quantized GEMM for float32 activations on CPUs with AVX2 (the avx2 and avx512 tiers, and float32 models on
+// the avx512bf16 one).
+//
+// Each group of 32 activations of a row is rounded to int16 against its largest magnitude a: x_k ~ s xq_k with
+// s = a / 32767, |xq_k| <= 32767, an error of at most s / 2 (15 bits below the group's largest value; bfloat16
+// keeps 8 below each value). The rest is exact: vpmaddwd multiplies int16 pairs and sums each pair into int32 (16
+// products an instruction, 1.6 a cycle on Zen 3 against 2 float32 multiply-adds of 8), and a group's 32 products
+// of a lane sum into int32 without rounding (|xq q| <= 32767 * 128: 32 of them stay below 2^31). So the sum of a
+// group is the same whatever the order of its additions, and the float32 work is per group only, in a fixed
+// order: y += d (s sum_k xq_k q_k), then + m sum_k x_k (4-bit; x's own float32 sum). Weights are the file's
+// integers as they are.
+//
+// The packed layout (quant_gemm.cpp), read 8 lanes at a time: 16 bytes of a chunk widened to 16-bit words give
+// each lane the int16 pairs (q[4c], q[4c+1]) and, from the high nibbles, (q[4c+2], q[4c+3]) (4-bit), or
+// (q[2c], q[2c+1]) (8-bit): pair p of a group is k = 2p, 2p + 1 either way, against x's pair (xq[2p], xq[2p+1]).
+
+#include "quant_gemm.h"
+
+#if defined(__AVX2__)
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int PAIRS = GROUP / 2;  // k pairs per group
+constexpr int HALVES = TILE / 8;  // 8-lane vectors per tile
+// Rows of x computed together: 2 accumulators a row, 2 weight vectors and x's broadcast: 15 of 16 registers
+constexpr int BLOCK_ROWS = 6;
+constexpr int PACKED_ROWS = 4;  // up to this many rows, from the packed weights (measured: 5 and 6 unpack faster)
+
+// A tile's q pairs of chunk c, lanes 8h .. 8h + 7: 4-bit, pairs 2c (a) and 2c + 1 (b); 8-bit, pair c (a)
+inline void pairs4(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
+  const __m256i nibble = _mm256_set1_epi16(15);
+  a = _mm256_and_si256(w, nibble);
+  b = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+}
+inline __m256i pairs8(const uint8_t* chunk, int h) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
+}
+
+// x's pair (xq[2p], xq[2p + 1]) in every lane
+inline __m256i broadcast_pair(const int16_t* pair) {
+  int32_t v;
+  std::memcpy(&v, pair, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the lane's two products. The empty asm keeps each accumulator one chain of additions: integer sums
+// reassociate freely, and GCC, given the freedom, computed a whole group's products first and kept them on the
+// stack (measured: the many-row loop at 0.7 products-instructions a cycle instead of 1.4).
+inline __m256i dot_pairs(__m256i acc, __m256i q, __m256i x) {
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(q, x));
+  asm("" : "+x"(acc));
+  return acc;
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float hadd(__m256 v) {  // a fixed tree
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// One row's group of 32 activations rounded to int16 (to nearest, ties to even), with its step s and its own sum.
+// A group holding an infinity or a NaN gets s = NaN, so that its outputs are NaN as float32 arithmetic's would be.
+inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  sum = hadd(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const float a = hmax(amax);
+  if (!(a <= 3.0e38f) || std::isnan(sum)) {  // an infinity or a NaN somewhere
+    step = NAN;
+    std::memset(q, 0, GROUP * sizeof(int16_t));
+    return;
+  }
+  step = a / 32767.0f;
+  const __m256 scale = _mm256_set1_ps(a > 0.0f ? 32767.0f / a : 0.0f);
+  for (int i = 0; i < 4; i += 2) {
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], scale));
+    // packs interleaves 128-bit halves: put them back in order; saturation clips a rounding up past 32767
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), packed);
+  }
+}
+
+template <bool Q4>
+struct I16Kernel {
+  // Blocks of rows from the packed weights while one block holds them all. Past that, the tiles are unpacked
+  // once and each block of rows runs over several of them, so that its rows of x stay in L1 while they are
+  // reused: as many tiles as fit in ~256 KB of L2 unpacked, and few enough that every thread gets 4 steps
+  // (measured: one tile at a time, the rows of x came from L3 for every tile, and the 512-row GEMMs ran at
+  // half the speed of their inner loop alone).
+  Plan plan(int64_t M) const {
+    if (M <= PACKED_ROWS) return {BLOCK_ROWS, 1, false};
+    const int64_t fit = (256 << 10) / (w.groups() * UNPACKED * sizeof(__m256i));
+    const int64_t spread = (w.tiles() + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+    return {BLOCK_ROWS, static_cast<int>(std::clamp<int64_t>(std::min(fit, spread), 1, MAX_TILES)), true};
+  }
+  static constexpr int MAX_ROWS = BLOCK_ROWS, MAX_TILES = 8;
+  using Unpacked = __m256i;
+  // per group: the q pairs ([16 pairs][2 halves]), then d and m as float32 ([2] each)
+  static constexpr int UNPACKED = (PAIRS + 2) * HALVES;
+
+  const Packed& w;
+  const int16_t* xq;   // [M, K] the activations as int16
+  const float* step;   // [M, groups] s of each row's group
+  const float* xsum;   // [M, groups] sum of each row's group (4-bit)
+
+  void unpack(int64_t t, __m256i* out) const {
+    const uint8_t* wt = w.tile(t);
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      __m256i* o = out + g * UNPACKED;
+      const uint8_t* wg = wt + g * group_bytes(Q4);
+      for (int h = 0; h < HALVES; ++h) {
+        for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
+          if constexpr (Q4)
+            pairs4(wg + c * 32, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
+          else
+            o[c * HALVES + h] = pairs8(wg + c * 32, h);
+        }
+        o[PAIRS * HALVES + h] = _mm256_castps_si256(_mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h))));
+        o[(PAIRS + 1) * HALVES + h] = Q4 ? _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(
+                                               reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h))))
+                                         : _mm256_setzero_si256();
+      }
+    }
+  }
+
+  // y[r * stride + i]: output i of tile t for row m0 + r
+  template <int R, bool UNPACKED_TILE>
+  void rows(int64_t t, int64_t m0, const __m256i* unpacked, const uint8_t* next, float* y, int stride) const {
+    const int64_t groups = w.groups(), K = w.K;
+    const uint8_t* wt = w.tile(t);
+    __m256 out[R][HALVES];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (next)  // the next tile's bytes, asked for ahead: see quant_gemm_bf16.cpp
+        for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + g * group_bytes(Q4) + i);
+      __m256i acc[R][HALVES];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_si256();
+      const int16_t* x = xq + m0 * K + g * GROUP;
+      __m256 d[HALVES], m[HALVES];
+      if constexpr (UNPACKED_TILE) {
+        const __m256i* u = unpacked + g * UNPACKED;
+#pragma GCC unroll 16
+        for (int p = 0; p < PAIRS; ++p) {
+          const __m256i q0 = u[p * HALVES], q1 = u[p * HALVES + 1];
+          for (int r = 0; r < R; ++r) {
+            const __m256i xp = broadcast_pair(x + r * K + 2 * p);
+            acc[r][0] = dot_pairs(acc[r][0], q0, xp);
+            acc[r][1] = dot_pairs(acc[r][1], q1, xp);
+          }
+        }
+        for (int h = 0; h < HALVES; ++h) {
+          d[h] = _mm256_castsi256_ps(u[PAIRS * HALVES + h]);
+          m[h] = _mm256_castsi256_ps(u[(PAIRS + 1) * HALVES + h]);
+        }
+      } else {
+        const uint8_t* wg = wt + g * group_bytes(Q4);
+#pragma GCC unroll 16
+        for (int c = 0; c < (Q4 ? 8 : 16); ++c)
+          for (int h = 0; h < HALVES; ++h) {
+            if constexpr (Q4) {
+              __m256i a, b;
+              pairs4(wg + c * 32, h, a, b);
+              for (int r = 0; r < R; ++r) {
+                acc[r][h] = dot_pairs(acc[r][h], a, broadcast_pair(x + r * K + 4 * c));
+                acc[r][h] = dot_pairs(acc[r][h], b, broadcast_pair(x + r * K + 4 * c + 2));
+              }
+            } else {
+              const __m256i a = pairs8(wg + c * 32, h);
+              for (int r = 0; r < R; ++r) acc[r][h] = dot_pairs(acc[r][h], a, broadcast_pair(x + r * K + 2 * c));
+            }
+          }
+        for (int h = 0; h < HALVES; ++h) {
+          d[h] = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h)));
+          m[h] = Q4 ? _mm256_cvtph_ps(
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h)))
+                    : _mm256_setzero_ps();
+        }
+      }
+      // y += d (s sum) (+ m sum_k x_k): per group, in this order, for every row alike
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_set1_ps(step[(m0 + r) * groups + g]);
+        for (int h = 0; h < HALVES; ++h) {
+          const __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), s);
+          out[r][h] = _mm256_fmadd_ps(sum, d[h], out[r][h]);
+          if constexpr (Q4)
+            out[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xsum[(m0 + r) * groups + g]), out[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < HALVES; ++h) _mm256_storeu_ps(y + r * stride + 8 * h, out[r][h]);
+  }
+
+  // nt tiles: unpacked, one after the other (the plan's); packed, one (the plan's for a block of rows)
+  void rows(int R, int nt, int64_t t, int64_t m0, const __m256i* unpacked, const uint8_t* next, float* y) const {
+    for (int i = 0; i < nt; ++i) {
+      const __m256i* u = unpacked ? unpacked + i * w.groups() * UNPACKED : nullptr;
+      switch (R) {
+#define ROWS(n)                                                                      \
+  case n:                                                                            \
+    u ? rows<n, true>(t + i, m0, u, next, y + i * TILE, nt * TILE)                   \
+      : rows<n, false>(t + i, m0, nullptr, next, y + i * TILE, nt * TILE);           \
+    break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+#undef ROWS
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
+  const int64_t groups = w.groups(), K = w.K;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> step(M * groups), xsum(M * groups);
+  at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * GROUP, xq.data() + i * GROUP, step[i], xsum[i]);
+  });
+  if (w.q4)
+    run_tiles(I16Kernel<true>{w, xq.data(), step.data(), xsum.data()}, w, M, out);
+  else
+    run_tiles(I16Kernel<false>{w, xq.data(), step.data(), nullptr}, w, M, out);
+}
+
+#endif
