@@ -88,15 +88,16 @@ class TorchAttentionMetadata:
     def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        # the cache may hold another dtype than the step computes in (bfloat16 under float32: cpu_tier.py)
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         KVH, _, D = k_cache.shape
         fn = attend_sdpa if self.sdpa else attend
         out = None
         for g in self.groups:  # at most two: decodes, prefill chunks
             B, Q = g.query_index.shape
             keys, values = (
-                gather_blocks(c, g.gather_index, self.block_size).view(B, KVH, -1, D)
+                gather_blocks(c, g.gather_index, self.block_size).view(B, KVH, -1, D).to(q.dtype)
                 for c in (k_cache, v_cache)
             )
             queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]

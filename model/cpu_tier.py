@@ -2,10 +2,12 @@
 numbers each tier computes in.
 
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
-instruction, so activations, dense weights and the KV cache are bfloat16 there. Everywhere else bfloat16 is
-only a storage format, each use a conversion around float32 arithmetic: those tiers compute in float32, and
-the quantized GEMMs take float32 activations against the exact integer weights. A request's bits may differ
-between tiers (other instructions, other sums) but never within one.
+instruction, so activations and dense weights are bfloat16 there. Everywhere else bfloat16 arithmetic is a
+conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs multiply the
+exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones (baseline).
+The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to
+float32 is a shift, and half the bytes float32 would cost (attention at 32 streams is bound by them). A
+request's bits may differ between tiers (other instructions, other sums) but never within one.
 
 `select("auto")` takes the best tier that both the CPU (its /proc/cpuinfo flags) and torch's own dispatch
 (ATEN_CPU_CAPABILITY) allow; a tier named outright (--cpu-tier, KVSERVE_CPU_TIER) must be one the CPU has. With
@@ -28,7 +30,8 @@ class CpuTier:
     name: str
     needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
     cflags: tuple[str, ...]  # the C++ kernels' compiler flags for these instructions
-    dtype: torch.dtype  # activations, dense weights and the KV cache
+    dtype: torch.dtype  # activations and dense weights
+    kv_dtype: torch.dtype  # the KV cache: bfloat16 everywhere (a step reads it all; to float32 is a shift)
     aten: str  # torch's ATEN_CPU_CAPABILITY for the same instructions
     onednn: str  # oneDNN's ONEDNN_MAX_CPU_ISA for the same instructions
     summary: str  # what is native, for the start-up log and the README
@@ -48,6 +51,7 @@ TIERS = (
         (*_AVX512, "avx512_bf16", *_AVX2),
         _m((*_AVX512, "avx512_bf16", *_AVX2)),
         torch.bfloat16,
+        torch.bfloat16,
         "avx512",
         "AVX512_CORE_BF16",
         "AVX-512 with bfloat16 pair products: bfloat16 activations and KV cache",
@@ -57,18 +61,20 @@ TIERS = (
         (*_AVX512, *_AVX2),
         _m((*_AVX512, *_AVX2)),
         torch.float32,
+        torch.bfloat16,
         "avx512",
         "AVX512_CORE",
-        "AVX-512, no bfloat16 arithmetic: float32 activations and KV cache",
+        "AVX-512, no bfloat16 arithmetic: float32 activations (int16 in the quantized GEMMs), bfloat16 KV cache",
     ),
     CpuTier(
         "avx2",
         _AVX2,
         _m(_AVX2),
         torch.float32,
+        torch.bfloat16,
         "avx2",
         "AVX2",
-        "AVX2 + FMA, no bfloat16 arithmetic: float32 activations and KV cache",
+        "AVX2 + FMA, no bfloat16 arithmetic: float32 activations (int16 in the quantized GEMMs), bfloat16 KV cache",
     ),
     # any CPU: the kernels' vector code compiled for the platform's baseline (SSE2 on x86-64, NEON on arm64)
     CpuTier(
@@ -76,9 +82,10 @@ TIERS = (
         (),
         (),
         torch.float32,
+        torch.bfloat16,
         "default",
         "ALL",
-        "baseline vectors: float32 activations and KV cache",
+        "baseline vectors: float32 activations, bfloat16 KV cache",
     ),
 )
 BY_NAME = {t.name: t for t in TIERS}

@@ -79,6 +79,13 @@ MODEL_FLAGS = (
     Flag("--weights-dir", help="where fetched weights live", env=True),
     Flag("--device", "auto", choices=("auto", "cpu", "cuda"), env=True),
     Flag("--dtype", "auto", choices=("auto", "float32", "bfloat16", "float16"), env=True),
+    Flag(
+        "--kv-cache-dtype",
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        env=True,
+        help="auto: bfloat16 on CPU (the model's dtype on GPUs); else the model's dtype, or bfloat16 under float32",
+    ),
     Flag("--max-num-seqs", 64, int, env=True),
     Flag("--max-num-batched-tokens", 512, int, env=True),
     Flag("--kv-cache-memory", help="KV cache size, e.g. 2GiB", env=True),

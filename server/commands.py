@@ -54,6 +54,7 @@ def engine_config(args, **overrides):
         batch_invariant=args.batch_invariant,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         cpu_kernels=args.cpu_kernels,
         cpu_tier=args.cpu_tier,

@@ -62,24 +62,24 @@ inline void rotate(const T* x, const T* cos, const T* sin, int64_t D, float* out
 }
 
 // The step's new keys (rotated when cos is given) and values, written into the caches at their slots.
-template <typename T>
+template <typename T, typename C>
 void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slots, int64_t T_, int64_t KVH,
-           int64_t D, const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t num_slots) {
+           int64_t D, const T* cos, const T* sin, C* k_cache, C* v_cache, int64_t num_slots) {
   at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> rotated(D);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < KVH; ++h) {
         const T* src = k + t * k_stride + h * D;
-        T* kd = k_cache + (h * num_slots + slots[t]) * D;
+        C* kd = k_cache + (h * num_slots + slots[t]) * D;
         if (cos) {
           rotate(src, cos + t * D, sin + t * D, D, rotated.data());
-          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<T>(rotated[d]);
+          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<C>(rotated[d]);
         } else {
-          for (int64_t d = 0; d < D; ++d) kd[d] = src[d];
+          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<C>(to_float(src[d]));
         }
         const T* vs = v + t * v_stride + h * D;
-        T* vd = v_cache + (h * num_slots + slots[t]) * D;
-        for (int64_t d = 0; d < D; ++d) vd[d] = vs[d];
+        C* vd = v_cache + (h * num_slots + slots[t]) * D;
+        for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<C>(to_float(vs[d]));
       }
   });
 }
@@ -87,8 +87,8 @@ void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int
 // One sequence, one KV head, queries [first_query, first_query + n_pos) of the sequence, at positions
 // pos0 .. pos0 + n_pos - 1, with the G query heads that share the KV head. DC is the head size when known at
 // compile time (the output rows then stay in registers), else 0.
-template <typename T, int DC>
-void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, int64_t num_slots,
+template <typename T, typename C, int DC>
+void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t num_slots,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
             int64_t n_pos, int64_t pos0, int64_t window, float scale, T* out, int64_t H, const T* cos, const T* sin) {
   const int64_t D = DC ? DC : head_size;
@@ -115,9 +115,9 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
         for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
       for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
     }
-  const T* k_head = k_cache + head * num_slots * D;
-  const T* v_head = v_cache + head * num_slots * D;
-  auto row = [&](const T* base, int64_t pos) {
+  const C* k_head = k_cache + head * num_slots * D;
+  const C* v_head = v_cache + head * num_slots * D;
+  auto row = [&](const C* base, int64_t pos) {
     return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * D;
   };
 
@@ -129,7 +129,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     for (int64_t l = 0; l < KT; ++l) {  // lanes past D stay 0; keys past the last are 0 (their scores are masked)
       float* dst = kf + l * DV * KT;
       if (l < n) {
-        const T* k = row(k_head, t0 + l);
+        const C* k = row(k_head, t0 + l);
         for (int64_t d = 0; d < D; ++d) dst[d] = to_float(k[d]);
       } else {
         for (int64_t d = 0; d < D; ++d) dst[d] = 0.0f;
@@ -175,7 +175,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
   for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
     for (int64_t l = 0; l < n; ++l) {
-      const T* val = row(v_head, t0 + l);
+      const C* val = row(v_head, t0 + l);
       for (int64_t d = 0; d < D; ++d) values[l * D + d] = to_float(val[d]);
     }
     for (int64_t v = std::max<int64_t>(0, t0 - pos0) * G; v < nq; ++v) {
@@ -208,7 +208,7 @@ void attend(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 }  // namespace
 
 // q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
-// [KVH, slots, D] contiguous, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
+// [KVH, slots, D] contiguous, of q's dtype or bfloat16, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
 // length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
 // its sequence's keys. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
 // and values are first written into the caches; with cos and sin ([T, D], the model's dtype), q and the new
@@ -222,31 +222,33 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "float32, bfloat16 or float16 only (the kernel computes in float32)");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kBFloat16),
+              "the caches must be of q's dtype or bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seqs.scalar_type() == at::kInt, "metadata must be int32");
   TORCH_CHECK(chunk > 0 && block_size > 0, "chunk and block_size must be positive");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), num_slots = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   const int64_t G = H / KVH;
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slots.has_value(), "k, v and slots go together");
   TORCH_CHECK(cos.has_value() == sin.has_value() && (!cos || k), "cos and sin go together, with k");
   at::Tensor slot_ids, cos_c, sin_c;
   if (k) {
-    TORCH_CHECK(k->dim() == 3 && v->dim() == 3 && k->size(0) == T && k->size(1) == KVH && k->size(2) == D &&
+    TORCH_CHECK(k->dim() == 3 && v->dim() == 3 && k->size(0) == T_ && k->size(1) == KVH && k->size(2) == D &&
                     v->sizes() == k->sizes() && k->stride(2) == 1 && k->stride(1) == D && v->stride(2) == 1 &&
                     v->stride(1) == D && k->scalar_type() == q.scalar_type() && v->scalar_type() == q.scalar_type(),
                 "k and v must be [T, KVH, D] of q's dtype, heads contiguous");
     slot_ids = slots->to(at::kLong).contiguous();
-    TORCH_CHECK(slot_ids.numel() == T, "one slot per token");
+    TORCH_CHECK(slot_ids.numel() == T_, "one slot per token");
   }
   if (cos) {
     cos_c = cos->contiguous();
     sin_c = sin->contiguous();
-    TORCH_CHECK(cos_c.numel() == T * D && sin_c.numel() == T * D && cos_c.scalar_type() == q.scalar_type() &&
+    TORCH_CHECK(cos_c.numel() == T_ * D && sin_c.numel() == T_ * D && cos_c.scalar_type() == q.scalar_type() &&
                     sin_c.scalar_type() == q.scalar_type(),
                 "cos and sin must be [T, D] of q's dtype");
   }
-  auto out = at::empty({T, H, D}, q.options());
+  auto out = at::empty({T_, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
   const int32_t* seq = seq_info.data_ptr<int32_t>();
@@ -254,32 +256,47 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   for (int64_t s = 0; s < seq_info.size(0); ++s)
     for (int64_t c = 0; c < seq[s * 3 + 1]; c += chunk)
       for (int64_t h = 0; h < KVH; ++h) work.push_back({s, h, c});
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    auto fn = D == 64 ? attend<scalar_t, 64> : D == 128 ? attend<scalar_t, 128> : attend<scalar_t, 0>;
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+  // the caches hold q's dtype, or bfloat16 under float32 activations (model/cpu_tier.py: half the bytes a step
+  // reads, converted to float32 by a shift)
+  auto run = [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    auto fn = D == 64 ? attend<T, C, 64> : D == 128 ? attend<T, C, 128> : attend<T, C, 0>;
+    const T* qp = q.data_ptr<T>();
+    const C* kp = k_cache.data_ptr<C>();
+    const C* vp = v_cache.data_ptr<C>();
+    T* op = out.data_ptr<T>();
     const int32_t* tp = tables.data_ptr<int32_t>();
-    const scalar_t* cp = cos ? cos_c.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* sp = cos ? sin_c.data_ptr<scalar_t>() : nullptr;
+    const T* cp = cos ? cos_c.data_ptr<T>() : nullptr;
+    const T* sp = cos ? sin_c.data_ptr<T>() : nullptr;
     if (k)
-      store(k->data_ptr<scalar_t>(), k->stride(0), v->data_ptr<scalar_t>(), v->stride(0), slot_ids.data_ptr<int64_t>(),
-            T, KVH, D, cp, sp, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), num_slots);
+      store(k->data_ptr<T>(), k->stride(0), v->data_ptr<T>(), v->stride(0), slot_ids.data_ptr<int64_t>(), T_, KVH, D,
+            cp, sp, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), num_slots);
     const int64_t N = tables.size(1);
     // Work items are dealt out round-robin: a prompt's later chunks cost more (more keys), so contiguous
     // ranges per thread would leave one thread with most of the work.
     const int64_t n_work = work.size(), n_threads = std::min<int64_t>(at::get_num_threads(), n_work);
     at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t w0 = begin; w0 < end; ++w0)
-      for (int64_t w = w0; w < n_work; w += n_threads) {
-        const Work& it = work[w];
-        const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
-        fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
-           std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
-           static_cast<float>(scale), op, H, cp, sp);
-      }
+        for (int64_t w = w0; w < n_work; w += n_threads) {
+          const Work& it = work[w];
+          const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
+          fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
+             std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
+             static_cast<float>(scale), op, H, cp, sp);
+        }
     });
-  });
+  };
+  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      bf16_cache ? run(float{}, c10::BFloat16{}) : run(float{}, float{});
+      break;
+    case at::kBFloat16:
+      run(c10::BFloat16{}, c10::BFloat16{});
+      break;
+    default:
+      run(c10::Half{}, c10::Half{});
+  }
   return out;
 }

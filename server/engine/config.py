@@ -16,6 +16,8 @@ class EngineConfig:
     # None = on for 16-bit dtypes on CPU (nearly free there), off for float32
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto: the CPU tier's (bfloat16), on GPUs the model's | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"
     # auto: keep a checkpoint's quantized weights (a GGUF's) quantized on CPU | none: dequantize them |
     # int8, int4: also quantize dense weights at load (weight-only, groups of 32)
     quantization: str = "auto"

@@ -58,8 +58,9 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
-    num_blocks = num_cache_blocks(model_config, config, dtype, device)
-    kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
+    kv_dtype = select_kv_cache_dtype(config.kv_cache_dtype, dtype, tier)
+    num_blocks = num_cache_blocks(model_config, config, kv_dtype, device)
+    kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size, model_config.sliding_window)
     else:
@@ -169,6 +170,22 @@ def select_dtype(name: str, device: torch.device, tier: CpuTier | None) -> torch
     return tier.dtype if tier is not None else torch.bfloat16
 
 
+def select_kv_cache_dtype(name: str, dtype: torch.dtype, tier: CpuTier | None) -> torch.dtype:
+    """--kv-cache-dtype, else the CPU tier's (bfloat16 under float32 or bfloat16 activations) or, on GPUs and
+    under float16, the model's dtype. The cache holds the model's dtype or bfloat16 under float32."""
+    if name == "auto":
+        return tier.kv_dtype if tier is not None and dtype in (torch.float32, torch.bfloat16) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {name!r}: use auto, {', '.join(DTYPES)}")
+    kv_dtype = DTYPES[name]
+    if kv_dtype != dtype and not (kv_dtype == torch.bfloat16 and dtype == torch.float32):
+        raise ValueError(
+            f"--kv-cache-dtype {name} with {str(dtype).removeprefix('torch.')} activations: the cache holds the "
+            "activations' dtype, or bfloat16 under float32"
+        )
+    return kv_dtype
+
+
 def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
     """The C++ CPU kernels built for the tier (model/kernels.py) when they are wanted, else None (PyTorch ops).
     Missing or stale ones are an error naming the install command; ones whose build failed at install are
@@ -196,10 +213,11 @@ def num_cache_blocks(model_config: ModelConfig, config: EngineConfig, dtype: tor
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
         num_blocks,
         config.block_size,
         num_blocks * per_block / 2**30,
+        str(dtype).removeprefix("torch."),
     )
     return num_blocks
 

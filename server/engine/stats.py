@@ -11,7 +11,7 @@ class EngineStats:
     # the KV cache's shape, fixed once the model has loaded (0 before)
     num_blocks: int = 0
     block_size: int = 0
-    kv_cache_dtype: str = ""  # e.g. "bfloat16" (the avx512bf16 tier, GPUs) or "float32" (other CPUs)
+    kv_cache_dtype: str = ""  # "bfloat16" (every CPU tier by default), or what --kv-cache-dtype asked for
     enable_prefix_caching: bool = False
     # cumulative counters since start
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache

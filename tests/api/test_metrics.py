@@ -126,11 +126,11 @@ def test_vllm_named_series_the_routers_read(tiny_engine, tiny_llama_dir, start_s
         assert sample.labels == {"model_name": "test-model", "engine": "0"}
     (info,) = families["vllm:cache_config_info"].samples
     # the engine's 64 MiB cache, in blocks of 16 tokens: K and V, per layer, per KV head, in the dtype the engine
-    # chose (its CPU tier's: bfloat16 with AVX-512 BF16, float32 elsewhere)
+    # chose (its CPU tier's)
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     itemsize = {"bfloat16": 2, "float32": 4}[info.labels["cache_dtype"]]
-    assert info.labels["cache_dtype"] == str(cpu_tier.select()[0].dtype).removeprefix("torch.")
+    assert info.labels["cache_dtype"] == str(cpu_tier.select()[0].kv_dtype).removeprefix("torch.")
     block_bytes = 2 * config["num_hidden_layers"] * 16 * config["num_key_value_heads"] * head_dim * itemsize
     assert info.value == 1
     assert info.labels["block_size"] == "16"

@@ -169,7 +169,7 @@ def test_preemption_completes_every_request_correctly(tiny_engine_factory):
     from model.kv_cache import KVCache
 
     probe = tiny_engine_factory()
-    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.dtype)
+    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.kv_cache.k.dtype)
     prompts = random_prompts(8, probe.vocab_size, seed=11, low=20, high=30)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = alone(probe, prompts, params)

@@ -107,7 +107,7 @@ def test_grammar_state_survives_preemption(engine_factory):
     from model.kv_cache import KVCache
 
     probe = engine_factory()
-    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.dtype)
+    per_block = KVCache.bytes_per_block(probe.model_config, 4, probe.runner.kv_cache.k.dtype)
     prompts = random_prompts(8, probe.vocab_size, seed=25, low=20, high=30)
     spec = GrammarSpec("regex", "[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")  # a UUID: 36 tokens or fewer
     params = {rid: constrained(probe, spec, temperature=0.8, seed=i) for i, rid in enumerate(prompts)}

@@ -58,7 +58,7 @@ def test_prompt_logprobs_come_once_even_across_chunks_and_preemption(tiny_llama_
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=True, logprobs=2)
     roomy = Engine(str(tiny_llama_dir), EngineConfig(kv_cache_memory=4 << 20, block_size=4))
     alone = run(roomy, "p", prompt, params)
-    per_block = KVCache.bytes_per_block(roomy.model_config, 4, roomy.runner.dtype)
+    per_block = KVCache.bytes_per_block(roomy.model_config, 4, roomy.runner.kv_cache.k.dtype)
     # 18 blocks for two requests that each grow to 17-18 blocks, in chunks of 16 tokens: one is preempted
     tight = Engine(
         str(tiny_llama_dir),

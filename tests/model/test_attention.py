@@ -169,6 +169,13 @@ def test_rows_for_invariance_finds_the_padding_a_kernel_needs():
 
 # The C++ kernel (model/csrc/paged_attention.cpp): the CPU path by default.
 
+# (activations, KV cache): each tier's pairs (cpu_tier.py: a bfloat16 cache under float32 activations)
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
+
 
 def kernel_attention(kernels, q, k, v, k_cache, v_cache, lens, tables, block_size, window=None):
     """The kernel over sequences given as (new tokens, context length) pairs, laid out flat in q/k/v."""
@@ -184,20 +191,21 @@ def kernel_attention(kernels, q, k, v, k_cache, v_cache, lens, tables, block_siz
 )
 @pytest.mark.parametrize("q_len,ctx_len,window", [(1, 1, None), (1, 37, None), (7, 40, None), (33, 33, None),
                                                   (40, 70, 9), (1, 70, 17)])  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 def test_cpu_kernel_equals_textbook_formula(
-    tier_kernels, heads, kv_heads, head_dim, q_len, ctx_len, window, dtype
+    tier_kernels, heads, kv_heads, head_dim, q_len, ctx_len, window, dtype, cache_dtype
 ):
     torch.manual_seed(heads * 100 + q_len)
     block_size, num_blocks = 4, 32
     table = torch.randperm(num_blocks)[: (ctx_len + block_size - 1) // block_size].tolist()
-    k_all, v_all = (torch.randn(ctx_len, kv_heads, head_dim).to(dtype) for _ in range(2))
+    # keys and values as the cache holds them (rounded to its dtype), handed in the activations' dtype
+    k_all, v_all = (torch.randn(ctx_len, kv_heads, head_dim).to(cache_dtype).to(dtype) for _ in range(2))
     q = torch.randn(q_len, heads, head_dim).to(dtype)
-    k_cache, v_cache = empty_cache(num_blocks * block_size, kv_heads, head_dim, dtype)
+    k_cache, v_cache = empty_cache(num_blocks * block_size, kv_heads, head_dim, cache_dtype)
     if ctx_len > q_len:
         _, prefix = build_metadata([ctx_len - q_len], [ctx_len - q_len], [table], block_size)
-        k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1))
-        v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1))
+        k_cache.index_copy_(1, prefix.slot_mapping, k_all[: ctx_len - q_len].transpose(0, 1).to(cache_dtype))
+        v_cache.index_copy_(1, prefix.slot_mapping, v_all[: ctx_len - q_len].transpose(0, 1).to(cache_dtype))
     out = kernel_attention(tier_kernels, q, k_all[-q_len:], v_all[-q_len:], k_cache, v_cache, [(q_len, ctx_len)],
                            [table], block_size, window)  # fmt: skip
     assert out.dtype == dtype and out.shape == q.shape
@@ -213,8 +221,8 @@ def test_cpu_kernel_equals_textbook_formula(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(tier_kernels, dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
+def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(tier_kernels, dtype, cache_dtype):
     """A sequence's outputs are bit-identical whether its tokens come in one pass, in chunks of any size, one
     decode at a time, or beside other sequences' decodes and chunks (no padding needed for that)."""
     torch.manual_seed(6)
@@ -224,9 +232,9 @@ def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(tier
     other_q, other_k, other_v = (torch.randn(20, h, D).to(dtype) for h in (H, KVH, KVH))
 
     def run(chunks, neighbours):
-        k_cache, v_cache = empty_cache(16 * bs, KVH, D, dtype)
-        k_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(dtype)  # other sequences' keys
-        v_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(dtype)
+        k_cache, v_cache = empty_cache(16 * bs, KVH, D, cache_dtype)
+        k_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(cache_dtype)  # other sequences' keys
+        v_cache[:, 8 * bs :] = torch.randn(KVH, 8 * bs, D).to(cache_dtype)
         outs, done = [], 0
         for c in chunks:
             # this sequence first, then `neighbours` other sequences (1-token decodes or 7-token chunks)

@@ -154,7 +154,8 @@ def test_the_engine_runs_as_any_tier_this_cpu_has(tiny_model_factory, tier, capl
     with caplog.at_level("INFO"):
         engine = Engine(tiny_model_factory("llama"), EngineConfig(kv_cache_memory=8 << 20, cpu_tier=tier))
     expected = cpu_tier.BY_NAME[tier]
-    assert engine.runner.dtype == expected.dtype and engine.stats().kv_cache_dtype == str(expected.dtype)[6:]
+    assert engine.runner.dtype == expected.dtype
+    assert engine.stats().kv_cache_dtype == str(expected.kv_dtype)[6:]
     assert f"CPU tier {tier} (" in caplog.text
     assert engine.score(list(range(3, 20))).isfinite().all()
 
@@ -183,3 +184,20 @@ def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(empty_ins
     assert "scripts/install.sh" in caplog.text
     with pytest.raises(kernels.KernelsNotBuilt, match=best.name):
         select_cpu_kernels("auto", cpu, select_cpu_tier(best.name, cpu, "auto"))
+
+
+@pytest.mark.timeout(10)
+def test_the_kv_cache_holds_bfloat16_unless_asked_otherwise():
+    from server.engine.setup import select_kv_cache_dtype
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    for tier in cpu_tier.TIERS:  # storage only: half float32's bytes, read by a shift
+        assert select_kv_cache_dtype("auto", f32, tier) == bf16 == select_kv_cache_dtype("auto", bf16, tier)
+    assert select_kv_cache_dtype("auto", f16, cpu_tier.BY_NAME["avx2"]) == f16
+    assert select_kv_cache_dtype("auto", bf16, None) == bf16  # a GPU: the model's
+    # twice the bytes, if wanted
+    assert select_kv_cache_dtype("float32", f32, cpu_tier.BY_NAME["avx2"]) == f32
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):
+        select_kv_cache_dtype("float32", bf16, cpu_tier.BY_NAME["avx512bf16"])
+    with pytest.raises(ValueError, match="unknown --kv-cache-dtype 'fp8'"):
+        select_kv_cache_dtype("fp8", f32, None)

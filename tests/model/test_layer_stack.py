@@ -29,7 +29,7 @@ def load(path, bits: int | None, stack: bool = True, kernels=None, dtype=torch.b
 def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     """One step of three sequences: a prompt's first chunk, a later chunk of another and a decode, over a cache
     holding earlier K/V (the same random ones on every call). Returns the hidden states and the cache."""
-    cache = KVCache(config, num_blocks=16, block_size=16, dtype=dtype, device="cpu")
+    cache = KVCache(config, num_blocks=16, block_size=16, dtype=torch.bfloat16, device="cpu")  # every tier's
     g = torch.Generator().manual_seed(0)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)

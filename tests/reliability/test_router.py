@@ -24,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model import cpu_tier
 
-# 350 blocks of 16 tokens (4 KiB a block for the tiny llama in bfloat16, 8 KiB in float32: the dtype of the
+# 350 blocks of 16 tokens (4 KiB a block for the tiny llama in bfloat16, 8 KiB in float32: the KV dtype of the
 # CPU's tier): the workload's 15 prefixes take ~570 blocks in all, so a replica holds about half of them
-CACHE_KIB = 350 * 2 * cpu_tier.select()[0].dtype.itemsize
+CACHE_KIB = 350 * 2 * cpu_tier.select()[0].kv_dtype.itemsize
 REPLICA_FLAGS = ("--kv-cache-memory", f"{CACHE_KIB}KiB", "--shutdown-timeout", "20")
 NUM_PREFIXES = 15
 PREFIX_CHARS = 600  # about as many tokens: the tiny tokenizer is byte-level with three merges
