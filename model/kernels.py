@@ -59,13 +59,18 @@ def build_folder(tier: CpuTier) -> Path:
     return kernels_dir() / f"{tier.name}-{h.hexdigest()[:16]}"
 
 
+def module_file(tier: CpuTier) -> Path:
+    """The built module of this tier's build folder (present once a build succeeded)."""
+    return build_folder(tier) / (module_name(tier) + ".so")
+
+
 def build(tier: CpuTier) -> Path:
     """Compile the kernels for `tier` into its build folder (nothing to do when they are there). A failure is
     recorded in the folder and raised. ninja works in one folder per tier, so an edit recompiles only what it
     touched; the module is then copied into the build folder under a temporary name and renamed, so a killed
     build leaves nothing half-made where a start looks."""
-    final = build_folder(tier)
-    so = final / (module_name(tier) + ".so")
+    so = module_file(tier)
+    final = so.parent
     if so.is_file():
         return final
     work = kernels_dir() / f".work-{tier.name}"
@@ -120,8 +125,8 @@ def _compile(tier: CpuTier, work: Path) -> None:
 
 def built(tier: CpuTier) -> bool:
     """Whether the install built (or tried to build: see load) the kernels of these sources for `tier`."""
-    folder = build_folder(tier)
-    return (folder / (module_name(tier) + ".so")).is_file() or (folder / FAILED).is_file()
+    so = module_file(tier)
+    return so.is_file() or (so.parent / FAILED).is_file()
 
 
 @functools.cache
@@ -129,8 +134,8 @@ def load(name: str):
     """The built module of the named tier. Raises KernelsNotBuilt when it is missing or was built from other
     sources; returns None where its build failed at install (logged)."""
     tier = cpu_tier.BY_NAME[name]
-    folder = build_folder(tier)
-    so = folder / (module_name(tier) + ".so")
+    so = module_file(tier)
+    folder = so.parent
     if not so.is_file():
         if (folder / FAILED).is_file():
             reason = (folder / FAILED).read_text().strip().splitlines()[-1]
@@ -174,7 +179,7 @@ def main() -> int:
         tiers = [cpu_tier.BY_NAME[n.strip()] for n in args.tiers.split(",")]
     if args.command == "check":
         # a tier this CPU cannot run is only looked for: loading it would fault
-        ok = [(build_folder(t) / (module_name(t) + ".so")).is_file() for t in tiers]
+        ok = [module_file(t).is_file() for t in tiers]
         ok += [load(t.name) is not None for t in tiers if t in cpu_tier.runnable()]
         print(
             f"kvserve's CPU kernels: {', '.join(t.name for t in tiers)}: {'ok' if all(ok) else 'NOT BUILT'}"

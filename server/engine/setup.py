@@ -84,8 +84,8 @@ def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTi
         return None
     tier, why = cpu_tier.select(name)
     if name == "auto" and kernels_mode != "off" and not kernels.built(tier):
-        below = cpu_tier.runnable()[cpu_tier.runnable().index(tier) :]
-        fallback = next((t for t in below if kernels.built(t)), None)
+        have = cpu_tier.runnable()
+        fallback = next((t for t in have[have.index(tier) :] if kernels.built(t)), None)
         if fallback is not None:
             log.warning(
                 "the %s tier's kernels are not built here: run %s to build them",
