@@ -34,10 +34,12 @@ def paged_attention(
     meta,  # the step's metadata, from the backend's build()
     rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each [T, 1, D]; None: no rotary positions
     scale: float,
+    window: int | None = None,  # keys further back than this are not attended (this layer's sliding window)
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [T, H, D]
     """softmax(rope(q) rope(k)^T * scale) v over each token's sequence: q and k rotated by their positions,
     the new k and v written into the cache by slot, and every query reading its keys through the block table."""
-    return meta.attend(q, k, v, k_cache, v_cache, rope, scale)
+    return meta.attend(q, k, v, k_cache, v_cache, rope, scale, window, softcap)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,7 @@ def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> 
 class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
     gather_index: torch.Tensor  # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]
-    masked: torch.Tensor  # [B, 1, Q, 1, L] bool, True = may NOT attend (future, beyond context, window)
+    masked: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, 1, L] bool, True = may NOT attend
     valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
     out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
     whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
@@ -85,7 +87,9 @@ class TorchAttentionMetadata:
     block_size: int
     sdpa: bool  # torch's fused SDPA (GPUs) rather than two matmuls
 
-    def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None
+    ) -> torch.Tensor:
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # the cache may hold another dtype than the step computes in (bfloat16 under float32: cpu_tier.py)
@@ -101,7 +105,7 @@ class TorchAttentionMetadata:
                 for c in (k_cache, v_cache)
             )
             queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
-            o = fn(queries, keys, values, g.masked, scale)  # [B, Q, H, D]
+            o = fn(queries, keys, values, g.masked[window], scale, softcap)  # [B, Q, H, D]
             if g.whole:
                 return o.reshape(q.shape)
             if out is None:
@@ -119,12 +123,13 @@ class TorchAttention:
         num_kv_heads: int,
         num_cache_blocks: int,
         device: torch.device | str = "cpu",
-        sliding_window: int | None = None,
+        windows: set[int | None] = frozenset({None}),
         min_query_len: int = 1,
     ):
+        """windows: the layers' sliding windows (None: a full-attention layer); a mask is built for each."""
         self.block_size, self.num_kv_heads, self.num_cache_blocks = block_size, num_kv_heads, num_cache_blocks
         self.device = torch.device(device)
-        self.sliding_window = sliding_window
+        self.windows = windows
         self.min_query_len = min_query_len
 
     def build(
@@ -146,7 +151,7 @@ class TorchAttention:
         return torch.tensor(positions).to(self.device, non_blocking=True), meta
 
     def _group(self, rows) -> AttentionGroup:
-        block_size, window, device = self.block_size, self.sliding_window, self.device
+        block_size, device = self.block_size, self.device
         q_max = max(self.min_query_len, max(q for _, q, _, _ in rows))
         n_blocks = max(math.ceil(s / block_size) for _, _, s, _ in rows)
         while (n_blocks * block_size) % KEY_TILE:
@@ -165,15 +170,17 @@ class TorchAttention:
         q_pos = (slen - qlen)[:, None] + torch.where(real, q_off, 0)  # [B, Q] position of each query
         k_pos = torch.arange(L)
         allowed = (k_pos <= q_pos[..., None]) & (k_pos < slen[:, None, None])  # [B, Q, L]
-        if window is not None:
-            allowed &= k_pos > q_pos[..., None] - window
+        masked = {}
+        for window in self.windows:
+            in_window = allowed if window is None else allowed & (k_pos > q_pos[..., None] - window)
+            masked[window] = (~in_window)[:, None, :, None, :].to(device, non_blocking=True)
         valid = real.flatten().nonzero().squeeze(1)
         return AttentionGroup(
             query_index=query_index.to(device, non_blocking=True),
             gather_index=cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks).to(
                 device, non_blocking=True
             ),
-            masked=(~allowed)[:, None, :, None, :].to(device, non_blocking=True),
+            masked=masked,
             valid=valid.to(device, non_blocking=True),
             out_index=query_index.flatten()[valid].to(device, non_blocking=True),
         )
@@ -225,6 +232,7 @@ def attend(
     v: torch.Tensor,  # [B, KVH, L, D]
     masked: torch.Tensor,  # [B, 1, Q, 1, L] bool, True = may not attend
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Q, H, D]
     B, Q, H, D = q.shape
     KVH = k.shape[1]
@@ -233,6 +241,8 @@ def attend(
     # For decodes (Q = 1) the transposes below are views, not copies.
     qg = (q * scale).view(B, Q, KVH, G, D).transpose(1, 2).reshape(B, KVH, Q * G, D)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KVH, Q*G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(B, KVH, Q, G, -1).masked_fill_(masked, float("-inf"))
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least float32
     probs = torch.softmax(scores, dim=-1, dtype=acc).to(v.dtype).view(B, KVH, Q * G, -1)
@@ -240,8 +250,10 @@ def attend(
     return out.view(B, KVH, Q, G, D).transpose(1, 2).reshape(B, Q, H, D)
 
 
-def attend_sdpa(q, k, v, masked, scale) -> torch.Tensor:
+def attend_sdpa(q, k, v, masked, scale, softcap=None) -> torch.Tensor:
     """attend() through torch's fused SDPA kernels: faster on GPUs, but its rows depend on key padding."""
+    if softcap is not None:  # SDPA has no soft-cap
+        return attend(q, k, v, masked, scale, softcap)
     mask = ~masked[:, :, :, 0, :]  # [B, 1, Q, L]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True

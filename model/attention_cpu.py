@@ -21,15 +21,16 @@ class CpuKernelMetadata:
     block_tables: torch.Tensor  # [S, N] int32, padding -> block 0
     seqs: torch.Tensor  # [S, 3] int32: first flat token, query length, sequence length
     block_size: int
-    window: int  # sliding window (keys per query), 0 = none
     kernel: object  # the compiled paged_attention
 
-    def attend(self, q, k, v, k_cache, v_cache, rope, scale: float) -> torch.Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None
+    ) -> torch.Tensor:
         """One call: q and k rotated (rope = (cos, sin) or None), k and v written by slot, attention."""
         cos, sin = rope if rope is not None else (None, None)
         # all positional: pybind11 matches keywords by name on every call, ~0.1 ms of a 1-row step over 30 layers
         return self.kernel(
-            q, k_cache, v_cache, self.block_tables, self.seqs, self.block_size, scale, self.window, KERNEL_CHUNK,
+            q, k_cache, v_cache, self.block_tables, self.seqs, self.block_size, scale, window or 0, softcap or 0.0, KERNEL_CHUNK,
             k, v, self.slot_mapping, cos, sin,
         )  # fmt: skip
 
@@ -37,11 +38,10 @@ class CpuKernelMetadata:
 class CpuKernelAttention:
     min_query_len = 1  # batch-invariant by construction: no query padding
 
-    def __init__(self, kernels, block_size: int, sliding_window: int | None = None):
+    def __init__(self, kernels, block_size: int):
         """kernels: the compiled module (model/kernels.py cpu_kernels())."""
         self.kernel = kernels.paged_attention
         self.block_size = block_size
-        self.window = sliding_window or 0
 
     def build(
         self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
@@ -53,5 +53,5 @@ class CpuKernelAttention:
         rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, block_tables, strict=True)]
         tables = torch.tensor(rows, dtype=torch.int32)  # one tensor from lists: per-row copies cost more
         seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
-        meta = CpuKernelMetadata(torch.tensor(slots), tables, seqs, self.block_size, self.window, self.kernel)
+        meta = CpuKernelMetadata(torch.tensor(slots), tables, seqs, self.block_size, self.kernel)
         return torch.tensor(positions), meta

@@ -1,19 +1,15 @@
-"""ModelConfig: read once from a Hugging Face `config.json`, architecture differences absorbed here."""
+"""ModelConfig: read once from a Hugging Face `config.json`; what differs between families is model/families.py's
+table plus the numbers each config carries (windows, RoPE per layer type, scalars)."""
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from model.families import FAMILIES, Family
 
-# HF architecture name -> our family. Everything else is refused by name.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "GPT2LMHeadModel": "gpt2",
-}
+log = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(ValueError):
@@ -21,8 +17,26 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One set of rotary frequencies: theta, how many of a head's dims rotate, and the scaling applied."""
+
+    theta: float
+    dim: int  # rotary dims of a head: all of them but for partial rotary
+    kind: str = "default"  # default | linear | llama3
+    scaling: tuple[tuple[str, float], ...] = ()  # the kind's parameters, sorted (key, value) pairs
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What may differ from one layer to the next."""
+
+    window: int | None = None  # keys further back than this are not attended (sliding-window layers)
+    rope: Rope | None = None  # None: no rotary positions (NoPE layers, learned positions)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # family: llama | mistral | qwen2 | gpt2
+    architecture: str  # the Hugging Face architecture: a key of model/families.py's FAMILIES
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -32,22 +46,35 @@ class ModelConfig:
     intermediate_size: int
     max_position_embeddings: int
     norm_eps: float
+    layers: tuple[LayerSpec, ...]  # one per layer
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    mlp: str = "swiglu"  # swiglu (gate/up/down, SiLU) | gelu (fc/proj, tanh-approximate GELU)
+    # swiglu: down(silu(gate) up) | geglu: down(gelu_tanh(gate) up) | gelu: GPT-2's down(gelu(up))
+    mlp: str = "swiglu"
     positions: str = "rope"  # rope | learned
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, sorted (key, value) pairs
+    block: str = "pre"  # where the norms sit: pre | sandwich | post (model/families.py)
+    qk_norm: str = ""  # "" | head | proj
     qkv_bias: bool = False
-    out_bias: bool = False  # bias on the attention output and MLP projections (gpt2)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's 1 + w)
+    attention_scale: float = 0.0  # q k^T multiplier; 0 = 1/sqrt(head_dim)
+    embedding_scale: float = 1.0  # Gemma sqrt(hidden), Granite's embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each branch times this before the residual add
+    logits_scaling: float = 1.0  # Granite: logits divided by this
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # mistral: keys further back than this are not attended
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # union of config.json and generation_config.json
     torch_dtype: str = "float32"  # the checkpoint's dtype
 
     @property
-    def rope_scaling_dict(self) -> dict[str, float]:
-        return dict(self.rope_scaling)
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def windows(self) -> set[int | None]:
+        return {layer.window for layer in self.layers}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -60,22 +87,23 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict, generation_config: dict | None = None) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             name = archs[0] if archs else cfg.get("model_type", "<none>")
             raise UnsupportedModelError(
-                f"unsupported architecture {name!r}; kvserve supports {', '.join(sorted(ARCHITECTURES))}"
+                f"unsupported architecture {name!r}; kvserve supports {', '.join(sorted(FAMILIES))}"
             )
+        family = FAMILIES[arch]
         eos = _as_ids(cfg.get("eos_token_id")) + _as_ids((generation_config or {}).get("eos_token_id"))
         common = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(sorted(set(eos))),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gpt2"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family.layer_norm),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
-        if arch == "gpt2":
+        if family.layer_norm:  # GPT-2
             hidden, heads = cfg["n_embd"], cfg["n_head"]
             return cls(
                 **common,
@@ -87,42 +115,117 @@ class ModelConfig:
                 intermediate_size=cfg.get("n_inner") or 4 * hidden,
                 max_position_embeddings=cfg["n_positions"],
                 norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                layers=(LayerSpec(),) * cfg["n_layer"],
                 norm="layernorm",
                 mlp="gelu",
                 positions="learned",
                 qkv_bias=True,
-                out_bias=True,
+                o_bias=True,
+                mlp_bias=True,
             )
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        # transformers 5 moved rope_theta / rope_scaling into one `rope_parameters` dict.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}")
-        scaling = ()
-        if rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            scaling = tuple(sorted((k, float(rope[k])) for k in keys))
-        window = cfg.get("sliding_window") if arch == "mistral" else None
-        if arch == "qwen2" and cfg.get("use_sliding_window"):
-            window = cfg.get("sliding_window")
+        hidden, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        ropes = rope_by_layer_type(cfg, head_dim)
+        kinds = layer_types(cfg, family, n)
+        nope = [i for i, uses_rope in enumerate(cfg.get("no_rope_layers") or [1] * n) if not uses_rope]
+        window = cfg.get("sliding_window")
+        layers = tuple(
+            LayerSpec(window if kind == "sliding_attention" else None, None if i in nope else ropes[kind])
+            for i, kind in enumerate(kinds)
+        )
+        bias = bool(cfg.get("attention_bias", False))
+        scalar = cfg.get("query_pre_attn_scalar")
         return cls(
             **common,
             hidden_size=hidden,
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=n,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            out_bias=False,
-            sliding_window=window,
+            layers=layers,
+            mlp=mlp_kind(cfg),
+            block=family.block,
+            qk_norm=family.qk_norm,
+            qkv_bias=family.qkv_bias or bias,
+            o_bias=bias and not family.qkv_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            norm_offset=family.norm_offset,
+            attention_scale=scalar**-0.5 if scalar else cfg.get("attention_multiplier", 0.0),
+            embedding_scale=math.sqrt(hidden)
+            if family.embedding_scale_sqrt_hidden
+            else cfg.get("embedding_multiplier", 1.0),
+            residual_scale=cfg.get("residual_multiplier", 1.0),
+            logits_scaling=cfg.get("logits_scaling", 1.0),
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            final_softcap=cfg.get("final_logit_softcapping"),
         )
+
+
+def mlp_kind(cfg: dict) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    kinds = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
+    if act not in kinds:
+        raise UnsupportedModelError(f"unsupported activation {act!r}; kvserve supports {', '.join(kinds)}")
+    return kinds[act]
+
+
+def layer_types(cfg: dict, family: Family, n: int) -> list[str]:
+    """Each layer's attention: "full_attention" or "sliding_attention"."""
+    full, sliding = "full_attention", "sliding_attention"
+    if cfg.get("layer_types"):
+        kinds = list(cfg["layer_types"])
+        if unknown := set(kinds) - {full, sliding}:
+            raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)} (only {full}, {sliding})")
+    elif isinstance(family.window_layers, int):  # Gemma: every N-th layer full, the rest sliding
+        every = cfg.get("sliding_window_pattern") or family.window_layers
+        kinds = [full if (i + 1) % every == 0 else sliding for i in range(n)]
+    elif family.window_layers == "all":
+        kinds = [sliding] * n
+    elif family.window_layers == "qwen" and cfg.get("use_sliding_window"):
+        kinds = [sliding if i >= cfg.get("max_window_layers", n) else full for i in range(n)]
+    else:
+        kinds = [full] * n
+    if len(kinds) != n:
+        raise UnsupportedModelError(f"layer_types lists {len(kinds)} layers, the model has {n}")
+    if not cfg.get("sliding_window"):  # a sliding layer without a window attends to everything
+        kinds = [full] * n
+    return kinds
+
+
+def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
+    """The Rope of each layer type, from transformers 5's `rope_parameters` (one dict, or one per layer type) or
+    4.x's `rope_theta` / `rope_scaling` (with Gemma 3's `rope_local_base_freq` for sliding layers)."""
+    params = cfg.get("rope_parameters")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        per_type = params
+    else:
+        flat = dict(params or cfg.get("rope_scaling") or {})
+        flat.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        per_type = {"full_attention": flat, "sliding_attention": flat}
+        if "rope_local_base_freq" in cfg:
+            per_type["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
+    dim = int(head_dim * cfg.get("partial_rotary_factor", 1.0))
+    ropes = {kind: rope(p, dim) for kind, p in per_type.items()}
+    ropes.setdefault("sliding_attention", ropes["full_attention"])
+    return ropes
+
+
+def rope(params: dict, dim: int) -> Rope:
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
+    if kind not in keys:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling type {kind!r}; kvserve supports {', '.join(keys)}"
+        )
+    scaling = tuple(sorted((k, float(params[k])) for k in keys[kind]))
+    return Rope(float(params.get("rope_theta", 10000.0)), dim, kind, scaling)
 
 
 def _as_ids(value) -> list[int]:

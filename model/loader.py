@@ -19,51 +19,13 @@ from torch import nn
 from model.config import ModelConfig
 from model.linear import Linear
 from model.quant import QUANTIZED_FILE, QuantizedTensor
-from model.transformer import Ops, Transformer, rope_inv_freq
+from model.transformer import Norm, Ops, Transformer
 
 log = logging.getLogger(__name__)
 
 
 class WeightLoadError(ValueError):
     pass
-
-
-# Our parameter name -> (checkpoint names, transform). Transforms: "cat" joins along dim 0 (fused q/k/v and
-# gate/up), "t" transposes GPT-2's Conv1D weights, "" copies. Patterns see `{i}` as the layer index.
-LLAMA_MAP = {
-    "embed.weight": (["model.embed_tokens.weight"], ""),
-    "norm.weight": (["model.norm.weight"], ""),
-    "lm_head.weight": (["lm_head.weight"], ""),
-    "layers.{i}.norm1.weight": (["model.layers.{i}.input_layernorm.weight"], ""),
-    "layers.{i}.norm2.weight": (["model.layers.{i}.post_attention_layernorm.weight"], ""),
-    "layers.{i}.attn.qkv.weight": ([f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"], "cat"),
-    "layers.{i}.attn.qkv.bias": ([f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"], "cat"),
-    "layers.{i}.attn.o.weight": (["model.layers.{i}.self_attn.o_proj.weight"], ""),
-    "layers.{i}.attn.o.bias": (["model.layers.{i}.self_attn.o_proj.bias"], ""),
-    "layers.{i}.mlp.up.weight": (
-        ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
-        "cat",
-    ),
-    "layers.{i}.mlp.down.weight": (["model.layers.{i}.mlp.down_proj.weight"], ""),
-}
-GPT2_MAP = {
-    "embed.weight": (["wte.weight"], ""),
-    "pos_embed.weight": (["wpe.weight"], ""),
-    "norm.weight": (["ln_f.weight"], ""),
-    "norm.bias": (["ln_f.bias"], ""),
-    "layers.{i}.norm1.weight": (["h.{i}.ln_1.weight"], ""),
-    "layers.{i}.norm1.bias": (["h.{i}.ln_1.bias"], ""),
-    "layers.{i}.norm2.weight": (["h.{i}.ln_2.weight"], ""),
-    "layers.{i}.norm2.bias": (["h.{i}.ln_2.bias"], ""),
-    "layers.{i}.attn.qkv.weight": (["h.{i}.attn.c_attn.weight"], "t"),
-    "layers.{i}.attn.qkv.bias": (["h.{i}.attn.c_attn.bias"], ""),
-    "layers.{i}.attn.o.weight": (["h.{i}.attn.c_proj.weight"], "t"),
-    "layers.{i}.attn.o.bias": (["h.{i}.attn.c_proj.bias"], ""),
-    "layers.{i}.mlp.up.weight": (["h.{i}.mlp.c_fc.weight"], "t"),
-    "layers.{i}.mlp.up.bias": (["h.{i}.mlp.c_fc.bias"], ""),
-    "layers.{i}.mlp.down.weight": (["h.{i}.mlp.c_proj.weight"], "t"),
-    "layers.{i}.mlp.down.bias": (["h.{i}.mlp.c_proj.bias"], ""),
-}
 
 
 class Checkpoint:
@@ -133,7 +95,7 @@ def load_model(
         model = Transformer(config, ops)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     ckpt = Checkpoint(path, quantized=any(m.method.keeps_quantized for m in linears.values()))
-    name_map = GPT2_MAP if config.architecture == "gpt2" else LLAMA_MAP
+    name_map = config.family.weights
     for param_name, param in list(model.named_parameters()):
         # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
         key = "embed.weight" if param_name == "lm_head.weight" and config.tie_word_embeddings else param_name
@@ -164,6 +126,9 @@ def load_model(
         parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
         parts = [t.t() if transform == "t" else t for t in parts]
         tensor = torch.cat(parts) if transform == "cat" else parts[0]
+        if config.norm_offset and isinstance(model.get_submodule(param_name.rpartition(".")[0]), Norm):
+            # Gemma's norms multiply by 1 + w, computed in float32 as the reference does
+            tensor = tensor.float() + config.norm_offset
         if tensor.shape != param.shape:
             shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts, strict=True))
             raise WeightLoadError(
@@ -171,8 +136,7 @@ def load_model(
             )
         _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
         del parts, tensor
-    if config.positions == "rope":
-        model.inv_freq = rope_inv_freq(config).to(device)
+    model.rope_tables_to(device)
     quantized = {f"{name}.weight" for name, m in linears.items() if m.quantized is not None}
     still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if still_meta:

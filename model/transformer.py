@@ -1,7 +1,8 @@
-"""One decoder-only transformer for every supported architecture (llama, mistral, qwen2, gpt2).
+"""One decoder-only transformer for every supported architecture (model/families.py).
 
-Variation is a few config switches: RMSNorm or LayerNorm, SwiGLU or GELU MLP, RoPE or learned positions,
-biases. Tokens arrive flat ([T]): a step's prefill chunks and decodes go through the same code, and K/V are
+Variation is config switches: RMSNorm or LayerNorm, where a block's norms sit (before, around or after each
+branch), q/k norms, SwiGLU, GeGLU or GELU MLP, RoPE per layer (or none, or learned positions), sliding windows
+per layer, biases, scalars and soft-caps. Tokens arrive flat ([T]): a step's prefill chunks and decodes go through the same code, and K/V are
 written and read through the slots and block tables of the step's attention metadata (model/attention.py).
 
 How the heavy ops run is given at construction (`Ops`): every GEMM's weight format (model/linear.py), the
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import paged_attention
-from model.config import ModelConfig
+from model.attention import apply_rope, paged_attention
+from model.config import LayerSpec, ModelConfig, Rope
 from model.kv_cache import KVCache
 from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
@@ -47,12 +48,14 @@ class Ops:
         )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] rotary frequencies, with Llama 3 scaling when the config asks for it."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = config.rope_scaling_dict
-    if not s:
+def rope_inv_freq(rope: Rope) -> torch.Tensor:
+    """[rope.dim / 2] rotary frequencies, scaled as the rope says (linear, or Llama 3's by wavelength)."""
+    d = rope.dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = dict(rope.scaling)
+    if rope.kind == "linear":
+        return (inv_freq / s["factor"]).float()
+    if rope.kind != "llama3":
         return inv_freq.float()
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between
     old_len = s["original_max_position_embeddings"]
@@ -67,11 +70,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Norm(nn.Module):
-    def __init__(self, config: ModelConfig, kernel: Callable | None = None):
+    def __init__(self, size: int, config: ModelConfig, kernel: Callable | None = None):
         super().__init__()
         self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(config.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.norm == "layernorm" else None
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if config.norm == "layernorm" else None
         self.kernel = kernel if self.bias is None else None  # RMSNorm only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +99,16 @@ class Norm(nn.Module):
         return self(x), x
 
 
+class NoNorm:
+    """Where a block has no norm before a branch (OLMo 2): the branch reads the residual stream as it is."""
+
+    def add_forward(self, x, residual):
+        x = x if residual is None else x + residual
+        return x, x
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, ops: Ops):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
@@ -106,13 +117,29 @@ class Attention(nn.Module):
         )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, ops.linear)
-        self.o = Linear(q_size, config.hidden_size, config.out_bias, ops.linear)
-        self.scale = self.head_dim**-0.5
+        self.o = Linear(q_size, config.hidden_size, config.o_bias, ops.linear)
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.window, self.softcap = spec.window, config.attn_softcap
+        self.rotary_dim = spec.rope.dim if spec.rope is not None else 0
+        # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            per_head = self.qk_norm == "head"
+            self.q_norm = Norm(self.head_dim if per_head else q_size, config)
+            self.k_norm = Norm(self.head_dim if per_head else kv_size, config)
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm == "proj":
+            q, k = self.q_norm(q.reshape(T, -1)).view(T, H, D), self.k_norm(k.reshape(T, -1)).view(T, KVH, D)
+        if rope is not None and self.rotary_dim < D:  # partial rotary: rotate the first dims here
+            q, k = (torch.cat((apply_rope(t[..., : self.rotary_dim], *rope), t[..., self.rotary_dim :]), -1)
+                    for t in (q, k))  # fmt: skip
+            rope = None
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale, self.window, self.softcap)
         return self.o(out.reshape(T, -1))
 
     __call__ = forward  # see Block
@@ -121,38 +148,53 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops):
         super().__init__()
-        self.swiglu = config.mlp == "swiglu"
-        n_up = 2 * config.intermediate_size if self.swiglu else config.intermediate_size
-        self.up = Linear(config.hidden_size, n_up, config.out_bias, ops.linear)  # swiglu: [gate; up] fused
-        self.down = Linear(config.intermediate_size, config.hidden_size, config.out_bias, ops.linear)
+        self.kind = config.mlp
+        n_up = config.intermediate_size * (1 if self.kind == "gelu" else 2)
+        self.up = Linear(config.hidden_size, n_up, config.mlp_bias, ops.linear)  # gated: [gate; up] fused
+        self.down = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops.linear)
         self.silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.activation(self.up(x)))
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:  # [T, n_up] -> [T, intermediate]
-        if not self.swiglu:
+        if self.kind == "gelu":
             return F.gelu(h, approximate="tanh")
-        if self.silu_mul is not None:
+        if self.kind == "swiglu" and self.silu_mul is not None:
             return self.silu_mul(h)
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")) * up
 
     __call__ = forward  # see Block
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, ops: Ops):
         super().__init__()
-        self.norm1, self.attn = Norm(config, ops.rms_norm), Attention(config, ops)
-        self.norm2, self.mlp = Norm(config, ops.rms_norm), MLP(config, ops)
+        self.rope = spec.rope  # which of the step's rotary tables this layer reads
+        norm = functools.partial(Norm, config.hidden_size, config)
+        pre, post = config.block in ("pre", "sandwich"), config.block in ("sandwich", "post")
+        self.norm1 = norm(ops.rms_norm) if pre else NoNorm()
+        self.attn = Attention(config, spec, ops)
+        self.post_attn_norm = norm() if post else None
+        self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
+        self.mlp = MLP(config, ops)
+        self.post_mlp_norm = norm() if post else None
+        self.residual_scale = config.residual_scale
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's output, residual: the stream it adds to (None before the first block).
         Returns this block's output and the stream it adds to: the next norm adds them (one fused pass)."""
         h, residual = self.norm1.add_forward(x, residual)
-        h, residual = self.norm2.add_forward(self.attn(h, rope, k_cache, v_cache, meta), residual)
-        return self.mlp(h), residual
+        h, residual = self.norm2.add_forward(self.branch_out(self.attn(h, rope, k_cache, v_cache, meta),
+                                                             self.post_attn_norm), residual)  # fmt: skip
+        return self.branch_out(self.mlp(h), self.post_mlp_norm), residual
+
+    def branch_out(self, x: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
+        """What a branch adds to the residual stream: normed after (Gemma, OLMo 2), scaled (Granite)."""
+        if post_norm is not None:
+            x = post_norm(x)
+        return x * self.residual_scale if self.residual_scale != 1.0 else x
 
     # Called directly, without nn.Module's hook machinery (nothing hooks the model's layers), as Linear is:
     # ~2 us less on each of ~90 calls a step, 2-3% of a lone decode step (measured interleaved, 600 steps each).
@@ -177,12 +219,16 @@ class Transformer(nn.Module):
             if config.positions == "learned"
             else None
         )
-        self.layers = nn.ModuleList(Block(config, ops) for _ in range(config.num_layers))
-        self.norm = Norm(config, ops.rms_norm)
-        if config.positions == "rope":
-            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.layers = nn.ModuleList(Block(config, spec, ops) for spec in config.layers)
+        self.norm = Norm(config.hidden_size, config, ops.rms_norm)
+        self.inv_freqs: dict[Rope, torch.Tensor] = {}  # each distinct Rope's frequencies (rope_tables_to)
         self._build_layer_stack = ops.layer_stack
         self.layer_stack = None  # the blocks as one call, once the weights are ready
+
+    def rope_tables_to(self, device: torch.device | str) -> None:
+        """Computes the rotary frequencies of every Rope the layers use, on `device`."""
+        ropes = {spec.rope for spec in self.config.layers} - {None}
+        self.inv_freqs = {rope: rope_inv_freq(rope).to(device) for rope in ropes}
 
     def weights_ready(self) -> None:
         """Called by the loader once every weight is loaded and prepared (packed, quantized)."""
@@ -197,25 +243,32 @@ class Transformer(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
+        if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        rope = self.rope(positions, x.dtype)
+        ropes = {rope: self.rope(positions, inv_freq, x.dtype) for rope, inv_freq in self.inv_freqs.items()}
         if self.layer_stack is not None:
-            x, residual = self.layer_stack(x, rope, kv_cache, meta)
+            x, residual = self.layer_stack(x, ropes[self.config.layers[0].rope], kv_cache, meta)
         else:
             residual = None
             for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, rope, *kv_cache.layer(i), meta)
+                x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), meta)
         return self.norm.add_forward(x, residual)[0]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, cos) and (-sin, sin) of each position's rotary angles, [T, 1, D] each; None without RoPE."""
-        if self.pos_embed is not None:
-            return None
-        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2], float32 like the reference
+    @staticmethod
+    def rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        """(cos, cos) and (-sin, sin) of each position's rotary angles, [T, 1, rotary dims] each."""
+        freqs = positions[:, None].float() * inv_freq  # [T, D/2], float32 like the reference
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
-        return self.lm_head.logits(hidden)
+        """[N, hidden] -> [N, vocab] float32 logits (divided by Granite's logits_scaling, soft-capped by
+        Gemma 2's final_softcap)."""
+        logits = self.lm_head.logits(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        if (cap := self.config.final_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

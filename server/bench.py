@@ -216,8 +216,8 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     n = -(-(context_len + 1) // block_size)
     tables = [list(range(i * n, (i + 1) * n)) for i in range(B)]
     positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
-    rope = model.rope(positions, dtype)
     attn = model.layers[0].attn
+    rope = model.rope(positions, model.inv_freqs[model.layers[0].rope], dtype)
     q, k, v = (
         rand(B, attn.num_heads, attn.head_dim),
         *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
@@ -253,7 +253,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
             totals["block_gemms"].append(gemms)
             totals["lm_head"].append(timed(model.lm_head.logits, head_input))
             totals["attention"].append(
-                sum(timed(meta.attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale)
+                sum(timed(meta.attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale, attn.window)
                     for i in range(len(model.layers)))
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))

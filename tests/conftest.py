@@ -32,12 +32,23 @@ TINY_TOKENIZER_CHAT_TEMPLATE = (
 )
 
 
+# tiny-model arch name -> transformers' (config class, model class)
+FAMILY_CLASSES = {
+    arch: (f"{prefix}Config", f"{prefix}ForCausalLM")
+    for arch, prefix in [
+        ("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("qwen3", "Qwen3"), ("ministral", "Ministral"),
+        ("smollm3", "SmolLM3"), ("granite", "Granite"), ("olmo2", "Olmo2"), ("gemma2", "Gemma2"),
+    ]
+} | {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}  # fmt: skip
+NORMS_PERTURBED = set(FAMILY_CLASSES) - {"llama", "qwen2", "mistral"}
+
+
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a small random model of the given architecture in HF layout (safetensors), with a byte-level tokenizer."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=300, max_position_embeddings=256)
+    common = dict(vocab_size=300, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=300)
         model_cls = transformers.GPT2LMHeadModel
@@ -52,18 +63,17 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
             tie_word_embeddings=arch != "qwen2",
             **common,
         )
-        cfg_cls, model_cls = {
-            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        }[arch]
-        cfg = cfg_cls(**{**kw, **overrides})
+        config_name, model_name = FAMILY_CLASSES[arch]
+        cfg = getattr(transformers, config_name)(**{**kw, **overrides})
+        model_cls = getattr(transformers, model_name)
     cfg.bos_token_id, cfg.eos_token_id = 1, 2
     model = model_cls(cfg).eval()
     with torch.no_grad():  # random init is near zero; spread the logits so greedy choices are well separated
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.1)
+            elif arch in NORMS_PERTURBED:  # norms away from their init (1, or Gemma's 0), so offsets show
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     _save_tiny_tokenizer(out)
     return out
@@ -145,15 +155,10 @@ def forward_sequence(
 
     config = model.config
     if cpu_kernel:
-        attention = CpuKernelAttention(cpu_kernels(), cache.block_size, config.sliding_window)
+        attention = CpuKernelAttention(cpu_kernels(), cache.block_size)
     else:
         attention = TorchAttention(
-            cache.block_size,
-            config.num_kv_heads,
-            cache.num_blocks,
-            "cpu",
-            config.sliding_window,
-            min_query_len,
+            cache.block_size, config.num_kv_heads, cache.num_blocks, "cpu", config.windows, min_query_len
         )
     new = token_ids[num_cached:]
     positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])

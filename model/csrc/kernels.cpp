@@ -12,7 +12,8 @@ using no_gil = py::call_guard<py::gil_scoped_release>;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seqs"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("chunk"), py::arg("k") = py::none(),
+        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+        py::arg("chunk"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("slots") = py::none(), py::arg("cos") = py::none(),
         py::arg("sin") = py::none(), no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");

@@ -7,7 +7,8 @@
 #include <vector>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                              at::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
+                              at::Tensor seqs, int64_t block_size, double scale, int64_t window, double softcap,
+                              int64_t chunk,
                               std::optional<at::Tensor> k, std::optional<at::Tensor> v,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
                               std::optional<at::Tensor> sin);

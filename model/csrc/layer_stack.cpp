@@ -40,7 +40,7 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     }
     const auto qkv = layer.qkv(h).view({T, H + 2 * KVH, D});
     const auto attended = paged_attention(qkv.narrow(1, 0, H), k_cache[i], v_cache[i], block_tables, seqs, block_size,
-                                          scale, window, chunk, qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH),
+                                          scale, window, 0.0, chunk, qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH),
                                           slots, cos, sin);
     auto normed = rms_norm(layer.o(attended.view({T, H * D})), residual, layer.norm2, eps);
     residual = normed[1];

@@ -90,7 +90,8 @@ void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int
 template <typename T, typename C, int DC>
 void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t num_slots,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
-            int64_t n_pos, int64_t pos0, int64_t window, float scale, T* out, int64_t H, const T* cos, const T* sin) {
+            int64_t n_pos, int64_t pos0, int64_t window, float scale, float softcap, T* out, int64_t H, const T* cos,
+            const T* sin) {
   const int64_t D = DC ? DC : head_size;
   const int64_t nq = n_pos * G;
   const int64_t pos_last = pos0 + n_pos - 1;
@@ -165,6 +166,8 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
     float* s = &S[v * L - lo];  // indexed by key position
     vfloat* tiles = &score_tiles[(v * L + a0 - lo) / KT];
     const int64_t n_tiles = (b0 - a0) / KT;
+    if (softcap > 0)  // Gemma 2: softcap * tanh(score / softcap), before the mask
+      for (int64_t j = a0; j < b0; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
     for (int64_t j = a0; j < a; ++j) s[j] = -INFINITY;
     for (int64_t j = b; j < b0; ++j) s[j] = -INFINITY;
     vfloat vmax = tiles[0];
@@ -218,11 +221,12 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
 // q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
 // [KVH, slots, D] contiguous, of q's dtype or bfloat16, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
 // length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
-// its sequence's keys. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
+// its sequence's keys, its scores soft-capped when softcap > 0. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
 // and values are first written into the caches; with cos and sin ([T, D], the model's dtype), q and the new
 // keys are first rotated by their positions (RoPE, in float32; keys rounded once, when stored).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                              at::Tensor seqs, int64_t block_size, double scale, int64_t window, int64_t chunk,
+                              at::Tensor seqs, int64_t block_size, double scale, int64_t window, double softcap,
+                              int64_t chunk,
                               std::optional<at::Tensor> k, std::optional<at::Tensor> v,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
                               std::optional<at::Tensor> sin) {
@@ -291,7 +295,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
           fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
              std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
-             static_cast<float>(scale), op, H, cp, sp);
+             static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp);
         }
     });
   };

@@ -62,7 +62,7 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     num_blocks = num_cache_blocks(model_config, config, kv_dtype, device)
     kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
     if cpu_kernels is not None:  # batch-invariant as it is
-        attention = CpuKernelAttention(cpu_kernels, config.block_size, model_config.sliding_window)
+        attention = CpuKernelAttention(cpu_kernels, config.block_size)
     else:
         mc = model_config
         min_query_len = (
@@ -71,7 +71,7 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
             else 1
         )
         attention = TorchAttention(
-            config.block_size, mc.num_kv_heads, num_blocks, device, mc.sliding_window, min_query_len
+            config.block_size, mc.num_kv_heads, num_blocks, device, mc.windows, min_query_len
         )
         log.info("attention pads queries to %d", min_query_len)
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype)

@@ -27,13 +27,13 @@ def build_metadata(
     kernels=None,
 ):
     """The step's positions and metadata from the C++ kernel's backend or the PyTorch one (which needs the
-    geometry of the cache it will read: pass it)."""
+    geometry of the cache it will read, and the window it will be asked for: pass them)."""
     if cpu_kernel:
-        backend = CpuKernelAttention(kernels or cpu_kernels(), block_size, sliding_window)
+        backend = CpuKernelAttention(kernels or cpu_kernels(), block_size)
     else:
         kv_heads, num_slots = cache.shape[:2] if cache is not None else (1, block_size)
         backend = TorchAttention(
-            block_size, kv_heads, num_slots // block_size, "cpu", sliding_window, min_query_len
+            block_size, kv_heads, num_slots // block_size, "cpu", {sliding_window}, min_query_len
         )
     return backend.build(query_lens, seq_lens, tables)
 
@@ -75,7 +75,7 @@ def test_sliding_window_limits_the_keys():
     k, v, q = (torch.randn(n, H, D, dtype=torch.float64) for _ in range(3))
     k_cache, v_cache = empty_cache(32, H, D, torch.float64)
     _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window, cache=k_cache)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, None, 0.3)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, None, 0.3, window)
     for i in (0, 7, 19):  # query i sees keys i-window+1 .. i
         lo = max(0, i - window + 1)
         ref = naive_attention(q[i : i + 1], k[lo : i + 1], v[lo : i + 1], 0.3, causal_offset=i - lo)
@@ -182,7 +182,7 @@ def kernel_attention(kernels, q, k, v, k_cache, v_cache, lens, tables, block_siz
     _, meta = build_metadata([a for a, _ in lens], [b for _, b in lens], tables, block_size, sliding_window=window,
                              cpu_kernel=True, kernels=kernels)  # fmt: skip
     assert isinstance(meta, CpuKernelMetadata)
-    return paged_attention(q, k, v, k_cache, v_cache, meta, None, q.shape[-1] ** -0.5)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, None, q.shape[-1] ** -0.5, window)
 
 
 @pytest.mark.timeout(120)
@@ -285,7 +285,7 @@ def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(tier_kernels, dt
     apart_k.index_copy_(1, meta.slot_mapping, kr.transpose(0, 1))
     apart_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     qr = apply_rope(q.float(), cos.float(), sin.float()).to(dtype)
-    apart = meta.kernel(qr, apart_k, apart_v, meta.block_tables, meta.seqs, bs, D**-0.5, 0, 16)
+    apart = meta.kernel(qr, apart_k, apart_v, meta.block_tables, meta.seqs, bs, D**-0.5, 0, 0.0, 16)
     assert torch.equal(fused_v, apart_v)
     # the kernel may fuse a product and a sum (one rounding fewer): keys within one step of the target dtype
     step = 2**-22 if dtype == torch.float32 else 2**-7

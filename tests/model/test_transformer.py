@@ -44,7 +44,7 @@ def test_llama3_rope_scaling_matches_transformers(tiny_model_factory, cpu_path):
     }
     path = tiny_model_factory("llama", rope_scaling=scaling, rope_theta=500000.0)
     model, config = cpu_path.load(path)
-    assert dict(config.rope_scaling)["factor"] == 8.0
+    assert dict(config.layers[0].rope.scaling)["factor"] == 8.0
     ids = list(range(3, 103))
     ours = cpu_path.run(model, new_cache(config), ids, 0, list(range(32)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
@@ -187,7 +187,8 @@ def test_config_reads_transformers_4_and_5_layouts_alike():
         {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
     )
     assert v4 == v5
-    assert v4.rope_theta == 5e5 and v4.rope_scaling_dict["factor"] == 8.0
+    rope = v4.layers[0].rope
+    assert rope.theta == 5e5 and rope.kind == "llama3" and dict(rope.scaling)["factor"] == 8.0
     # stop tokens: the union of config.json and generation_config.json (int or list)
     assert ModelConfig.from_dict(base, {"eos_token_id": [7, 2]}).eos_token_ids == (2, 7)
 
@@ -196,7 +197,7 @@ def test_config_reads_transformers_4_and_5_layouts_alike():
 def test_mistral_sliding_window_matches_transformers(tiny_model_factory, cpu_path):
     path = tiny_model_factory("mistral", sliding_window=8)
     model, config = cpu_path.load(path)
-    assert config.sliding_window == 8
+    assert config.windows == {8}
     ids = list(range(3, 43))
     ours = cpu_path.run(model, new_cache(config), ids, 0, list(range(16)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4

@@ -1,0 +1,132 @@
+"""What each supported architecture is: one table, read by the config (model/config.py), the loader
+(model/loader.py) and, through the config, the transformer and its fused C++ loop (model/layer_stack.py).
+
+A family is a Llama block plus switches (../shared/MODELS.md lists what each family changes, with sources):
+where the norms sit, q/k norms, the MLP's activation, biases, scalars, and which checkpoint tensor fills each
+of kvserve's parameters. Adding a family is an entry here; a block that differs in kind needs code in
+model/transformer.py as well. The GGUF side (llama.cpp's names and layouts) is weights/gguf_arch.py's table:
+weights/ imports nothing from model/, so it converts a GGUF into a folder this table reads.
+"""
+
+from dataclasses import dataclass, field
+
+# kvserve parameter name -> (checkpoint tensor names, transform). Transforms: "cat" joins along dim 0 (fused
+# q/k/v and gate/up), "t" transposes GPT-2's Conv1D weights, "" copies. `{i}` is the layer index.
+WeightNames = dict[str, tuple[list[str], str]]
+
+
+def _layer(name: str) -> str:
+    return f"model.layers.{{i}}.{name}"
+
+
+def llama_weights(**norms: str) -> WeightNames:
+    """A Llama block's tensors; `norms` maps kvserve's norm names (norm1, norm2, post_attn_norm,
+    post_mlp_norm, q_norm, k_norm) to the checkpoint's names inside a layer."""
+    names = {
+        "embed.weight": (["model.embed_tokens.weight"], ""),
+        "norm.weight": (["model.norm.weight"], ""),
+        "lm_head.weight": (["lm_head.weight"], ""),
+        "layers.{i}.attn.qkv.weight": ([_layer(f"self_attn.{p}_proj.weight") for p in "qkv"], "cat"),
+        "layers.{i}.attn.qkv.bias": ([_layer(f"self_attn.{p}_proj.bias") for p in "qkv"], "cat"),
+        "layers.{i}.attn.o.weight": ([_layer("self_attn.o_proj.weight")], ""),
+        "layers.{i}.attn.o.bias": ([_layer("self_attn.o_proj.bias")], ""),
+        "layers.{i}.mlp.up.weight": ([_layer("mlp.gate_proj.weight"), _layer("mlp.up_proj.weight")], "cat"),
+        "layers.{i}.mlp.up.bias": ([_layer("mlp.gate_proj.bias"), _layer("mlp.up_proj.bias")], "cat"),
+        "layers.{i}.mlp.down.weight": ([_layer("mlp.down_proj.weight")], ""),
+        "layers.{i}.mlp.down.bias": ([_layer("mlp.down_proj.bias")], ""),
+    }
+    for ours, theirs in norms.items():
+        module = ours if ours in ("norm1", "norm2", "post_attn_norm", "post_mlp_norm") else f"attn.{ours}"
+        names[f"layers.{{i}}.{module}.weight"] = ([_layer(f"{theirs}.weight")], "")
+    return names
+
+
+LLAMA_NORMS = dict(norm1="input_layernorm", norm2="post_attention_layernorm")
+QK_NORMS = dict(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+# Gemma's post_attention_layernorm normalizes the attention's output; its MLP has a norm before and after.
+GEMMA_NORMS = dict(
+    norm1="input_layernorm",
+    post_attn_norm="post_attention_layernorm",
+    norm2="pre_feedforward_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+)
+
+GPT2_WEIGHTS: WeightNames = {
+    "embed.weight": (["wte.weight"], ""),
+    "pos_embed.weight": (["wpe.weight"], ""),
+    "norm.weight": (["ln_f.weight"], ""),
+    "norm.bias": (["ln_f.bias"], ""),
+    "layers.{i}.norm1.weight": (["h.{i}.ln_1.weight"], ""),
+    "layers.{i}.norm1.bias": (["h.{i}.ln_1.bias"], ""),
+    "layers.{i}.norm2.weight": (["h.{i}.ln_2.weight"], ""),
+    "layers.{i}.norm2.bias": (["h.{i}.ln_2.bias"], ""),
+    "layers.{i}.attn.qkv.weight": (["h.{i}.attn.c_attn.weight"], "t"),
+    "layers.{i}.attn.qkv.bias": (["h.{i}.attn.c_attn.bias"], ""),
+    "layers.{i}.attn.o.weight": (["h.{i}.attn.c_proj.weight"], "t"),
+    "layers.{i}.attn.o.bias": (["h.{i}.attn.c_proj.bias"], ""),
+    "layers.{i}.mlp.up.weight": (["h.{i}.mlp.c_fc.weight"], "t"),
+    "layers.{i}.mlp.up.bias": (["h.{i}.mlp.c_fc.bias"], ""),
+    "layers.{i}.mlp.down.weight": (["h.{i}.mlp.c_proj.weight"], "t"),
+    "layers.{i}.mlp.down.bias": (["h.{i}.mlp.c_proj.bias"], ""),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    weights: WeightNames = field(default_factory=lambda: llama_weights(**LLAMA_NORMS), compare=False)
+    # where a block's norms sit: "pre" (Llama: before each branch), "sandwich" (Gemma: before and after each
+    # branch), "post" (OLMo 2: after each branch only)
+    block: str = "pre"
+    qk_norm: str = ""  # "" | "head": RMSNorm over each head of q and k | "proj": over the whole projection
+    qkv_bias: bool = False  # always (Qwen2); otherwise the config's attention_bias says
+    norm_offset: float = 0.0  # Gemma: checkpoints store w - 1 of a norm that multiplies by w
+    embedding_scale_sqrt_hidden: bool = False  # Gemma: embeddings times sqrt(hidden)
+    # the window's layers when the config lists no layer_types: "all" (Mistral), "every N-th full" (Gemma 2: 2,
+    # Gemma 3: 6), "qwen" (layers from max_window_layers on, when use_sliding_window)
+    window_layers: str | int = ""
+    layer_norm: bool = False  # GPT-2: LayerNorm, GELU MLP, learned positions
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("LlamaForCausalLM"),
+        Family("MistralForCausalLM", window_layers="all"),
+        Family("MinistralForCausalLM", window_layers="all"),
+        Family("Qwen2ForCausalLM", qkv_bias=True, window_layers="qwen"),
+        Family(
+            "Qwen3ForCausalLM", llama_weights(**LLAMA_NORMS, **QK_NORMS), qk_norm="head", window_layers="qwen"
+        ),
+        Family("SmolLM3ForCausalLM", window_layers="qwen"),
+        Family("GraniteForCausalLM"),
+        Family(
+            "Gemma2ForCausalLM",
+            llama_weights(**GEMMA_NORMS),
+            block="sandwich",
+            norm_offset=1.0,
+            embedding_scale_sqrt_hidden=True,
+            window_layers=2,
+        ),
+        Family(
+            "Gemma3ForCausalLM",
+            llama_weights(**GEMMA_NORMS, **QK_NORMS),
+            block="sandwich",
+            qk_norm="head",
+            norm_offset=1.0,
+            embedding_scale_sqrt_hidden=True,
+            window_layers=6,
+        ),
+        Family(
+            "Olmo2ForCausalLM",
+            llama_weights(
+                post_attn_norm="post_attention_layernorm",
+                post_mlp_norm="post_feedforward_layernorm",
+                **QK_NORMS,
+            ),
+            block="post",
+            qk_norm="proj",
+        ),
+        Family("GPT2LMHeadModel", GPT2_WEIGHTS, layer_norm=True),
+    )
+}

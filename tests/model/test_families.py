@@ -1,0 +1,174 @@
+"""Every family of model/families.py against transformers' own model of it: tiny random models whose dims hit
+the edge cases (explicit head_dim, a window shorter than the prompt, per-layer windows and RoPE bases, NoPE
+layers, tied and untied heads, Granite's scalars, Gemma 2's soft-caps), float32 on both CPU paths."""
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+
+# arch -> the config overrides of its tiny model (build_tiny_model in tests/conftest.py)
+FAMILIES = {
+    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
+    "gemma3": dict(
+        num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "gemma2": dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
+    ),
+    "olmo2": dict(),
+    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0),
+    "smollm3": dict(num_hidden_layers=4),  # layer 3 has no RoPE
+    "ministral": dict(
+        num_hidden_layers=4, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    ),
+}  # fmt: skip
+PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()  # > every window
+
+
+def family(factory, arch):
+    return factory(arch, **FAMILIES[arch])
+
+
+def reference(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def cache_for(config):
+    return KVCache(config, 64, 4, torch.float32, "cpu")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
+    path = family(tiny_model_factory, arch)
+    model, config = cpu_path.load(path)
+    ours = cpu_path.run(model, cache_for(config), PROMPT, 0, list(range(16)))
+    with torch.no_grad():
+        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    err = (ours - ref).abs().max().item()
+    print(f"{arch}: max abs logit error {err:.2e} over {len(PROMPT)} positions")
+    assert err < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch):
+    path = family(tiny_model_factory, arch)
+    model, config = cpu_path.load(path)
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPT[:12]])
+        out = reference(path).generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    expected = out[0, 12:].tolist()
+    cache, seq = cache_for(config), PROMPT[:12]
+    logits = cpu_path.run(model, cache, seq, 0, list(range(16)))
+    for _ in range(32):  # one token a step, through the cache: past every window
+        seq.append(int(logits[-1].argmax()))
+        logits = cpu_path.run(model, cache, seq, len(seq) - 1, list(range(16)))
+    assert seq[12:] == expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("kernels", ["on", "off"])  # the C++ CPU kernels, PyTorch ops
+def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kernels):
+    """Six prompts together (prefill chunks beside decodes, past every window) give each one's tokens alone."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
+                          batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
+    engine = Engine(str(family(tiny_model_factory, arch)), config)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
+               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))}  # fmt: skip
+
+    def run(batch):
+        tokens = {rid: [] for rid in batch}
+        for rid, ids in batch.items():
+            engine.add_request(rid, ids, params)
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    together = run(prompts)
+    assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+
+
+@pytest.mark.timeout(60)
+def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
+    from model.layer_stack import covers
+
+    for arch in ("llama", "qwen2", "mistral"):
+        assert covers(ModelConfig.from_dir(tiny_model_factory(arch))), arch
+    for arch in FAMILIES:  # a norm, a scale, a window or a RoPE the C++ loop does not have
+        assert not covers(ModelConfig.from_dir(family(tiny_model_factory, arch))), arch
+
+
+@pytest.mark.timeout(30)
+def test_gemma3_config_reads_the_same_in_both_dialects():
+    """transformers 4.x (rope_theta, rope_local_base_freq, sliding_window_pattern) and 5.x (rope_parameters per
+    layer type, layer_types) spellings of Gemma 3 270M's config."""
+    base = {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+        "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "sliding_window": 512, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+    }  # fmt: skip
+    v4 = ModelConfig.from_dict(
+        {
+            **base,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": None,
+            "sliding_window_pattern": 6,
+        }
+    )
+    v5 = ModelConfig.from_dict(
+        {
+            **base,
+            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        }
+    )
+    assert v4 == v5
+    full = [i for i, layer in enumerate(v4.layers) if layer.window is None]
+    assert full == [5, 11, 17]
+    assert {layer.rope.theta for layer in v4.layers if layer.window} == {1e4}
+    assert v4.layers[5].rope.theta == 1e6 and v4.attention_scale == 256**-0.5
+    assert v4.norm_offset == 1.0 and v4.embedding_scale == 640**0.5 and v4.mlp == "geglu"
+
+
+@pytest.mark.timeout(30)
+def test_unsupported_features_are_refused_by_name():
+    from model.config import UnsupportedModelError
+
+    base = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4,
+    }  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="'yarn'"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        ModelConfig.from_dict(
+            {**base, "sliding_window": 8, "layer_types": ["linear_attention", "full_attention"]}
+        )
+    with pytest.raises(UnsupportedModelError, match="'relu'"):
+        ModelConfig.from_dict({**base, "hidden_act": "relu"})
+    with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):  # the list of what is supported
+        ModelConfig.from_dict({**base, "architectures": ["Phi3SmallForCausalLM"]})
