@@ -22,8 +22,12 @@ class Rope:
 
     theta: float
     dim: int  # rotary dims of a head: all of them but for partial rotary
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | longrope
     scaling: tuple[tuple[str, float], ...] = ()  # the kind's parameters, sorted (key, value) pairs
+    # longrope (Phi-3): per-frequency divisors for sequences that stay within the pretraining length, and for
+    # those that may grow past it (one list per request: switching would change every cached key)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,15 @@ class ModelConfig:
     @property
     def windows(self) -> set[int | None]:
         return {layer.window for layer in self.layers}
+
+    @property
+    def longrope_original_len(self) -> int | None:
+        """LongRoPE's pretraining length, if a layer uses LongRoPE: a sequence that may grow past it takes the
+        long factors from its first token on (ModelRunner says which per token)."""
+        ropes = [
+            layer.rope for layer in self.layers if layer.rope is not None and layer.rope.kind == "longrope"
+        ]
+        return int(dict(ropes[0].scaling)["original_max_position_embeddings"]) if ropes else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -207,25 +220,43 @@ def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
         per_type = {"full_attention": flat, "sliding_attention": flat}
         if "rope_local_base_freq" in cfg:
             per_type["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
-    dim = int(head_dim * cfg.get("partial_rotary_factor", 1.0))
-    ropes = {kind: rope(p, dim) for kind, p in per_type.items()}
+    ropes = {kind: rope(p, head_dim, cfg) for kind, p in per_type.items()}
     ropes.setdefault("sliding_attention", ropes["full_attention"])
     return ropes
 
 
-def rope(params: dict, dim: int) -> Rope:
+def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
     kind = params.get("rope_type", params.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first configs
     keys = {
         "default": (),
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": (),
     }
     if kind not in keys:
         raise UnsupportedModelError(
             f"unsupported rope scaling type {kind!r}; kvserve supports {', '.join(keys)}"
         )
+    dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = tuple(sorted((k, float(params[k])) for k in keys[kind]))
-    return Rope(float(params.get("rope_theta", 10000.0)), dim, kind, scaling)
+    if kind != "longrope":
+        return Rope(theta, dim, kind, scaling)
+    # as transformers' _compute_longrope_parameters: cos and sin scaled by attention_factor, which defaults to
+    # sqrt(1 + ln(factor) / ln(original)), factor defaulting to max_position_embeddings / original
+    original = params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    scaling = (("attention_factor", float(attention)), ("original_max_position_embeddings", float(original)))
+    short, long = (tuple(float(f) for f in params[k]) for k in ("short_factor", "long_factor"))
+    if len(short) != dim // 2 or len(long) != dim // 2:
+        raise UnsupportedModelError(
+            f"longrope factor lists of {len(short)} and {len(long)}, expected {dim // 2}"
+        )
+    return Rope(theta, dim, kind, scaling, short, long)
 
 
 def _as_ids(value) -> list[int]:

@@ -51,6 +51,12 @@ GEMMA_NORMS = dict(
     post_mlp_norm="post_feedforward_layernorm",
 )
 
+# Phi-3: q/k/v in one tensor, gate/up in one tensor, in the orders kvserve fuses them
+PHI3_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
+    "layers.{i}.attn.qkv.weight": ([_layer("self_attn.qkv_proj.weight")], ""),
+    "layers.{i}.mlp.up.weight": ([_layer("mlp.gate_up_proj.weight")], ""),
+}
+
 GPT2_WEIGHTS: WeightNames = {
     "embed.weight": (["wte.weight"], ""),
     "pos_embed.weight": (["wpe.weight"], ""),
@@ -127,6 +133,7 @@ FAMILIES = {
             block="post",
             qk_norm="proj",
         ),
+        Family("Phi3ForCausalLM", PHI3_WEIGHTS, window_layers="all"),
         Family("GPT2LMHeadModel", GPT2_WEIGHTS, layer_norm=True),
     )
 }

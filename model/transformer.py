@@ -49,10 +49,13 @@ class Ops:
 
 
 def rope_inv_freq(rope: Rope) -> torch.Tensor:
-    """[rope.dim / 2] rotary frequencies, scaled as the rope says (linear, or Llama 3's by wavelength)."""
+    """[rope.dim / 2] rotary frequencies, scaled as the rope says (linear, or Llama 3's by wavelength); for
+    LongRoPE [2, rope.dim / 2]: divided by the short factors, then by the long ones."""
     d = rope.dim
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = dict(rope.scaling)
+    if rope.kind == "longrope":
+        return (inv_freq / torch.tensor([rope.short_factor, rope.long_factor], dtype=torch.float64)).float()
     if rope.kind == "linear":
         return (inv_freq / s["factor"]).float()
     if rope.kind != "llama3":
@@ -241,13 +244,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # [T]
         meta,  # the step's attention metadata (model/attention.py)
         kv_cache: KVCache,
+        long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
         if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        ropes = {rope: self.rope(positions, inv_freq, x.dtype) for rope, inv_freq in self.inv_freqs.items()}
+        ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
         if self.layer_stack is not None:
             x, residual = self.layer_stack(x, ropes[self.config.layers[0].rope], kv_cache, meta)
         else:
@@ -256,11 +260,17 @@ class Transformer(nn.Module):
                 x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), meta)
         return self.norm.add_forward(x, residual)[0]
 
-    @staticmethod
-    def rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    def rope(
+        self, rope: Rope, positions: torch.Tensor, dtype: torch.dtype, long_rope: torch.Tensor | None = None
+    ):
         """(cos, cos) and (-sin, sin) of each position's rotary angles, [T, 1, rotary dims] each."""
+        inv_freq = self.inv_freqs[rope]
+        if rope.kind == "longrope":  # each token's sequence's list: [T, D/2]
+            inv_freq = inv_freq[long_rope.long()] if long_rope is not None else inv_freq[0]
         freqs = positions[:, None].float() * inv_freq  # [T, D/2], float32 like the reference
         cos, sin = freqs.cos(), freqs.sin()
+        if (scale := dict(rope.scaling).get("attention_factor", 1.0)) != 1.0:  # LongRoPE
+            cos, sin = cos * scale, sin * scale
         return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

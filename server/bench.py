@@ -217,7 +217,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     tables = [list(range(i * n, (i + 1) * n)) for i in range(B)]
     positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
     attn = model.layers[0].attn
-    rope = model.rope(positions, model.inv_freqs[model.layers[0].rope], dtype)
+    rope = model.rope(model.layers[0].rope, positions, dtype) if model.layers[0].rope else None
     q, k, v = (
         rand(B, attn.num_heads, attn.head_dim),
         *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),

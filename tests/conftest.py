@@ -37,7 +37,7 @@ FAMILY_CLASSES = {
     arch: (f"{prefix}Config", f"{prefix}ForCausalLM")
     for arch, prefix in [
         ("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("qwen3", "Qwen3"), ("ministral", "Ministral"),
-        ("smollm3", "SmolLM3"), ("granite", "Granite"), ("olmo2", "Olmo2"), ("gemma2", "Gemma2"),
+        ("smollm3", "SmolLM3"), ("granite", "Granite"), ("olmo2", "Olmo2"), ("gemma2", "Gemma2"), ("phi3", "Phi3"),
     ]
 } | {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}  # fmt: skip
 NORMS_PERTURBED = set(FAMILY_CLASSES) - {"llama", "qwen2", "mistral"}
@@ -162,8 +162,10 @@ def forward_sequence(
         )
     new = token_ids[num_cached:]
     positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])
+    original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
+    long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
     with torch.inference_mode():
-        hidden = model(torch.tensor(new), positions, meta, cache)
+        hidden = model(torch.tensor(new), positions, meta, cache, long_rope)
         return model.compute_logits(hidden)
 
 
@@ -190,3 +192,13 @@ class CpuPath:
 def cpu_path(request) -> CpuPath:
     """Each model test runs once with each CPU path (the C++ kernels, PyTorch ops)."""
     return CpuPath(request.param == "cpp")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Google's Gemma 3 270M (base, Q4_K_M) GGUF, fetched once into the weights folder: a real gemma3 file with a
+    262,144-piece SentencePiece vocabulary. Tests using it are marked slow."""
+    from weights.fetch import gemma3_270m_gguf
+    from weights.store import weights_dir
+
+    return gemma3_270m_gguf(weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")), progress=False)

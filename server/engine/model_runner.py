@@ -59,7 +59,9 @@ class ModelRunner:
             [c.request.block_table for c in out.chunks],
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)
+        long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
+                                     for c in out.chunks])  # fmt: skip
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope)
         result = ModelOutput()
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
@@ -82,9 +84,19 @@ class ModelRunner:
         for start in range(0, len(token_ids), chunk):
             ids = token_ids[start : start + chunk]
             positions, meta = self.attention.build([len(ids)], [start + len(ids)], [table])
-            hidden = self.model(torch.tensor(ids).to(self.device), positions, meta, self.kv_cache)
+            long_rope = self._long_rope([(len(ids), len(token_ids))])
+            hidden = self.model(torch.tensor(ids).to(self.device), positions, meta, self.kv_cache, long_rope)
             logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)
+
+    def _long_rope(self, chunks: list[tuple[int, int]]) -> torch.Tensor | None:
+        """[T] bool for a LongRoPE model (None otherwise), from each chunk's (tokens, the longest its sequence may
+        grow): a sequence that may outgrow the pretraining length takes the long factors from its first token."""
+        original = self.model_config.longrope_original_len
+        if original is None:
+            return None
+        flags = [longest > original for n, longest in chunks for _ in range(n)]
+        return torch.tensor(flags).to(self.device, non_blocking=True)
 
     def _sample(self, hidden: torch.Tensor, reqs: list[Request]) -> dict[str, SampledToken]:
         logits = self.model.compute_logits(hidden)

@@ -29,8 +29,18 @@ FAMILIES = {
         num_hidden_layers=4, head_dim=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
     ),
+    # Phi-4-mini's shape in small: partial rotary, LongRoPE past 16 positions, fused qkv and gate_up
+    "phi3": dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=16, tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        },
+    ),
 }  # fmt: skip
 PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()  # > every window
+START = 20  # the greedy runs' prompt: past Phi-3's 16 (transformers recomputes the cache when a sequence
+# outgrows LongRoPE's original length; kvserve picks the long factors from a request's start)
 
 
 def family(factory, arch):
@@ -67,15 +77,15 @@ def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch)
     path = family(tiny_model_factory, arch)
     model, config = cpu_path.load(path)
     with torch.no_grad():
-        prompt = torch.tensor([PROMPT[:12]])
+        prompt = torch.tensor([PROMPT[:START]])
         out = reference(path).generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    expected = out[0, 12:].tolist()
-    cache, seq = cache_for(config), PROMPT[:12]
+    expected = out[0, START:].tolist()
+    cache, seq = cache_for(config), PROMPT[:START]
     logits = cpu_path.run(model, cache, seq, 0, list(range(16)))
     for _ in range(32):  # one token a step, through the cache: past every window
         seq.append(int(logits[-1].argmax()))
         logits = cpu_path.run(model, cache, seq, len(seq) - 1, list(range(16)))
-    assert seq[12:] == expected
+    assert seq[START:] == expected
 
 
 @pytest.mark.timeout(300)
@@ -152,6 +162,36 @@ def test_gemma3_config_reads_the_same_in_both_dialects():
     assert {layer.rope.theta for layer in v4.layers if layer.window} == {1e4}
     assert v4.layers[5].rope.theta == 1e6 and v4.attention_scale == 256**-0.5
     assert v4.norm_offset == 1.0 and v4.embedding_scale == 640**0.5 and v4.mlp == "geglu"
+
+
+@pytest.mark.timeout(120)
+def test_longrope_takes_one_factor_list_per_request(tiny_model_factory):
+    """A request that may outgrow LongRoPE's original length (prompt + max_tokens > 16) rotates with the long
+    factors from its first token; one that stays within it with the short ones, as transformers does there."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    path = family(tiny_model_factory, "phi3")
+    prompt = PROMPT[:10]
+    with torch.no_grad():  # 10 positions: transformers' short factors
+        short = torch.log_softmax(reference(path)(torch.tensor([prompt])).logits[0, -1], -1)
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, dtype="float32", kv_cache_dtype="float32")
+    engine = Engine(str(path), config)
+
+    def first_logprob(max_tokens):
+        engine.add_request(
+            f"r{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+        )
+        outs = [out for out in engine.step() if out.logprobs]
+        while engine.has_work():
+            engine.step()
+        return outs[0].logprobs[0]
+
+    within, beyond = first_logprob(6), first_logprob(7)  # 10 + 6 = 16 stays within; 17 does not
+    assert within.token_id == int(short.argmax())
+    assert abs(within.logprob - short.max().item()) < 1e-4
+    assert abs(beyond.logprob - within.logprob) > 1e-3 or beyond.token_id != within.token_id
 
 
 @pytest.mark.timeout(30)
