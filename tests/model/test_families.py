@@ -44,7 +44,7 @@ START = 20  # the greedy runs' prompt: past Phi-3's 16 (transformers recomputes 
 
 
 def family(factory, arch):
-    return factory(arch, **FAMILIES[arch])
+    return factory(arch, **FAMILIES.get(arch, {}))
 
 
 def reference(path):
@@ -86,6 +86,27 @@ def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch)
         seq.append(int(logits[-1].argmax()))
         logits = cpu_path.run(model, cache, seq, len(seq) - 1, list(range(16)))
     assert seq[START:] == expected
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["llama", *FAMILIES])  # llama: the default model's family, for scale
+def test_quantized_weights_give_the_dense_models_choices(tiny_model_factory, cpu_path, arch):
+    """Every family on kvserve's quantized CPU GEMMs (8-bit groups of 32, as a GGUF's Q8_0): close to the dense
+    float32 logits, and the same top token nearly everywhere."""
+    from model.kernels import cpu_kernels
+    from model.linear import PlainLinear
+    from model.quant import QuantizedLinear
+
+    path = family(tiny_model_factory, arch)
+    logits = []
+    for linear in (PlainLinear(), QuantizedLinear(cpu_kernels(), PlainLinear(), 8)):
+        model, config = cpu_path.load(path, linear=linear)
+        logits.append(cpu_path.run(model, cache_for(config), PROMPT, 0, list(range(16))))
+    dense, quantized = logits
+    err = ((quantized - dense).abs().mean() / dense.abs().mean()).item()
+    agree = (quantized.argmax(-1) == dense.argmax(-1)).float().mean().item()
+    print(f"{arch}: mean error {err:.2%} of the mean logit, top-1 agreement {agree:.0%}")
+    assert err < 0.05 and agree >= 0.85
 
 
 @pytest.mark.timeout(300)

@@ -42,11 +42,12 @@ def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     return hidden, cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, an untied LM head
+# qwen2: q/k/v biases, an untied LM head; mistral: a sliding window shorter than the sequences
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, bits, dtype):
-    path = tiny_model_factory(arch)
+def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, overrides, bits, dtype):
+    path = tiny_model_factory(arch, **overrides)
     stacked, config = load(path, bits, kernels=tier_kernels, dtype=dtype)
     looped, _ = load(path, bits, stack=False, kernels=tier_kernels, dtype=dtype)
     assert stacked.layer_stack is not None and looped.layer_stack is None
