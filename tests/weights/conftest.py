@@ -1,12 +1,26 @@
-"""Tiny llama GGUFs written with gguf.GGUFWriter, in any tensor type gguf can quantize, with a trained vocabulary."""
+"""Tiny GGUFs written with gguf.GGUFWriter, with a trained vocabulary: a llama in any tensor type gguf can quantize
+(write_tiny_gguf), and random transformers models of every supported family written the way llama.cpp's converter
+writes them (write_llama_cpp_gguf)."""
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-from gguf.quants import quantize
+import torch
+from gguf import (
+    MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+    TokenType,
+    get_tensor_name_map,
+)
+from gguf.quants import QuantError, quantize
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
@@ -147,21 +161,7 @@ def write_tiny_gguf(
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
 
-    writer.add_tokenizer_model(vocab["model"])
-    if "pre" in vocab:
-        writer.add_tokenizer_pre(vocab["pre"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_types(vocab["types"])
-    if "merges" in vocab:
-        writer.add_token_merges(vocab["merges"])
-    if "scores" in vocab:
-        writer.add_token_scores(vocab["scores"])
-    writer.add_bos_token_id(vocab["bos"])
-    writer.add_eos_token_id(vocab["eos"])
-    if "unk" in vocab:
-        writer.add_unk_token_id(vocab["unk"])
-    if "add_bos" in vocab:
-        writer.add_add_bos_token(vocab["add_bos"])
+    add_vocab(writer, vocab)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
     for name, value in raw.items():
@@ -205,3 +205,313 @@ def spm_vocab() -> dict:
 def default_gguf(default_model_dir: Path) -> Path:
     """The GGUF that ensure_default_model keeps next to the converted default model."""
     return default_model_dir.parent / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Tiny random Hugging Face models of every family weights/gguf_arch.py supports, and GGUFs written from them the way
+# llama.cpp's convert_hf_to_gguf.py writes them (conversion/base.py TextModel, llama.py, qwen.py, gemma.py, phi.py,
+# olmo.py, granite.py): the same metadata calls, tensor names (gguf's TensorNameMap), q/k row order, Gemma's +1 on
+# norms, generated RoPE tensors and tensor types. test_gguf_llama_cpp.py checks this writer against the real one.
+
+PROMPT_LENGTH = 40  # longer than every sliding window below
+LLAMA_LIKE = ("llama", "granite", "smollm3")  # conversion classes that inherit LlamaModel's q/k permutation
+GEMMA = ("gemma2", "gemma3")  # the converter adds 1 to every *norm.weight
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    arch: str  # the GGUF architecture llama.cpp writes
+    config_class: str  # transformers' classes
+    model_class: str
+    config: dict
+
+
+TINY_FAMILIES = {
+    # Llama 3.x rope scaling, with a blend wide enough to cover two frequencies of a 16-wide head
+    "llama": TinyFamily("llama", "LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 8.0, "original_max_position_embeddings": 2048})),
+    "llama_biased": TinyFamily("llama", "LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_parameters={"rope_theta": 500000.0})),
+    # llama.cpp writes MistralForCausalLM as `llama`; an explicit head_dim (Mistral-Nemo) and no window
+    "mistral": TinyFamily("llama", "MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": TinyFamily("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=True, rope_parameters={"rope_theta": 1000000.0})),
+    "qwen3": TinyFamily("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, tie_word_embeddings=False)),
+    # query_pre_attn_scalar = head_dim: llama.cpp stores no attention scale for Gemma and uses 1/sqrt(head_dim)
+    "gemma2": TinyFamily("gemma2", "Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    # layers 0-4 and 6 slide, 5 is global (llama.cpp's hard-coded 5:1); Gemma 3 4B's linear 8 on global layers
+    "gemma3": TinyFamily("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # LongRoPE past original_max_position_embeddings (the 40-token prompt uses the long factors), partial rotary
+    "phi3": TinyFamily("phi3", "Phi3Config", "Phi3ForCausalLM", dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        original_max_position_embeddings=32, max_position_embeddings=128, sliding_window=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "long_factor": [1.0, 1.5, 2.25, 3.5, 5.0, 7.5],
+                         "short_factor": [1.0, 1.05, 1.1, 1.2, 1.35, 1.5]})),
+    "olmo2": TinyFamily("olmo2", "Olmo2Config", "Olmo2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False)),
+    "granite": TinyFamily("granite", "GraniteConfig", "GraniteForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
+        residual_multiplier=0.22, logits_scaling=8.0)),
+    # layer 3 has no RoPE (llama.cpp's hard-coded every 4th)
+    "smollm3": TinyFamily("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=True)),
+}  # fmt: skip
+
+
+def tiny_hf_model(family: str, vocab_size: int, seed: int = 0):
+    """A random transformers model of the family, every parameter drawn at random (initialization leaves norms at
+    1 or 0 and biases at 0, which would hide a missing shift or bias), in eval mode."""
+    import transformers
+
+    spec = TINY_FAMILIES[family]
+    config_class = getattr(transformers, spec.config_class)
+    config = config_class(
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=None, **spec.config
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model_class)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and spec.arch in GEMMA:
+                param.copy_(torch.randn_like(param) * 0.5)  # x * (1 + w): some 1 + w outside [0.5, 2]
+            elif "norm" in name:
+                param.copy_(1 + torch.randn_like(param) * 0.1)
+            else:
+                param.copy_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def prompt_ids(vocab_size: int, length: int = PROMPT_LENGTH) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+
+
+def llama3_rope_freqs(base: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+    """llama.cpp's rope_freqs.weight for a llama3 rope scaling (LlamaModel.generate_extra_tensors): per frequency,
+    1 above orig/high, the factor below orig/low, else the blend's divisor, in float32 as it computes them."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq  # a float32 tensor
+        if wavelen < orig / high:
+            divisors.append(torch.tensor(1.0))
+        elif wavelen > orig / low:
+            divisors.append(torch.tensor(float(factor)))
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.stack(divisors).float().numpy()
+
+
+def add_vocab(writer: GGUFWriter, vocab: dict) -> None:
+    writer.add_tokenizer_model(vocab["model"])
+    if "pre" in vocab:
+        writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    if "merges" in vocab:
+        writer.add_token_merges(vocab["merges"])
+    if "scores" in vocab:
+        writer.add_token_scores(vocab["scores"])
+    writer.add_bos_token_id(vocab["bos"])
+    writer.add_eos_token_id(vocab["eos"])
+    if "unk" in vocab:
+        writer.add_unk_token_id(vocab["unk"])
+    if "add_bos" in vocab:
+        writer.add_add_bos_token(vocab["add_bos"])
+
+
+def add_llama_cpp_metadata(writer: GGUFWriter, arch: str, hparams: dict, ftype: LlamaFileType) -> None:
+    """The metadata set_gguf_parameters writes for these families, from config.json as the converter reads it."""
+    hparams = dict(hparams)
+    rope = dict(hparams.get("rope_parameters") or hparams.get("rope_scaling") or {})
+    full = rope.get("full_attention", rope)
+    hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
+    if arch == "granite":
+        hparams.pop("head_dim", None)  # GraniteModel ignores head_dim
+    if arch == "gemma2":  # Gemma2Model writes its own list, without a RoPE base
+        writer.add_context_length(hparams["max_position_embeddings"])
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(hparams["num_hidden_layers"])
+        writer.add_feed_forward_length(hparams["intermediate_size"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(hparams["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+        writer.add_key_length(hparams["head_dim"])
+        writer.add_value_length(hparams["head_dim"])
+        writer.add_file_type(ftype)
+        writer.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+        writer.add_sliding_window(hparams["sliding_window"])
+        return
+    if arch == "phi3":  # Phi3MiniModel too
+        orig = hparams["original_max_position_embeddings"]
+        writer.add_context_length(hparams["max_position_embeddings"])
+        writer.add_rope_scaling_orig_ctx_len(orig)
+        writer.add_embedding_length(hidden)
+        writer.add_feed_forward_length(hparams["intermediate_size"])
+        writer.add_block_count(hparams["num_hidden_layers"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(hparams["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_file_type(ftype)
+        writer.add_sliding_window(hparams.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = hparams["max_position_embeddings"] / orig
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            )
+        return
+    # TextModel.set_gguf_parameters
+    writer.add_block_count(hparams["num_hidden_layers"])
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(hparams["num_key_value_heads"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base(full["rope_theta"])
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local)
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    if (head_dim := hparams.get("head_dim")) is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(ftype)
+    if arch in LLAMA_LIKE:  # LlamaModel
+        writer.add_vocab_size(hparams["vocab_size"])
+        writer.add_rope_dimension_count(hparams.get("head_dim") or hidden // heads)
+    if arch == "granite":
+        writer.add_attention_scale(hparams["attention_multiplier"])
+        writer.add_embedding_scale(hparams["embedding_multiplier"])
+        writer.add_residual_scale(hparams["residual_multiplier"])
+        writer.add_logit_scale(hparams["logits_scaling"])
+    if arch == "gemma3":  # Gemma3Model, after TextModel's
+        writer.add_context_length(hparams["max_position_embeddings"])
+        writer.add_head_count(heads)
+        writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+        writer.add_key_length(hparams["head_dim"])
+        writer.add_value_length(hparams["head_dim"])
+        writer.add_rope_freq_base(full["rope_theta"])
+        if hparams.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+        if hparams.get("sliding_window_pattern") != 1:
+            writer.add_sliding_window(hparams["sliding_window"])
+        writer.add_head_count_kv(hparams["num_key_value_heads"])
+
+
+def llama_cpp_tensors(arch: str, hparams: dict, weights: dict[str, torch.Tensor], fuse_qkv: bool = False):
+    """(GGUF name, float32 values) as modify_tensors and generate_extra_tensors give them."""
+    heads, kv_heads = hparams["num_attention_heads"], hparams["num_key_value_heads"]
+    arch_id = {name: key for key, name in MODEL_ARCH_NAMES.items()}[arch]
+    names = get_tensor_name_map(arch_id, hparams["num_hidden_layers"])
+    tensors = {}
+    for name, value in weights.items():
+        value = value.float().numpy()
+        if arch == "gemma2" and name == "lm_head.weight":
+            continue  # Gemma2Model drops it: llama.cpp ties Gemma 2
+        if arch in LLAMA_LIKE and name.endswith(("q_proj.weight", "q_proj.bias")):
+            value = llama_cpp_permute(value, heads)
+        elif arch in LLAMA_LIKE and name.endswith(("k_proj.weight", "k_proj.bias")):
+            value = llama_cpp_permute(value, kv_heads)
+        if arch in GEMMA and name.endswith("norm.weight"):
+            value = value + np.float32(1)
+        gguf = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf is not None, name
+        tensors[gguf] = value
+    if fuse_qkv:  # --fuse-qkv: q, k, v (already permuted) stacked into attn_qkv, weights and biases alike
+        for gguf in [n for n in tensors if ".attn_q." in n]:
+            parts = [tensors.pop(gguf.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
+            tensors[gguf.replace(".attn_q.", ".attn_qkv.")] = np.concatenate(parts)
+    rope = hparams.get("rope_parameters") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        dim = hparams.get("head_dim") or hparams["hidden_size"] // heads
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(
+            rope["rope_theta"], dim, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"],
+        )  # fmt: skip
+    if arch == "phi3" and rope.get("long_factor"):
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
+    return tensors
+
+
+def write_llama_cpp_gguf(
+    hf_dir: Path,
+    path: Path,
+    vocab: dict,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    fuse_qkv: bool = False,
+) -> dict[str, np.ndarray]:
+    """Write the Hugging Face folder (config.json, model.safetensors) to GGUF as llama.cpp's converter does, tensors
+    of two or more dimensions in qtype (F16 where a row does not fill whole blocks, as it falls back), norms and
+    vectors in F32; returns the GGUF tensors it wrote, before quantization."""
+    from safetensors.torch import load_file
+
+    hparams = json.loads((hf_dir / "config.json").read_text())
+    arch = TINY_ARCH_OF_CLASS[hparams["architectures"][0]]
+    ftype = LlamaFileType.ALL_F32 if qtype == GGMLQuantizationType.F32 else LlamaFileType.MOSTLY_Q8_0
+    writer = GGUFWriter(path, arch)
+    add_llama_cpp_metadata(writer, arch, hparams, ftype)
+    add_vocab(writer, vocab)
+    tensors = llama_cpp_tensors(arch, hparams, load_file(hf_dir / "model.safetensors"), fuse_qkv)
+    for name, value in tensors.items():
+        kind = GGMLQuantizationType.F32 if value.ndim <= 1 or name.endswith("_norm.weight") else qtype
+        try:
+            data = quantize(value, kind)
+        except QuantError:
+            kind, data = GGMLQuantizationType.F16, quantize(value, GGMLQuantizationType.F16)
+        writer.add_tensor(name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+TINY_ARCH_OF_CLASS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+
+
+@pytest.fixture(scope="session")
+def arches() -> SimpleNamespace:
+    """The helpers above for every family, for tests (conftest modules are not imported by name)."""
+    return SimpleNamespace(
+        TINY_FAMILIES=TINY_FAMILIES,
+        tiny_hf_model=tiny_hf_model,
+        prompt_ids=prompt_ids,
+        write_llama_cpp_gguf=write_llama_cpp_gguf,
+        llama3_rope_freqs=llama3_rope_freqs,
+        add_vocab=add_vocab,
+    )

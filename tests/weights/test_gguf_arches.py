@@ -1,0 +1,285 @@
+"""Every architecture the GGUF converter supports, round-tripped: a tiny random transformers model, written to GGUF
+as llama.cpp's converter writes it (conftest.write_llama_cpp_gguf), converted back by kvserve, then loaded by
+transformers to the same config, the same tensors and the same logits."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from weights.gguf_arch import FAMILIES, llama3_scaling, partial_rotary_factor
+from weights.gguf_convert import UnsupportedGGUFError, convert_gguf
+
+# config fields a GGUF does not carry (training-only, or transformers' bookkeeping)
+UNCARRIED = {
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "initializer_range",
+    "use_cache", "attention_dropout", "resid_pdrop", "embd_pdrop", "output_attentions", "output_hidden_states",
+    "return_dict", "chunk_size_feed_forward", "id2label", "label2id", "problem_type", "is_encoder_decoder",
+    "max_window_layers", "_sliding_window_pattern", "use_bidirectional_attention", "pretraining_tp",
+}  # fmt: skip
+
+
+def round_trip(tmp_path, arches, family, vocab, qtype=GGMLQuantizationType.F32, **writer_args):
+    """(the original model, the GGUF tensors written from it, the converted folder)."""
+    model = arches.tiny_hf_model(family, len(vocab["tokens"]))
+    model.save_pretrained(tmp_path / "hf")
+    written = arches.write_llama_cpp_gguf(
+        tmp_path / "hf", tmp_path / "tiny.gguf", vocab, qtype, **writer_args
+    )
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+    return model, written, tmp_path / "out"
+
+
+def gemma_norm(name: str, family: str) -> bool:
+    return family.startswith("gemma") and "norm" in name
+
+
+def assert_same_model(model, out, family, prompt_ids):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ours = AutoConfig.from_pretrained(out).to_dict()
+    theirs = model.config.to_dict()
+    if theirs["model_type"] == "mistral":  # comes back as the Llama it is without a sliding window
+        theirs = {k: v for k, v in theirs.items() if k in ours and k != "model_type"}
+    differ = {
+        k: (theirs.get(k), ours.get(k)) for k in theirs.keys() - UNCARRIED if theirs.get(k) != ours.get(k)
+    }
+    assert not differ, differ
+
+    state = model.state_dict()
+    converted = load_file(out / "model.safetensors")
+    assert converted.keys() == {
+        k for k in state if k != "lm_head.weight" or not model.config.tie_word_embeddings
+    }
+    for name, tensor in converted.items():
+        if gemma_norm(name, family):
+            # the GGUF holds fl(1 + w), given back as fl(fl(1 + w) - 1): two float32 roundings, each within
+            # 2**-24 of a value no larger than 1 + |w|. Where 1 + w lies in [0.5, 2] the second is exact, and
+            # transformers' 1 + w gives back the very fl(1 + w) it computed from the original.
+            atol = 2**-23 * (1 + state[name].abs()).max()
+            torch.testing.assert_close(tensor, state[name], rtol=0, atol=atol)
+            inside = (1 + state[name] >= 0.5) & (1 + state[name] <= 2)
+            assert torch.equal((1 + tensor)[inside], (1 + state[name])[inside]), name
+        else:
+            assert torch.equal(tensor, state[name]), name
+
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = prompt_ids(model.config.vocab_size)
+    with torch.no_grad():
+        expected, got = model(ids).logits, reference(ids).logits
+    assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "llama_biased", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                    "phi3", "olmo2", "granite", "smollm3"])  # fmt: skip
+def test_family_round_trips_to_the_same_model(tmp_path, arches, byte_vocab, family):
+    model, _, out = round_trip(tmp_path, arches, family, byte_vocab)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [FAMILIES[arches.TINY_FAMILIES[family].arch].architecture]
+    assert_same_model(model, out, family, arches.prompt_ids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_fused_qkv_is_split_or_kept_as_the_family_needs(tmp_path, arches, byte_vocab, family):
+    """llama.cpp's --fuse-qkv stacks q, k, v (and their biases) into attn_qkv; Phi-3 keeps them fused in
+    Hugging Face too."""
+    model, written, out = round_trip(tmp_path, arches, family, byte_vocab, fuse_qkv=True)
+    assert "blk.0.attn_qkv.weight" in written and "blk.0.attn_q.weight" not in written
+    assert ("blk.0.attn_qkv.bias" in written) is (family == "qwen2")
+    assert_same_model(model, out, family, arches.prompt_ids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
+def test_quantized_family_gives_the_dequantized_weights(tmp_path, arches, byte_vocab, family):
+    """Q8_0: every matrix equals dequantize(quantize(its Hugging Face rows)) (blocks lie within a row, so quantizing
+    commutes with llama.cpp's row order), kept as integers in the quantized file; norms stay exact."""
+    model, _, out = round_trip(tmp_path, arches, family, byte_vocab, GGMLQuantizationType.Q8_0)
+    converted = load_file(out / "model.safetensors")
+    kept = load_file(out / "quantized" / "model.safetensors")
+    for name, original in model.state_dict().items():
+        if name not in converted:
+            continue  # the tied head
+        original = original.numpy()
+        if original.ndim == 2:
+            expected = torch.from_numpy(
+                dequantize(quantize(original, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+            )
+            assert torch.equal(converted[name], expected), name
+            # the file's own blocks: int8 values and a float16 scale per 32
+            scale = kept[f"{name}.scale"].float().repeat_interleave(32, dim=1)
+            assert torch.equal(kept[f"{name}.q8"].float() * scale, expected), name
+        elif not gemma_norm(name, family):
+            assert torch.equal(converted[name], torch.from_numpy(original)), name
+
+
+@pytest.mark.timeout(60)
+def test_k_quants_are_dequantized_and_logged(tmp_path, arches, byte_vocab, caplog):
+    """Types kvserve keeps no kernel for (Q4_K, Q6_K: blocks built by hand, as gguf cannot quantize to them) are
+    dequantized into both files, and the log names the types and how many tensors."""
+    write_wide_llama(
+        GGUFWriter(tmp_path / "wide.gguf", "llama"), byte_vocab, np.random.default_rng(0), arches
+    )
+    with caplog.at_level(logging.INFO, logger="weights.gguf_convert"):
+        convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
+    assert "Q4_K x2, Q6_K x1" in caplog.text
+    dense = load_file(tmp_path / "wide" / "model.safetensors")
+    quantized = load_file(tmp_path / "wide" / "quantized" / "model.safetensors")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.0.mlp.{name}.weight"
+        assert torch.equal(quantized[name], dense[name]) and dense[name].abs().max() > 0, name
+
+
+def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator, arches) -> None:
+    """A one-layer llama 256 wide, its MLP in hand-built Q4_K (gate, up) and Q6_K (down) blocks."""
+    hidden, ffn, heads = 256, 256, 4
+    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", hidden),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    arches.add_vocab(writer, vocab)
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    def blocks(size: int, scales_at: int, num_scales: int) -> np.ndarray:
+        """Random bytes, but finite float16 scales (random ones may be inf or NaN)."""
+        data = rng.integers(0, 256, (ffn, hidden // 256 * size), dtype=np.uint8)
+        data[:, scales_at : scales_at + 2 * num_scales] = np.full(num_scales, 0.01, np.float16).view(np.uint8)
+        return data
+
+    writer.add_tensor("token_embd.weight", normal(len(vocab["tokens"]), hidden))
+    writer.add_tensor("output_norm.weight", 1 + normal(hidden))
+    for name in ("attn_norm", "ffn_norm"):
+        writer.add_tensor(f"blk.0.{name}.weight", 1 + normal(hidden))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        writer.add_tensor(f"blk.0.{name}.weight", normal(hidden, hidden))
+    for name in ("ffn_gate", "ffn_up"):  # Q4_K blocks begin with d and dmin
+        writer.add_tensor(f"blk.0.{name}.weight", blocks(144, 0, 2), raw_dtype=GGMLQuantizationType.Q4_K)
+    # Q6_K blocks end with d
+    writer.add_tensor("blk.0.ffn_down.weight", blocks(210, 208, 1), raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+LLAMA3_CASES = [  # (factor, low, high, orig, base, head_dim, whether two or more frequencies are blended)
+    (8.0, 1.0, 4.0, 8192, 500000.0, 128, True),  # Llama 3.1 8B
+    (32.0, 1.0, 4.0, 8192, 500000.0, 64, True),  # Llama 3.2 1B
+    (16.0, 2.0, 6.0, 4096, 10000.0, 128, True),  # off the defaults: fitted
+    (8.0, 1.0, 8.0, 2048, 10000.0, 16, True),  # tiny heads: two blended frequencies
+    (8.0, 1.0, 4.0, 1024, 10000.0, 16, False),  # one blended frequency
+    (4.0, 1.0, 1.5, 300, 10000.0, 16, False),  # none blended
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("factor", "low", "high", "orig", "base", "dim", "fixed"), LLAMA3_CASES)
+@pytest.mark.parametrize("orig_in_file", [False, True])
+def test_rope_freqs_recover_a_llama3_scaling(arches, factor, low, high, orig, base, dim, fixed, orig_in_file):
+    """Whatever parameters come back, transformers' own llama3 frequencies from them equal llama.cpp's
+    inv_freq / rope_freqs to float32 rounding; where the divisors fix the blend, they are the original ones, given
+    the original context (from the file, or low_freq_factor 1)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    divisors = arches.llama3_rope_freqs(base, dim, factor, low, high, orig)
+    scaling = llama3_scaling(divisors, base, dim, orig if orig_in_file else None)
+    assert scaling["factor"] == factor
+    if fixed and (orig_in_file or low == 1.0):
+        got = (
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+            scaling["original_max_position_embeddings"],
+        )
+        assert got == (low, high, orig)
+    config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim, max_position_embeddings=131072,
+                         rope_parameters={**scaling, "rope_theta": base})  # fmt: skip
+    hf, _ = _compute_llama3_parameters(config, "cpu")
+    llama_cpp = (
+        1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)) / torch.from_numpy(divisors)
+    )
+    assert ((hf - llama_cpp).abs() / llama_cpp).max() <= 2**-20
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("divisors", "message"),
+    [
+        (np.ones(8, np.float32), "divides no frequency"),
+        (np.array([1, 1, 2, 1, 3, 8, 8, 8], np.float32), "matches no llama3 rope scaling"),  # not monotonic
+        (
+            np.array([1, 1, 1, 1, 1.5, 2.5, 8, 8], np.float32),
+            "matches no llama3 rope scaling",
+        ),  # not that blend
+    ],
+)
+def test_rope_freqs_off_every_llama3_curve_are_refused(tmp_path, tiny_gguf, byte_vocab, divisors, message):
+    with pytest.raises(UnsupportedGGUFError, match=f"rope_freqs.weight {message}"):
+        tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, raw={"rope_freqs.weight": divisors})
+        convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, tiny_gguf, byte_vocab):
+    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, arch="mamba")
+    supported = ", ".join(sorted(FAMILIES))
+    with pytest.raises(UnsupportedGGUFError, match=f"'mamba' is not supported \\(supported: {supported}\\)"):
+        convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn'"),
+        ({"llama.rope.dimension_count": 8}, "partial rotary embedding \\(8 of 16\\)"),
+        ({"llama.attention.value_length": 8}, "value heads of another size than the keys \\(16\\)"),
+    ],
+)
+def test_metadata_the_converter_cannot_reproduce_is_refused(tmp_path, tiny_gguf, byte_vocab, keys, message):
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf(path, byte_vocab)
+    patched = tmp_path / "patched.gguf"
+    rewrite_with_keys(path, patched, keys)
+    with pytest.raises(UnsupportedGGUFError, match=message):
+        convert_gguf(patched, tmp_path / "out", progress=False)
+
+
+def rewrite_with_keys(src, dst, keys: dict) -> None:
+    """Copy a GGUF, setting (or adding) metadata keys."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), value_type, sub_type=sub_type)
+    for name, value in keys.items():
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_uint32(name, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_partial_rotary_factor_gives_back_the_rotary_width():
+    for head_dim in range(2, 257, 2):
+        for rope_dims in range(2, head_dim + 1, 2):
+            assert int(head_dim * partial_rotary_factor(rope_dims, head_dim)) == rope_dims

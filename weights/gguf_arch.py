@@ -1,0 +1,533 @@
+"""What each GGUF architecture llama.cpp writes means in Hugging Face terms: one Family per architecture.
+
+A Family says which Hugging Face class the folder becomes, which GGUF tensor inside blk.N is which Hugging Face
+tensor inside model.layers.N, what llama.cpp's converter (convert_hf_to_gguf.py, conversion/*.py) did to the
+values on the way in (q/k rows reordered for its interleaved RoPE, +1 baked into Gemma's norms), which metadata keys
+hold which config fields, and what llama.cpp hard-codes instead of storing (Gemma 3's 5:1 window pattern, SmolLM3's
+NoPE layers, Gemma's attention scale). weights/gguf_convert.py applies it; nothing here reads a file.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from weights.gguf_tokenizer import UnsupportedGGUFError
+
+# GGUF tensor inside blk.N -> Hugging Face module inside model.layers.N, for a Llama block.
+LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 2/3: norms after attention and around the MLP. Hugging Face's post_attention_layernorm is llama.cpp's
+# post_attention_norm here, where in a Llama block it is ffn_norm.
+GEMMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 keeps q/k/v in one matrix (rows q | k | v) and gate/up in one (rows gate | up), as Hugging Face does.
+PHI3_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# OLMo 2 normalizes after attention and after the MLP, never before; its q/k norms span all heads.
+OLMO2_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+} | QK_NORMS
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def shortest_float(value: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.999999747e-06. Write the shortest decimal of the same float32."""
+    return float(str(np.float32(value)))
+
+
+ATTENTION_BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
+MLP_BIASES = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class BiasGroup:
+    """Biases that one Hugging Face config switch turns on together (a switch of None: always there)."""
+
+    switch: str | None
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # Hugging Face `architectures[0]`
+    model_type: str
+    layer_tensors: dict[str, str]
+    # config field -> (GGUF key after "<arch>.", default or REQUIRED), beyond COMMON_KEYS
+    keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    constants: dict[str, Any] = field(default_factory=dict)
+    biases: tuple[BiasGroup, ...] = ()
+    # llama.cpp's converter reorders q/k rows for its interleaved ("NORM") RoPE: LlamaModel.modify_tensors and the
+    # subclasses that keep undo_permute (Granite, SmolLM3), not Qwen, Gemma, Phi-3 or OLMo 2 (NEOX RoPE).
+    permute_qk: bool = False
+    # what the converter added to every *norm.weight (Gemma's x * (1 + w) stored as x * w')
+    norm_shift: float = 0.0
+    qk_norm_per_head: bool = True  # False: q/k norms span heads * head_dim (OLMo 2)
+    # RoPE tensors llama.cpp reads for this architecture: a llama3 `rope_freqs`, or Phi-3's LongRoPE factors
+    rope_tensors: tuple[str, ...] = ()
+    partial_rotary: bool = False  # rope.dimension_count may be below head_dim
+    linear_rope_scaling: bool = True  # Hugging Face's class accepts rope_scaling {type: linear}
+    # family-specific config fields: (GGUF metadata, the config so far) -> fields to add
+    extra: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+
+
+REQUIRED = object()  # a key without a default
+# config field -> (GGUF key after "<arch>.", default): what every family stores alike
+COMMON_KEYS = {
+    "hidden_size": ("embedding_length", REQUIRED),
+    "intermediate_size": ("feed_forward_length", REQUIRED),
+    "num_hidden_layers": ("block_count", REQUIRED),
+    "num_attention_heads": ("attention.head_count", REQUIRED),
+    "max_position_embeddings": ("context_length", REQUIRED),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", REQUIRED),
+    "rope_theta": ("rope.freq_base", 10000.0),  # llama.cpp's default (Gemma 2's converter never writes it)
+}
+
+
+def arch_key(meta: dict[str, Any], key: str, default: Any = None) -> Any:
+    return meta.get(f"{meta['general.architecture']}.{key}", default)
+
+
+def read_keys(meta: dict[str, Any], keys: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    """Config fields from GGUF keys: floats as the shortest decimal of their float32, one value for all layers."""
+    fields = {}
+    for name, (key, default) in keys.items():
+        value = arch_key(meta, key, default)
+        if value is REQUIRED:
+            raise UnsupportedGGUFError(f"GGUF metadata has no {meta['general.architecture']}.{key!r}")
+        if isinstance(value, list):
+            raise UnsupportedGGUFError(f"per-layer {key} ({value[:4]}...) is not supported")
+        fields[name] = shortest_float(value) if isinstance(value, float) else value
+    return fields
+
+
+def window_pattern(meta: dict[str, Any], num_layers: int, every: int) -> list[str]:
+    """Hugging Face layer_types from `attention.sliding_window_pattern` (a bool per layer, or a period), else the
+    period llama.cpp hard-codes: layer i slides unless i % every == every - 1 (llama_hparams::set_swa_pattern)."""
+    pattern = arch_key(meta, "attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise UnsupportedGGUFError(
+                f"sliding_window_pattern has {len(pattern)} entries for {num_layers} layers"
+            )
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def gemma_attention_scalar(config: dict[str, Any], large_layers: int) -> int:
+    """llama.cpp scales queries by 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the largest model (Gemma 2 27B:
+    46 layers, Gemma 3 27B: 62), and stores neither: Hugging Face's query_pre_attn_scalar is that number."""
+    if config["num_hidden_layers"] == large_layers:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def gemma2_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    swa_base = arch_key(meta, "rope.freq_base_swa")
+    if swa_base is not None and shortest_float(swa_base) != config["rope_theta"]:
+        raise UnsupportedGGUFError(f"gemma2 with a local RoPE base ({swa_base}) apart from the global one")
+    return {
+        "query_pre_attn_scalar": gemma_attention_scalar(config, large_layers=46),
+        "layer_types": window_pattern(meta, config["num_hidden_layers"], every=2),
+    }
+
+
+def gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    window = arch_key(meta, "attention.sliding_window", 0)
+    softcap = arch_key(meta, "final_logit_softcapping", 0.0)
+    layers = config["num_hidden_layers"]
+    return {
+        "query_pre_attn_scalar": gemma_attention_scalar(config, large_layers=62),
+        "sliding_window": window or None,
+        # without a window llama.cpp runs every layer as full attention
+        "layer_types": window_pattern(meta, layers, every=6) if window else ["full_attention"] * layers,
+        "final_logit_softcapping": shortest_float(softcap) if softcap else None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def granite_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    if not arch_key(meta, "rope.scaling.finetuned", True):
+        raise UnsupportedGGUFError("granite without RoPE (rope.scaling.finetuned = false)")
+
+    def scale(key: str, default: float) -> float:
+        # llama.cpp skips a scale of 0 (absent), and uses 1/sqrt(head_dim) for an absent attention scale
+        value = arch_key(meta, key, 0.0)
+        return shortest_float(value) if value else default
+
+    return {
+        "embedding_multiplier": scale("embedding_scale", 1.0),
+        "residual_multiplier": scale("residual_scale", 1.0),
+        "attention_multiplier": scale("attention.scale", config["head_dim"] ** -0.5),
+    }
+
+
+def smollm3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp hard-codes NoPE on every 4th layer (n_no_rope_layer_step = 4); 1 means "apply RoPE"
+    interval = 4
+    layers = config["num_hidden_layers"]
+    return {
+        "no_rope_layer_interval": interval,
+        "no_rope_layers": [int((i + 1) % interval != 0) for i in range(layers)],
+    }
+
+
+def olmo2_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    if arch_key(meta, "attention.sliding_window"):
+        raise UnsupportedGGUFError("olmo2 with a sliding window (OLMo 3) is not supported")
+    return {}
+
+
+def phi3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    window = arch_key(meta, "attention.sliding_window", 0)
+    return {
+        # the converter writes the pretraining context even without long-context factors
+        "original_max_position_embeddings": arch_key(
+            meta, "rope.scaling.original_context_length", config["max_position_embeddings"]
+        ),
+        "sliding_window": window or None,  # llama.cpp ignores it; Hugging Face's Phi-3 attends within it
+    }
+
+
+SILU = {"hidden_act": "silu"}
+GELU_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
+LLAMA3_ROPE = ("rope_freqs",)
+LONGROPE = ("rope_factors_long", "rope_factors_short")
+LLAMA_BIASES = (BiasGroup("attention_bias", ATTENTION_BIASES), BiasGroup("mlp_bias", MLP_BIASES))
+
+FAMILIES: dict[str, Family] = {
+    # Llama 2/3.x, Mistral (llama.cpp writes MistralForCausalLM as `llama`), SmolLM2, DeepSeek-R1-Distill-Llama
+    "llama": Family(
+        "LlamaForCausalLM",
+        "llama",
+        LLAMA_LAYER,
+        constants=SILU,
+        biases=LLAMA_BIASES,
+        permute_qk=True,
+        rope_tensors=LLAMA3_ROPE,
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        LLAMA_LAYER,
+        constants=SILU | {"use_sliding_window": False},
+        biases=(BiasGroup(None, ("attn_q", "attn_k", "attn_v")),),
+    ),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        LLAMA_LAYER | QK_NORMS,
+        constants=SILU | {"use_sliding_window": False},
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+    ),
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        GEMMA_LAYER,
+        keys={  # llama.cpp's defaults: Gemma 2's
+            "sliding_window": ("attention.sliding_window", 4096),
+            "attn_logit_softcapping": ("attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": ("final_logit_softcapping", 30.0),
+        },
+        constants=GELU_TANH,
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        norm_shift=1.0,
+        extra=gemma2_config,
+    ),
+    "gemma3": Family(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        GEMMA_LAYER | QK_NORMS,
+        # the local base is a key of its own, which llama.cpp defaults to 10000 (llama_hparams), not the global one
+        keys={"rope_local_base_freq": ("rope.freq_base_swa", 10000.0)},
+        constants=GELU_TANH,
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        norm_shift=1.0,
+        extra=gemma3_config,
+    ),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        PHI3_LAYER,
+        constants=SILU,
+        rope_tensors=LONGROPE,
+        partial_rotary=True,
+        linear_rope_scaling=False,  # Hugging Face's Phi3Config accepts only default and longrope
+        extra=phi3_config,
+    ),
+    "olmo2": Family(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        OLMO2_LAYER,
+        constants=SILU,
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        qk_norm_per_head=False,
+        extra=olmo2_config,
+    ),
+    "granite": Family(
+        "GraniteForCausalLM",
+        "granite",
+        LLAMA_LAYER,
+        keys={"logits_scaling": ("logit_scale", REQUIRED)},
+        constants=SILU,
+        biases=LLAMA_BIASES,
+        permute_qk=True,
+        rope_tensors=LLAMA3_ROPE,
+        extra=granite_config,
+    ),
+    "smollm3": Family(
+        "SmolLM3ForCausalLM",
+        "smollm3",
+        LLAMA_LAYER,
+        constants=SILU | {"use_sliding_window": False, "sliding_window": None},
+        biases=LLAMA_BIASES,
+        permute_qk=True,
+        extra=smollm3_config,
+    ),
+}
+
+
+def family_for(arch: Any) -> Family:
+    if arch not in FAMILIES:
+        raise UnsupportedGGUFError(
+            f"architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[arch]
+
+
+def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every GGUF tensor inside blk.N (numpy order: rows first) for this family and config."""
+    hidden, ffn, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_rows = config["num_attention_heads"] * head_dim
+    kv_rows = config["num_key_value_heads"] * head_dim
+    shapes = {
+        "attn_q": (q_rows, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_qkv": (q_rows + 2 * kv_rows, hidden),
+        "attn_output": (hidden, q_rows),
+        "attn_q_norm": (head_dim if family.qk_norm_per_head else q_rows,),
+        "attn_k_norm": (head_dim if family.qk_norm_per_head else kv_rows,),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (2 * ffn if "ffn_gate" not in family.layer_tensors else ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
+    for name in family.layer_tensors:
+        if name.endswith("norm") and name not in shapes:
+            shapes[name] = (hidden,)
+    return shapes
+
+
+def attention_rows(config: dict[str, Any]) -> dict[str, int]:
+    """Rows of q, k and v, in the order a fused attn_qkv stacks them."""
+    head_dim = config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * head_dim
+    return {"attn_q": config["num_attention_heads"] * head_dim, "attn_k": kv_rows, "attn_v": kv_rows}
+
+
+def partial_rotary_factor(rope_dims: int, head_dim: int) -> float:
+    """The factor Hugging Face turns back into rope_dims with int(head_dim * factor): rope_dims / head_dim, nudged up
+    one float64 step where that product rounds below rope_dims (e.g. 40 / 48 * 48 = 39.99...)."""
+    factor = rope_dims / head_dim
+    while int(head_dim * factor) < rope_dims:
+        factor = math.nextafter(factor, math.inf)
+    return factor
+
+
+# RoPE. llama.cpp keeps the base and a scaling type in metadata, and the llama3 and LongRoPE curves as tensors of
+# per-frequency divisors; Hugging Face keeps all of it in config.json's rope_scaling.
+
+# the largest relative error, against what llama.cpp rotates by, allowed for a recovered llama3 curve: a few
+# float32 roundings (Hugging Face blends (1 - s) inv / factor + s inv, llama.cpp divides by 1 / ((1 - s) / factor + s))
+LLAMA3_TOLERANCE = 2**-20
+LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_config(
+    family: Family, meta: dict[str, Any], config: dict[str, Any], tensors: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """partial_rotary_factor and rope_scaling, from the metadata and the RoPE tensors (by name without .weight)."""
+    head_dim, fields = config["head_dim"], {}
+    rope_dims = arch_key(meta, "rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        if not family.partial_rotary or not 0 < rope_dims < head_dim:
+            raise UnsupportedGGUFError(f"partial rotary embedding ({rope_dims} of {head_dim})")
+        fields["partial_rotary_factor"] = partial_rotary_factor(rope_dims, head_dim)
+    kind = arch_key(meta, "rope.scaling.type")
+    factor = arch_key(meta, "rope.scaling.factor") or arch_key(meta, "rope.scale_linear") or 1.0
+    if kind not in (None, "none", "linear"):
+        raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported")
+    # llama.cpp reads an absent type as linear, and "none" as no scaling whatever the factor
+    linear = kind != "none" and factor != 1.0
+    if linear and (tensors or not family.linear_rope_scaling):
+        raise UnsupportedGGUFError(
+            f"linear rope scaling (factor {factor}) with {sorted(tensors) or family.model_type}"
+        )
+    if linear:
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": shortest_float(factor)}
+    elif "rope_freqs" in tensors:
+        orig = arch_key(meta, "rope.scaling.original_context_length")
+        fields["rope_scaling"] = llama3_scaling(tensors["rope_freqs"], config["rope_theta"], rope_dims, orig)
+    elif tensors:
+        fields["rope_scaling"] = longrope_scaling(meta, config, tensors, rope_dims)
+    return fields
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Hugging Face's llama3 frequencies (modeling_rope_utils._compute_llama3_parameters), in its float32 steps."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """The unscaled frequencies, computed as Hugging Face and llama.cpp's converter both do (float32)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def llama3_scaling(divisors: np.ndarray, base: float, dim: int, orig: int | None) -> dict[str, Any]:
+    """The llama3 rope_scaling whose frequencies are llama.cpp's inv_freq / rope_freqs, to float32 rounding.
+
+    The divisors fix the factor (the largest) and the two wavelengths bounding the blend, orig / low_freq_factor and
+    orig / high_freq_factor, but not orig itself. Try Llama 3.1/3.2's low 1 / high 4 (with the file's original
+    context length, else 8192) before fitting the bounds; a fit keeps the file's original context length, else
+    takes the longer bound for it (low_freq_factor 1, as every Llama 3 has).
+    """
+    if divisors.shape != (dim // 2,):
+        raise UnsupportedGGUFError(f"rope_freqs.weight has shape {divisors.shape}, expected ({dim // 2},)")
+    inv_freq = rope_inv_freq(base, dim)
+    target = inv_freq.double() / torch.from_numpy(divisors.astype(np.float64))
+    factor = shortest_float(divisors.max())
+    if not factor > 1.0:
+        raise UnsupportedGGUFError("rope_freqs.weight divides no frequency: it is no llama3 rope scaling")
+    defaults = LLAMA3_DEFAULTS
+    candidates = [
+        (
+            defaults["low_freq_factor"],
+            defaults["high_freq_factor"],
+            orig or defaults["original_max_position_embeddings"],
+        )
+    ]
+    if bounds := blend_bounds(
+        divisors.astype(np.float64), factor, (inv_freq.double() / (2 * math.pi)).numpy()
+    ):
+        long, short = bounds  # wavelengths
+        context = orig or max(1, round(long))
+        # a fit from float32 divisors lands a few roundings off round numbers: try them first
+        for spell in (lambda x: float(f"{x:.6g}"), shortest_float, float):
+            candidates.append((spell(context / long), spell(context / short), context))
+    best = math.inf
+    for low, high, context in candidates:
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                   "original_max_position_embeddings": int(context)}  # fmt: skip
+        error = ((llama3_inv_freq(inv_freq, scaling).double() - target).abs() / target).max().item()
+        if error <= LLAMA3_TOLERANCE:
+            return scaling
+        best = min(best, error)
+    raise UnsupportedGGUFError(
+        f"rope_freqs.weight matches no llama3 rope scaling (closest: relative error {best:.1e})"
+    )
+
+
+def blend_bounds(divisors: np.ndarray, factor: float, u: np.ndarray) -> tuple[float, float] | None:
+    """The wavelengths (long, short) = (orig / low_freq_factor, orig / high_freq_factor) that put each frequency,
+    u = 1 / wavelength, in its band, or None.
+
+    A frequency keeps its value where u > 1 / short, is divided by the factor where u < 1 / long, and between them
+    is divided by 1 / ((1 - s) / factor + s), s = (u - 1 / long) / (1 / short - 1 / long): a line in u that two or
+    more blended frequencies fix; one, or none, leaves it free within the gaps to the neighbouring bands.
+    """
+    kept = divisors <= 1 + LLAMA3_TOLERANCE
+    divided = divisors >= factor * (1 - LLAMA3_TOLERANCE)
+    blended = ~kept & ~divided
+    smooth = (1 / divisors - 1 / factor) / (1 - 1 / factor)
+    low_bound = u[divided].max() if divided.any() else 0.0  # 1 / long lies above every divided u
+    high_bound = u[kept].min() if kept.any() else math.inf  # and 1 / short below every kept u
+    if blended.sum() >= 2:
+        slope, intercept = np.polyfit(u[blended], smooth[blended], 1)
+        low = -intercept / slope
+        high = low + 1 / slope
+    elif blended.sum() == 1:
+        (u1,), (s1,) = u[blended], smooth[blended]
+        step = (u1 - low_bound) / 2
+        if high_bound < math.inf:
+            step = min(step, (high_bound - u1) * s1 / (1 - s1) / 2)
+        low = u1 - step
+        high = low + (u1 - low) / s1
+    else:
+        top = high_bound if high_bound < math.inf else 4 * low_bound
+        low, high = low_bound + (top - low_bound) / 3, low_bound + 2 * (top - low_bound) / 3
+    if not 0 < low < high:
+        return None
+    return 1 / low, 1 / high
+
+
+def longrope_scaling(
+    meta: dict[str, Any], config: dict[str, Any], tensors: dict[str, np.ndarray], rope_dims: int
+) -> dict[str, Any]:
+    """Phi-3's LongRoPE: the two factor lists, and the attention factor where the file's differs from the one
+    Hugging Face derives from max_position_embeddings / original_max_position_embeddings."""
+    if set(tensors) != set(LONGROPE):
+        raise UnsupportedGGUFError(f"LongRoPE needs both of {LONGROPE}, the GGUF has {sorted(tensors)}")
+    for name, values in tensors.items():
+        if values.shape != (rope_dims // 2,):
+            raise UnsupportedGGUFError(
+                f"{name}.weight has shape {values.shape}, expected ({rope_dims // 2},)"
+            )
+    scaling = {
+        "rope_type": "longrope",
+        "long_factor": [shortest_float(v) for v in tensors["rope_factors_long"]],
+        "short_factor": [shortest_float(v) for v in tensors["rope_factors_short"]],
+    }
+    orig = config["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / orig
+    derived = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+    stored = arch_key(meta, "rope.scaling.attn_factor", 1.0)
+    if np.float32(stored) != np.float32(derived):
+        scaling["attention_factor"] = shortest_float(stored)
+    return scaling
