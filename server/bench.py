@@ -283,11 +283,13 @@ def bench_quality(test: Engine, reference: Engine, text: str, window: int) -> di
     """How far the test engine's next-token distributions are from the reference's over a text: mean
     KL(reference || test) per position, how often their most likely tokens agree, and each one's perplexity
     on the text (llama.cpp's --kl-divergence measures the same). The text is read in windows of `window`
-    tokens, each a fresh sequence, so both see exactly the same inputs."""
+    tokens, each a fresh sequence, so both see exactly the same inputs (each after BOS where the tokenizer adds
+    one: Gemma's outputs fall apart without it)."""
     ids = test.tokenizer.encode(text)
+    bos = test.tokenizer.encode("", add_special_tokens=True)
     kld, agree, nll_test, nll_ref, n = 0.0, 0, 0.0, 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
+    for start in range(0, len(ids) - 1, window - len(bos)):
+        chunk = bos + ids[start : start + window - len(bos)]
         if len(chunk) < 2:
             break
         p = torch.log_softmax(reference.score(chunk).double(), dim=-1)[:-1]  # [n - 1, vocab]
@@ -309,9 +311,13 @@ def bench_quality(test: Engine, reference: Engine, text: str, window: int) -> di
 
 
 def answer(engine: Engine, question: str, max_tokens: int = 24) -> str:
-    """The engine's greedy answer to one chat question."""
+    """The engine's greedy answer to one chat question; a model without a chat template (a base model)
+    continues the question's text."""
     tok = engine.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    if tok.has_chat_template:
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    else:
+        prompt = tok.encode(question, add_special_tokens=True)
     engine.add_request("question", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     text = ""
     while engine.has_work():
