@@ -283,3 +283,33 @@ def test_partial_rotary_factor_gives_back_the_rotary_width():
     for head_dim in range(2, 257, 2):
         for rope_dims in range(2, head_dim + 1, 2):
             assert int(head_dim * partial_rotary_factor(rope_dims, head_dim)) == rope_dims
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
+                                    "smollm3"])  # fmt: skip
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
+def test_kvserve_serves_every_family_from_gguf(tmp_path, arches, byte_vocab, cpu_path, family, type_name):
+    """kvserve's model on the converted folder against the original transformers model: float32 logits on a
+    prompt longer than every window (F32), and with the GGUF's Q8_0 integers kept on kvserve's quantized GEMMs
+    (their rounding of the activations apart) the same top token nearly everywhere."""
+    from model.kernels import cpu_kernels
+    from model.kv_cache import KVCache
+    from model.linear import PlainLinear
+    from model.quant import QuantizedLinear
+
+    model, _, out = round_trip(tmp_path, arches, family, byte_vocab, GGMLQuantizationType[type_name])
+    linear = QuantizedLinear(cpu_kernels(), PlainLinear(), None) if type_name == "Q8_0" else PlainLinear()
+    ours, config = cpu_path.load(out, linear=linear)
+    ids = arches.prompt_ids(model.config.vocab_size)
+    got = cpu_path.run(
+        ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids[0].tolist(), 0, list(range(16))
+    )
+    with torch.no_grad():
+        expected = model(ids).logits[0]
+    if type_name == "F32":
+        assert (got - expected).abs().max() < 1e-4
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    else:
+        assert any(getattr(m, "bits", None) == 8 for m in ours.modules())  # the GGUF's own integers
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.85
