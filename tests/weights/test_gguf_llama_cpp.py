@@ -3,8 +3,8 @@ kvserve's conversion of the real converter's output.
 
 Runs llama.cpp's own Python converter (convert_hf_to_gguf.py, conversion/, gguf-py/) from a llama.cpp source
 tree: KVSERVE_LLAMA_CPP or /tmp/peer/llama.cpp where there is one, else the tree vendored by llama-cpp-python's
-sdist (77 MB, the peer build's pinned version), downloaded once into the weights folder (pip download, never
-installed).
+sdist (77 MB, the peer build's pinned version), downloaded once into the user's cache folder (pip download,
+never installed; not under weights/, whose *.py files are kvserve's package).
 """
 
 import json
@@ -34,14 +34,11 @@ def tree() -> Path:
     import tarfile
     import tempfile
 
-    from weights.store import weights_dir
-
     for candidate in (os.environ.get("KVSERVE_LLAMA_CPP"), "/tmp/peer/llama.cpp"):
         if candidate and (Path(candidate) / "conversion").is_dir():
             return Path(candidate)
-    vendored = (
-        weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")) / "llama-cpp-converter" / SDIST.replace("==", "-")
-    )
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    vendored = cache / "kvserve" / "llama-cpp-converter" / SDIST.replace("==", "-")
     if not (vendored / "conversion").is_dir():
         with tempfile.TemporaryDirectory() as download:
             command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
