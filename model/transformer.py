@@ -2,8 +2,9 @@
 
 Variation is config switches: RMSNorm or LayerNorm, where a block's norms sit (before, around or after each
 branch), q/k norms, SwiGLU, GeGLU or GELU MLP, RoPE per layer (or none, or learned positions), sliding windows
-per layer, biases, scalars and soft-caps. Tokens arrive flat ([T]): a step's prefill chunks and decodes go through the same code, and K/V are
-written and read through the slots and block tables of the step's attention metadata (model/attention.py).
+per layer, biases, scalars and soft-caps. Tokens arrive flat ([T]): a step's prefill chunks and decodes go
+through the same code, and K/V are written and read through the slots and block tables of the step's attention
+metadata (model/attention.py).
 
 How the heavy ops run is given at construction (`Ops`): every GEMM's weight format (model/linear.py), the
 RMSNorm and SwiGLU kernels, and whether the blocks run as one C++ call once loaded (model/layer_stack.py, the
@@ -179,18 +180,18 @@ class Block(nn.Module):
         pre, post = config.block in ("pre", "sandwich"), config.block in ("sandwich", "post")
         self.norm1 = norm(ops.rms_norm) if pre else NoNorm()
         self.attn = Attention(config, spec, ops)
-        self.post_attn_norm = norm() if post else None
+        self.post_attn_norm = norm(ops.rms_norm) if post else None
         self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
         self.mlp = MLP(config, ops)
-        self.post_mlp_norm = norm() if post else None
+        self.post_mlp_norm = norm(ops.rms_norm) if post else None
         self.residual_scale = config.residual_scale
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's output, residual: the stream it adds to (None before the first block).
         Returns this block's output and the stream it adds to: the next norm adds them (one fused pass)."""
         h, residual = self.norm1.add_forward(x, residual)
-        h, residual = self.norm2.add_forward(self.branch_out(self.attn(h, rope, k_cache, v_cache, meta),
-                                                             self.post_attn_norm), residual)  # fmt: skip
+        attended = self.branch_out(self.attn(h, rope, k_cache, v_cache, meta), self.post_attn_norm)
+        h, residual = self.norm2.add_forward(attended, residual)
         return self.branch_out(self.mlp(h), self.post_mlp_norm), residual
 
     def branch_out(self, x: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
