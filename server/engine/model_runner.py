@@ -41,6 +41,7 @@ class ModelRunner:
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
         self.attention, self.device, self.dtype = attention, device, dtype
+        self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +93,7 @@ class ModelRunner:
     def _long_rope(self, chunks: list[tuple[int, int]]) -> torch.Tensor | None:
         """[T] bool for a LongRoPE model (None otherwise), from each chunk's (tokens, the longest its sequence may
         grow): a sequence that may outgrow the pretraining length takes the long factors from its first token."""
-        original = self.model_config.longrope_original_len
+        original = self.longrope_original_len
         if original is None:
             return None
         flags = [longest > original for n, longest in chunks for _ in range(n)]
