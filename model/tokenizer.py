@@ -39,6 +39,9 @@ class Tokenizer:
         self.template_renders_tools = chat_template is not None and "tools" in _template_variables(
             chat_template
         )
+        # Whether a system message after the first turns renders where it stands; the caller folds it into a user
+        # turn for a template that refuses one (alternating roles only) or leaves it out.
+        self.template_renders_inline_system = self._template is not None and self._renders_inline_system()
         self.bos_token_id = self._special_token_id("bos_token")
         self.eos_token_id = self._special_token_id("eos_token")
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
@@ -132,6 +135,18 @@ class Tokenizer:
             # The template is the model author's code run on the client's messages: any failure there (including
             # raise_exception) is a bad request, not a server fault.
             raise ValueError(f"chat template error: {e}") from e
+
+    def _renders_inline_system(self) -> bool:
+        probe = [
+            {"role": role, "content": f"kvserve-probe-{i}-{role}"}
+            for i, role in enumerate(("user", "assistant", "system", "user"))
+        ]
+        try:
+            text = self.apply_chat_template(probe, add_generation_prompt=False)
+        except ValueError:
+            return False
+        at = [text.find(m["content"]) for m in probe]
+        return -1 not in at and at == sorted(at)
 
 
 def _byte_level_table() -> dict[str, int]:

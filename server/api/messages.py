@@ -3,6 +3,7 @@ become chat messages rendered through the chat template as /v1/chat/completions 
 streams as content blocks (text, tool_use) in Anthropic's event sequence."""
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 
@@ -26,9 +27,15 @@ from server.api.errors import ApiError, anthropic_error
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import Function, Tools, call_parser, new_call_id
 
+log = logging.getLogger(__name__)
+
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice types -> kvserve's
 ENGINE_NAMES = {"prompt": "messages", "stop": "stop_sequences"}  # the engine's field names, here
 SHUT_DOWN = "the server shut down before the message was finished"
+# Claude Code opens its system prompt with this attribution line for Anthropic's billing, and it changes with the
+# conversation's first message (cc_version=2.1.200.209, then .b31): left out of the prompt (vLLM drops it too), so
+# that conversations share the prompt's first tokens, and with them the prefix cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 async def message(state: ServingState, body: mp.MessagesRequest, log_id: str, disconnected: Disconnected):
@@ -36,6 +43,8 @@ async def message(state: ServingState, body: mp.MessagesRequest, log_id: str, di
     check_model(state, body.model)
     check_queue(state)
     tools = request_tools(body)
+    if unused := body.unused_fields():
+        log.debug("request %s: accepted, not used: %s", log_id, ", ".join(unused))
     ids = chat_prompt_ids(state, chat_messages(body), tools=tools)
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
@@ -57,12 +66,15 @@ def request_tools(body: mp.MessagesRequest) -> Tools | None:
 
 
 def chat_messages(body: mp.MessagesRequest) -> list[dict]:
-    """The conversation in the chat shape chat_prompt_ids() renders: the system blocks as the system message,
-    an assistant's tool_use blocks as its tool_calls, a user's tool_result blocks as tool messages (before its
-    text, as Anthropic has them first)."""
+    """The conversation in the chat shape chat_prompt_ids() renders: the system blocks (but Claude Code's billing
+    line) as the system message, an assistant's tool_use blocks as its tool_calls, a user's tool_result blocks as
+    tool messages (before its text, as Anthropic has them first), and a system message among the others as a
+    system message where it stands (chat_prompt_ids() folds it into a user turn for a template that cannot
+    render it there)."""
     messages: list[dict] = []
-    if body.system:
-        messages.append({"role": "system", "content": "\n".join(b.text for b in body.system)})
+    system = [b.text for b in body.system if not b.text.startswith(BILLING_HEADER)]
+    if system:
+        messages.append({"role": "system", "content": "\n".join(system)})
     call_ids = set()
     for i, m in enumerate(body.messages):
         texts, calls = [], []
@@ -81,7 +93,8 @@ def chat_messages(body: mp.MessagesRequest) -> list[dict]:
                     content = "\n".join(b.text for b in block.content)
                     messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
                 case _:
-                    why = f"{block.type} blocks belong in {'assistant' if m.role == 'user' else 'user'} messages"
+                    home = "assistant" if block.type == "tool_use" else "user"
+                    why = f"{block.type} blocks belong in {home} messages"
                     raise ApiError(400, f"messages.{i}: {why}", param=f"messages.{i}")
         if calls:
             messages.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})

@@ -1,8 +1,10 @@
 """The bodies of Anthropic's Messages API (/v1/messages), its stream events and its errors, as kvserve serves it:
 text and client tools.
 
-Request bodies follow protocol.py's rules: unknown fields are ignored (thinking, metadata, cache_control, ...),
-null means the default, and what kvserve cannot do (images, documents, server tools) is refused by name.
+Request bodies follow protocol.py's rules: unknown fields are ignored (cache_control, a tool's defer_loading, ...),
+null means the default, and what kvserve cannot do (images, documents, server tools) is refused by name. The
+fields Claude Code sends that have no effect here (thinking, context_management, metadata, output_config.effort)
+are named in the schema, so that the server can say at debug level that it did not use them.
 """
 
 from typing import Annotated, Literal
@@ -65,7 +67,9 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discr
 
 
 class Message(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(
+        description="system: instructions in the middle of the conversation (Claude Code sends them), text only."
+    )
     content: list_or_string(ContentBlock, _text_blocks)
 
 
@@ -97,6 +101,17 @@ class OutputFormat(Body):
 
 class OutputConfig(Body):
     format: OutputFormat | None = Field(None, description="The reply is JSON matching the schema.")
+    effort: str | None = Field(
+        None, description="Accepted, not used: the models served have no effort setting."
+    )
+
+
+class Thinking(Body):
+    """Extended thinking. The models kvserve serves do not reason apart from their answer, so no thinking blocks
+    are written; and as Anthropic counts thinking against max_tokens, none spent leaves the answer all of it."""
+
+    type: str = Field(description="enabled (with budget_tokens), adaptive or disabled: all accepted alike.")
+    budget_tokens: int | None = Field(None, description="Not spent: max_tokens bounds the answer alone.")
 
 
 class MessagesRequest(Sampling):
@@ -113,9 +128,24 @@ class MessagesRequest(Sampling):
         "the tools' schemas by a grammar.",
     )
     output_config: OutputConfig | None = None
+    thinking: Thinking | None = Field(None, description="Accepted, not used: no thinking blocks are written.")
+    context_management: JsonObject | None = Field(
+        None,
+        description="Accepted, not used: there are no thinking blocks or tool results kept here to clear.",
+    )
+    metadata: JsonObject | None = Field(None, description="Accepted, not used.")
 
     def stop_list(self) -> list[str]:
         return list(self.stop_sequences)
+
+    def unused_fields(self) -> list[str]:
+        """The fields given that kvserve accepts and does not act on."""
+        given = [
+            name for name in ("thinking", "context_management", "metadata") if getattr(self, name) is not None
+        ]
+        if self.output_config is not None and self.output_config.effort is not None:
+            given.append("output_config.effort")
+        return given
 
 
 class CountTokensRequest(MessagesRequest):

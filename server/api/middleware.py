@@ -14,7 +14,10 @@ class RequestGuard:
     gives every request an X-Request-Id, echoed in the response, and refuses bodies over the size limit,
     by Content-Length and by counting what actually arrives, before the app reads any of it. A body that
     has not arrived in full within read_timeout seconds gets 408 and the connection is closed; the engine
-    never sees a request before its whole body is here, so a stalled client holds no engine resources."""
+    never sees a request before its whole body is here, so a stalled client holds no engine resources.
+
+    HEAD is answered as GET without the body, on every route: FastAPI gives a GET route no HEAD (a 405), and
+    clients probe with one (Claude Code sends `HEAD /` as it starts)."""
 
     def __init__(self, app, max_request_bytes: int, read_timeout: float = 30.0):
         self.app = app
@@ -34,6 +37,8 @@ class RequestGuard:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
+        if scope["method"] == "HEAD":
+            return await self.app({**scope, "method": "GET"}, receive, headless(send_with_id))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send_with_id)
         too_large = ApiError(
@@ -78,3 +83,15 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send_with_id)
+
+
+def headless(send):
+    """`send` for a HEAD request answered as its GET: the GET's status and headers (Content-Length included, as
+    HTTP has it), no body. The server's own scope still says HEAD, so it expects none."""
+
+    async def send_headers_only(message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_headers_only

@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from server.api import routes
+from server.api import fleet, routes, ui
 from server.api.app import begin_drain, drain, set_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -155,6 +155,28 @@ def test_404_unknown_model_and_route(tiny_engine, start_server):
     assert error["code"] == "model_not_found"
     assert httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "test-model"}).status_code == 200
     assert_error(httpx.get(f"{url}/v2/nothing"), 404)
+
+
+def test_head_is_get_without_the_body_on_every_route(tiny_engine, start_server):
+    """Clients probe with HEAD (Claude Code sends `HEAD /` as it starts): every GET route answers it with the
+    GET's status and headers and an empty body, the key checked as for GET; elsewhere it gets what GET gets."""
+    url, app = start_server(tiny_engine, api_key="sesame")
+    client = httpx.Client(base_url=url)
+    examples = {"name": "index.html", "model": "test-model"}  # the path parameters of the GET routes
+    routers = (routes.health_router, routes.api_router, fleet.public_router, fleet.router, ui.ui_router)
+    paths = [
+        r.path_format.format(**examples) for router in routers for r in router.routes if "GET" in r.methods
+    ]
+    assert {"/", "/health", "/metrics", "/v1/models", "/is_sleeping", "/server_info"} <= set(paths)
+    for path in [*paths, "/v2/nothing", "/v1/messages"]:
+        for headers in ({}, {"x-api-key": "sesame"}):
+            get, head = client.get(path, headers=headers), client.head(path, headers=headers)
+            assert head.status_code == get.status_code and head.content == b"", path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+            if path != "/metrics":  # its counters move between the two requests
+                assert head.headers["content-length"] == str(len(get.content)), path
+    assert client.head("/v1/models").status_code == 401 and client.head("/").status_code == 200
+    assert client.head("/v1/messages").status_code == 405
 
 
 def test_413_by_content_length_and_by_counting(tiny_engine, start_server):

@@ -3,6 +3,7 @@ live server on the real default model: text, stop sequences, JSON-schema output,
 errors in Anthropic's shape. Run with -s to see the streamed output."""
 
 import json
+import logging
 
 import anthropic
 import jsonschema
@@ -178,3 +179,73 @@ def test_errors_in_anthropics_shape(client, default_server):
     assert "toolu_x" in refused(anthropic.BadRequestError, messages=[result])["message"]
     prefill = [*QUESTION, {"role": "assistant", "content": "The capital"}]
     assert "prefill" in refused(anthropic.BadRequestError, messages=prefill)["message"]
+
+
+def test_claude_codes_requests(default_server, caplog):
+    """A tool round trip shaped as Claude Code 2.1 sends it (its real requests run in test_claude_code.py): the
+    beta route (?beta=true, anthropic-beta), its billing line first in the system prompt, a system message after
+    the first user turn, and thinking, context_management, output_config.effort and metadata, which kvserve
+    accepts and does not use."""
+    sdk = anthropic.Anthropic(base_url=default_server, api_key="unused", max_retries=0, timeout=120)
+    agents = {
+        "role": "system",
+        "content": [
+            {"type": "text", "text": "Agents: none.", "cache_control": {"type": "ephemeral"}},
+        ],
+    }
+    billing = {
+        "type": "text",
+        "text": "x-anthropic-billing-header: cc_version=2.1.200.b31; cc_entrypoint=sdk-cli;",
+    }
+    terse = {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}
+    # Claude Code's attribution line, different in each conversation, is left out of the prompt
+    counted = [
+        sdk.messages.count_tokens(model="smollm2", system=system, messages=ASK_WEATHER).input_tokens
+        for system in ([billing, terse], [terse])
+    ]
+    assert counted[0] == counted[1]
+    common = dict(
+        model="smollm2",
+        max_tokens=32000,  # more than the context holds: what fits is generated
+        system=[billing, terse],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"},
+        metadata={"user_id": '{"device_id": "d", "session_id": "s"}'},
+        betas=["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27"],
+        extra_query={"beta": "true"},  # Claude Code's SDK adds it on the beta route
+    )
+    asked = [*ASK_WEATHER, agents]
+    with caplog.at_level(logging.DEBUG, logger="server.api.messages"):
+        with sdk.beta.messages.stream(
+            messages=asked,
+            thinking={"type": "adaptive", "display": "omitted"},
+            tool_choice={"type": "tool", "name": "get_weather"},  # Claude Code leaves it to the model
+            extra_body=GREEDY,
+            **common,
+        ) as stream:
+            first = stream.get_final_message()
+            sent = stream.response.request
+    assert sent.url.path == "/v1/messages" and sent.url.query == b"beta=true"
+    assert "context-management-2025-06-27" in sent.headers["anthropic-beta"]
+    assert "accepted, not used: thinking, context_management, metadata, output_config.effort" in caplog.text
+    (use,) = first.content
+    assert use.type == "tool_use" and use.name == "get_weather" and first.stop_reason == "tool_use"
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "18 C"}]}
+    with sdk.beta.messages.stream(
+        messages=[
+            *asked,
+            {"role": "assistant", "content": [use.model_dump()]},
+            {"role": "user", "content": [result]},
+        ],
+        thinking={
+            "type": "enabled",
+            "budget_tokens": 1024,
+        },  # older Claude Codes' shape: no thinking is written
+        extra_body={**GREEDY, "max_tokens": 40},
+        **common,
+    ) as stream:
+        answer = stream.get_final_message()
+    print("\nClaude Code shaped:", use.input, "->", [b.model_dump() for b in answer.content])
+    assert answer.content and all(b.type in ("text", "tool_use") for b in answer.content)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

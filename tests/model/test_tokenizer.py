@@ -345,3 +345,25 @@ def test_chat_template_errors(tmp_path):
 
     tok = Tokenizer.from_dir(tmp_path / "tok", chat_template="{{ strftime_now('%Y') }}")
     assert tok.apply_chat_template([]) == str(datetime.now().year)
+
+
+# Templates cut down to how they treat a system message after the first turns.
+ALTERNATING = (  # Gemma's way: after an optional leading system message, roles must alternate
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}{% endfor %}"
+)
+FIRST_SYSTEM_ONLY = (  # messages[0] is the system prompt, and any other system message is left out
+    "{% if messages[0].role == 'system' %}[{{ messages[0].content }}]{% endif %}"
+    "{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.timeout(30)
+def test_which_templates_render_a_system_message_where_it_stands(smol, tmp_path):
+    assert smol.template_renders_inline_system  # ChatML: a <|im_start|>system turn wherever it stands
+    save_sentencepiece_tokenizer(tmp_path / "tok", "llama2", {"bos_token": "<s>"})
+    for template in (ALTERNATING, FIRST_SYSTEM_ONLY):
+        tok = Tokenizer.from_dir(tmp_path / "tok", chat_template=template)
+        assert tok.has_chat_template and not tok.template_renders_inline_system
+    assert not Tokenizer.from_dir(tmp_path / "tok").template_renders_inline_system  # no template at all
