@@ -1,7 +1,15 @@
 """/v1/responses, OpenAI's Responses API, stateless: the input items become chat messages rendered through the
 chat template as /v1/chat/completions renders them, and the reply streams as output items (a message's text,
-function calls) in the Responses event sequence."""
+function calls, custom tool calls) in the Responses event sequence.
 
+The model is offered every tool as a function: a namespace tool's functions flattened out as
+`<namespace>.<name>`, a custom tool as a function of one string argument, `input`. Its calls are mapped back to
+what the request declared: `name` and `namespace` apart (Codex runs a namespaced call only so), and a custom
+tool's `input` as the text it is. Built-in tools are left out of the prompt (see ignored_tools).
+"""
+
+import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,19 +32,101 @@ from server.api.choices import (
 )
 from server.api.errors import ApiError
 from server.api.structured import answer_grammar, compiled, offered_tools
-from server.api.tools import Function, call_parser
+from server.api.tools import ANY_OBJECT, Function, call_parser
 from server.engine.request import RequestOutput
 
+log = logging.getLogger(__name__)
 ENGINE_NAMES = {"prompt": "input", "max_tokens": "max_output_tokens"}  # the engine's field names, here
 SHUT_DOWN = "the server shut down before the response was finished"
+IGNORED_TOOLS_HEADER = "x-kvserve-ignored-tools"
+CUSTOM_INPUT = {  # a custom tool's one argument, as the model is offered it
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+
+@dataclass(frozen=True)
+class Offered:
+    """A tool as the request declared it, behind the function the model is offered."""
+
+    name: str
+    namespace: str | None
+    custom: bool
+
+
+def prompt_name(name: str, namespace: str | None) -> str:
+    """The name the model knows a tool by."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def offered_functions(body: rp.ResponsesRequest) -> tuple[list[Function], dict[str, Offered]]:
+    """The functions the model is offered, and by their names the tools they stand for."""
+    functions: list[Function] = []
+    offered: dict[str, Offered] = {}
+    for tool in body.tools:
+        if isinstance(tool, rp.BuiltinTool):
+            continue
+        namespace = tool.name if isinstance(tool, rp.NamespaceTool) else None
+        for t in tool.tools if isinstance(tool, rp.NamespaceTool) else [tool]:
+            name = prompt_name(t.name, namespace)
+            if isinstance(t, rp.CustomTool):
+                functions.append(Function(name, custom_description(t), CUSTOM_INPUT))
+            else:
+                functions.append(Function(name, t.description, t.parameters or ANY_OBJECT))
+            offered[name] = Offered(t.name, namespace, isinstance(t, rp.CustomTool))
+    return functions, offered
+
+
+def custom_description(tool: rp.CustomTool) -> str | None:
+    """A custom tool's description, with its input's grammar: the model is shown it; nothing enforces it (the
+    input is a JSON string inside the call, and the grammar is over the raw text)."""
+    if tool.format.type == "text":
+        return tool.description
+    syntax, definition = tool.format.syntax, tool.format.definition
+    grammar = f"Its input is text in the language of this {syntax} grammar:\n{definition}"
+    return f"{tool.description}\n\n{grammar}" if tool.description else grammar
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool call's input, from the arguments the model wrote: {"input": "..."}, or a bare string; any
+    other JSON (or none) is passed on as written."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return value if isinstance(value, str) else arguments
+
+
+def ignored_tools(body: rp.ResponsesRequest) -> list[str]:
+    """The types of the built-in tools the request offers, which kvserve leaves out of the prompt."""
+    return list(dict.fromkeys(t.type for t in body.tools if isinstance(t, rp.BuiltinTool)))
+
+
+def ignored_tools_header(body: rp.ResponsesRequest) -> dict[str, str]:
+    """The response header that names them (none when there are none)."""
+    ignored = ignored_tools(body)
+    return {IGNORED_TOOLS_HEADER: ", ".join(ignored)} if ignored else {}
 
 
 async def respond(state: ServingState, body: rp.ResponsesRequest, log_id: str, disconnected: Disconnected):
     """A ResponseObject, an SSE stream of strings, or None when the client went away."""
     check_model(state, body.model)
     check_queue(state)
-    functions = [Function(t.name, t.description, t.parameters or {"type": "object"}) for t in body.tools]
-    choice = body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.name
+    if ignored := ignored_tools(body):
+        log.warning("%s: built-in tools left out of the prompt (kvserve cannot run): %s", log_id, ignored)
+    functions, offered = offered_functions(body)
+    choice = body.tool_choice
+    if isinstance(choice, rp.NamedChoice):
+        tool = offered.get(choice.prompt_name())
+        if tool is not None and tool.custom != (choice.type == "custom"):
+            kind, other = ("a custom tool", "function") if tool.custom else ("a function", "custom")
+            why = f"tool_choice: {choice.prompt_name()[:130]!r} is {kind}, not of type {other!r}"
+            raise ApiError(400, why, param="tool_choice")
+        choice = choice.prompt_name()
     tools = offered_tools(functions, choice, body.parallel_tool_calls)
     ids = chat_prompt_ids(state, chat_messages(body), tools=tools)
     params = sampling_params(body, body.max_output_tokens or rest_of_context(state, ids, "input"), None)
@@ -45,13 +135,15 @@ async def respond(state: ServingState, body: rp.ResponsesRequest, log_id: str, d
     )
     response_id = f"resp_{uuid.uuid4().hex}"
     choices = new_choices(state, response_id, 0, ids, params, names=ENGINE_NAMES)
-    shape = ResponsesShape(state, body, response_id, int(time.time()), ReplyBlocks(call_parser(tools)))
+    blocks = ReplyBlocks(call_parser(tools))
+    shape = ResponsesShape(state, body, response_id, int(time.time()), blocks, offered)
     return await answer(state, choices, shape, log_id, disconnected, body.stream)
 
 
 def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
     """The conversation in the chat shape chat_prompt_ids() renders: the instructions as the system message,
-    function calls as the tool_calls of the assistant message they follow, their outputs as tool messages."""
+    function and custom tool calls as the tool_calls of the assistant message they follow (named as the model
+    is offered them), their outputs as tool messages."""
     messages: list[dict] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -61,17 +153,21 @@ def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
         match item:
             case rp.MessageItem():
                 messages.append({"role": item.role, "content": "\n".join(p.text for p in item.content)})
-            case rp.FunctionCallItem():
-                function = {"name": item.name, "arguments": item.arguments}
+            case rp.FunctionCallItem() | rp.CustomToolCallItem():
+                if isinstance(item, rp.FunctionCallItem):
+                    arguments = item.arguments
+                else:
+                    arguments = json.dumps({"input": item.input}, ensure_ascii=False)
+                function = {"name": prompt_name(item.name, item.namespace), "arguments": arguments}
                 call = {"id": item.call_id, "type": "function", "function": function}
                 if last.get("role") == "assistant":  # a reply's words, then its calls
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "tool_calls": [call]})
                 call_ids.add(item.call_id)
-            case rp.FunctionCallOutputItem():
+            case rp.FunctionCallOutputItem() | rp.CustomToolCallOutputItem():
                 if item.call_id not in call_ids:
-                    why = f"input: function_call_output {item.call_id[:64]!r} follows no function_call of that id"
+                    why = f"input: {item.type} {item.call_id[:64]!r} follows no call of that id"
                     raise ApiError(400, why, param="input")
                 content = "\n".join(p.text for p in item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
@@ -80,13 +176,15 @@ def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
 
 @dataclass
 class ResponsesShape:
-    """The reply as output items: a message for each stretch of text, a function_call for each call."""
+    """The reply as output items: a message for each stretch of text, a function_call or custom_tool_call for
+    each call."""
 
     state: ServingState
     body: rp.ResponsesRequest
     response_id: str
     created: int
     blocks: ReplyBlocks
+    offered: dict[str, Offered] = field(default_factory=dict)  # the tools behind the functions, by name
     item_ids: dict[int, str] = field(default_factory=dict)  # by block
     sequence_number: int = 0
     end = ""
@@ -130,35 +228,48 @@ class ResponsesShape:
 
     def _step(self, step: Step, c: Choice) -> list[Event]:
         block = step.block
+        tool = self._tool(block)
         if isinstance(step, Opened):
-            kind = "msg" if block.call is None else "fc"
+            kind = "msg" if tool is None else "ctc" if tool.custom else "fc"
             self.item_ids[block.index] = f"{kind}_{uuid.uuid4().hex}"
         at = {"item_id": self.item_ids[block.index], "output_index": block.index}
-        text = block.call is None
         match step:
             case Opened():  # empty: a feed's steps are all made before these are, the block may have grown
                 added = [self._item_event("added", block, "", "in_progress")]
-                if text:
+                if tool is None:
                     added.append(self._part_event("added", block, ""))
                 return added
-            case Grew(piece=piece) if text:
+            case Grew(piece=piece) if tool is None:
                 return [self._event(rp.OutputTextDeltaEvent, content_index=0, delta=piece, **at)]
-            case Grew(piece=piece):
+            case Grew(piece=piece) if not tool.custom:
                 return [self._event(rp.FunctionCallArgumentsDeltaEvent, delta=piece, **at)]
+            case Grew():  # a custom call's input is known once its arguments' JSON is whole
+                return []
             case Closed():
                 # a block closes when the next one opens, or at the end: then it is whole if the reply is
                 status = "completed" if c.finish_reason in (None, "stop") else "incomplete"
-                if text:
+                if tool is None:
                     done = [
                         self._event(rp.OutputTextDoneEvent, content_index=0, text=block.text, **at),
                         self._part_event("done", block, block.text),
                     ]
+                elif tool.custom:
+                    text = custom_input(block.text)
+                    done = [self._event(rp.CustomToolCallInputDeltaEvent, delta=text, **at)] if text else []
+                    done.append(self._event(rp.CustomToolCallInputDoneEvent, input=text, **at))
                 else:
-                    name = block.call.name
                     done = [
-                        self._event(rp.FunctionCallArgumentsDoneEvent, name=name, arguments=block.text, **at)
+                        self._event(
+                            rp.FunctionCallArgumentsDoneEvent, name=tool.name, arguments=block.text, **at
+                        )
                     ]
                 return done + [self._item_event("done", block, block.text, status)]
+
+    def _tool(self, block: Block) -> Offered | None:
+        """The tool a call block calls (a plain function unless offered otherwise); None for text."""
+        if block.call is None:
+            return None
+        return self.offered.get(block.call.name) or Offered(block.call.name, None, False)
 
     def _item_event(self, when: str, block: Block, text: str, status: str) -> Event:
         """output_item.added or .done: the block's item with that text (or arguments) and status."""
@@ -167,10 +278,12 @@ class ResponsesShape:
             content = [rp.OutputText(text=text)] if when == "done" else []
             item = rp.OutputMessage(id=item_id, status=status, content=content)
         else:
-            call = block.call
-            item = rp.OutputFunctionCall(
-                id=item_id, call_id=call.id, name=call.name, arguments=text, status=status
-            )
+            tool = self._tool(block)
+            common = {"id": item_id, "call_id": block.call.id, "name": tool.name, "namespace": tool.namespace}
+            if tool.custom:
+                item = rp.OutputCustomToolCall(**common, input=custom_input(text), status=status)
+            else:
+                item = rp.OutputFunctionCall(**common, arguments=text, status=status)
         return self._event(
             rp.OutputItemEvent, type=f"response.output_item.{when}", output_index=block.index, item=item
         )
@@ -209,6 +322,8 @@ class ResponsesShape:
                 answer.output[event.output_index].content[event.content_index].text += event.delta
             case rp.FunctionCallArgumentsDeltaEvent():
                 answer.output[event.output_index].arguments += event.delta
+            case rp.CustomToolCallInputDeltaEvent():
+                answer.output[event.output_index].input += event.delta
 
     def response(self, answer: rp.ResponseObject, choices: list[Choice]) -> rp.ResponseObject:
         (c,) = choices

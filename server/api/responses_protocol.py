@@ -1,13 +1,24 @@
 """The bodies of OpenAI's Responses API (/v1/responses) and its stream events, as kvserve serves it: stateless
-(nothing is stored, so every request carries its whole conversation), text in and out, and function tools.
+(nothing is stored, so every request carries its whole conversation), text in and out, function and custom tools
+(also grouped in namespaces).
 
 Request bodies follow protocol.py's rules: unknown fields are ignored, null means the default, and what kvserve
-cannot do (other tool and input types, stored state) is refused by name.
+cannot do (other input types, stored state) is refused by name. Built-in tools (web search, file search, ...)
+are the exception: agents such as Codex offer them with every request, so they are left out of the prompt, and
+only a tool_choice that names one is refused.
 """
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    RootModel,
+    field_validator,
+    model_validator,
+)
 
 from server.api.protocol import (
     TOOL_NAME,
@@ -28,6 +39,26 @@ STATELESS = {  # fields that would need a stored response or a background job; a
     "background": "kvserve does not run responses in the background",
     "prompt": "kvserve keeps no prompt templates: send the instructions and input",
 }
+# Tools that OpenAI runs on its side, or whose calls are items kvserve never writes (local_shell_call, ...): a
+# request may offer them, they are left out of the prompt; a tool_choice naming one is refused.
+BUILTIN_TOOLS = (
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "computer",
+    "computer_use",
+    "computer_use_preview",
+    "mcp",
+    "code_interpreter",
+    "image_generation",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "tool_search",
+    "programmatic_tool_calling",
+)
 
 # --- the request ------------------------------------------------------------------------------------
 
@@ -55,6 +86,7 @@ class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: Text
     name: Text
+    namespace: Text | None = Field(None, description="The namespace tool the function is in, if any.")
     arguments: Text = Field("{}", description="JSON.")
 
 
@@ -66,24 +98,119 @@ class FunctionCallOutputItem(Body):
     output: list_or_string(InputTextPart, _text_parts)
 
 
+class CustomToolCallItem(Body):
+    """A call of a custom tool the model made earlier: its input is text, not JSON arguments."""
+
+    type: Literal["custom_tool_call"]
+    call_id: Text
+    name: Text
+    namespace: Text | None = None
+    input: Text
+
+
+class CustomToolCallOutputItem(Body):
+    type: Literal["custom_tool_call_output"]
+    call_id: Text
+    output: list_or_string(InputTextPart, _text_parts)
+
+
 def _user_message(text: str) -> list[dict]:
     return [{"type": "message", "role": "user", "content": text}]
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem | CustomToolCallOutputItem,
+    Field(discriminator="type"),
+]
 
 
 class FunctionTool(Body):
-    type: refuse_other(("function",), "tools")
+    type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
     description: Text | None = None
     parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
     strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
 
 
-class FunctionChoice(Body):
-    type: refuse_other(("function",), "tool choices")
-    name: str
+class TextInputFormat(Body):
+    type: Literal["text"]
+
+
+class GrammarInputFormat(Body):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: Text
+
+
+class CustomTool(Body):
+    """A tool whose input is free text rather than JSON arguments (Codex's freeform tools). The model is offered
+    it as a function of one string argument, `input`; a format's grammar is shown to it, not enforced."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
+    description: Text | None = None
+    format: Annotated[TextInputFormat | GrammarInputFormat, Field(discriminator="type")] = Field(
+        default_factory=lambda: TextInputFormat(type="text"), description="text, or a Lark or regex grammar."
+    )
+
+
+def _known_type(kinds: tuple[str, ...], what: str, accepted: str):
+    # said once, by name, rather than as the discriminated union's list of every tag
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind not in kinds:
+            raise ValueError(f"{what} of type {kind[:64]!r} are not supported by kvserve (only {accepted})")
+        return value
+
+    return BeforeValidator(check)
+
+
+NamespacedTool = Annotated[
+    FunctionTool | CustomTool,
+    Field(discriminator="type"),
+    _known_type(("function", "custom"), "namespaced tools", "'function' or 'custom'"),
+]
+
+
+class NamespaceTool(Body):
+    """Function and custom tools grouped under a name. The model is offered each as `<namespace>.<name>`; its
+    calls come back with the tool's own name and the namespace apart (`name`, `namespace`)."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
+    description: Text | None = None
+    tools: list[NamespacedTool] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
+class BuiltinTool(Body):
+    """A tool OpenAI would run itself (web search, file search, computer use, MCP, ...): left out of the prompt,
+    and named in the response's `x-kvserve-ignored-tools` header."""
+
+    model_config = ConfigDict(extra="allow")  # echoed in the response as it came
+
+    type: Literal[BUILTIN_TOOLS]
+
+
+Tool = Annotated[
+    FunctionTool | CustomTool | NamespaceTool | BuiltinTool,
+    Field(discriminator="type"),
+    _known_type(
+        ("function", "custom", "namespace", *BUILTIN_TOOLS),
+        "tools",
+        "'function', 'custom', 'namespace' and built-in tools, which are left out",
+    ),
+]
+
+
+class NamedChoice(Body):
+    """The one tool to call: a function, or a custom tool."""
+
+    type: Literal["function", "custom"]
+    name: str = Field(description="The tool's name; one in a namespace tool as `<namespace>.<name>`.")
+    namespace: str | None = Field(None, description="Or the namespace apart.")
+
+    def prompt_name(self) -> str:
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
 
 
 class TextFormat(Body):
@@ -112,6 +239,9 @@ class TextFormat(Body):
 
 class TextConfig(Body):
     format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        None, description="Accepted; no effect.", exclude_if=lambda v: v is None
+    )
 
 
 class ResponsesRequest(Sampling):
@@ -125,15 +255,28 @@ class ResponsesRequest(Sampling):
     text: TextConfig = Field(
         default_factory=TextConfig, description="format: text, json_object or json_schema."
     )
-    tools: list[FunctionTool] = Field(
-        default_factory=list, max_length=MAX_TOOLS, description="Functions the model may call."
+    tools: list[Tool] = Field(
+        default_factory=list,
+        max_length=MAX_TOOLS,
+        description="Functions and custom tools the model may call, alone or in namespaces; built-in tools "
+        "(web_search, file_search, ...) are left out of the prompt.",
     )
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = Field(
-        "auto", description="none, auto, required (at least one call) or {'type': 'function', 'name': ...}."
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice = Field(
+        "auto",
+        description="none, auto, required (at least one call) or {'type': 'function' or 'custom', 'name': "
+        "...}; naming a built-in tool is refused.",
     )
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply.")
     metadata: dict[str, str] | None = Field(None, description="Echoed in the response.")
     user: str | None = None
+    reasoning: JsonObject | None = Field(
+        None, description="Accepted; no effect (whatever the model reasons is part of its answer)."
+    )
+    include: list[str] | None = Field(None, description="Accepted; no effect.")
+    prompt_cache_key: str | None = Field(
+        None, description="Accepted; not needed: the prefix cache finds shared prefixes by their tokens."
+    )
+    client_metadata: JsonObject | None = Field(None, description="Accepted; no effect.")
     store: bool | None = Field(None, description="Only false: kvserve keeps no responses.")
     previous_response_id: str | None = Field(None, description="Not supported (nothing is stored).")
     conversation: Any = Field(None, description="Not supported (nothing is stored).")
@@ -151,9 +294,14 @@ class ResponsesRequest(Sampling):
     @field_validator("tool_choice", mode="wrap")
     @classmethod
     def _check_tool_choice(cls, value, handler):
-        if isinstance(value, dict) and value.get("type") != "function":
-            kind = str(value.get("type"))[:64]
-            raise ValueError(f"tool choices of type {kind!r} are not supported by kvserve (only 'function')")
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in BUILTIN_TOOLS:
+            raise ValueError(f"names the built-in tool {kind!r}: kvserve cannot run it")
+        if isinstance(value, dict) and kind not in ("function", "custom"):
+            kind = str(kind)[:64]
+            raise ValueError(
+                f"tool choices of type {kind!r} are not supported by kvserve (only 'function' or 'custom')"
+            )
         return one_of(
             handler, value, "must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}"
         )
@@ -191,11 +339,22 @@ class OutputFunctionCall(BaseModel):
     id: str
     call_id: str
     name: str
+    namespace: str | None = Field(None, exclude_if=lambda v: v is None)  # of a function in a namespace tool
     arguments: str  # JSON
     status: Status
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+class OutputCustomToolCall(BaseModel):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    namespace: str | None = Field(None, exclude_if=lambda v: v is None)
+    input: str
+    status: Status
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputCustomToolCall, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -239,8 +398,8 @@ class ResponseObject(BaseModel):
     parallel_tool_calls: bool
     temperature: float
     top_p: float
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice
-    tools: list[FunctionTool]
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice
+    tools: list[Tool]
     text: TextConfig
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
@@ -326,6 +485,22 @@ class FunctionCallArgumentsDoneEvent(BaseModel):
     arguments: str
 
 
+class CustomToolCallInputDeltaEvent(BaseModel):
+    type: Literal["response.custom_tool_call_input.delta"] = "response.custom_tool_call_input.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomToolCallInputDoneEvent(BaseModel):
+    type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    input: str
+
+
 class ResponseErrorEvent(BaseModel):
     """The stream failed after it started."""
 
@@ -346,6 +521,8 @@ class ResponseStreamEvent(
             | OutputTextDoneEvent
             | FunctionCallArgumentsDeltaEvent
             | FunctionCallArgumentsDoneEvent
+            | CustomToolCallInputDeltaEvent
+            | CustomToolCallInputDoneEvent
             | ResponseErrorEvent,
             Field(discriminator="type"),
         ]

@@ -17,7 +17,7 @@ from server.api.completions import completion
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
 from server.api.messages import chat_messages, message, request_tools
-from server.api.responses import respond
+from server.api.responses import ignored_tools_header, respond
 
 # --- dependencies -------------------------------------------------------------------------------
 
@@ -133,7 +133,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, stat
 async def responses(body: rp.ResponsesRequest, request: Request, state: Ready) -> Response:
     """OpenAI's Responses API, stateless: nothing is stored, each request carries its whole conversation."""
     result = await respond(state, body, request.state.request_id, lambda: _client_gone(request))
-    return _respond(result)
+    return _respond(result, ignored_tools_header(body))
 
 
 @api_router.post(
@@ -199,9 +199,10 @@ def detokenize(body: p.DetokenizeRequest, state: Ready) -> p.DetokenizeResponse:
     return p.DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
 
 
-def _respond(result) -> Response:
+def _respond(result, headers: dict[str, str] | None = None) -> Response:
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     if isinstance(result, BaseModel):
-        return Response(result.model_dump_json(), media_type="application/json")
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+    headers = {"Cache-Control": "no-cache", **(headers or {})}
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)

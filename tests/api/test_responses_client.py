@@ -1,9 +1,11 @@
 """/v1/responses through the official openai SDK (responses.create, responses.stream, responses.parse) against a
-live server on the real default model: text, JSON-schema output, a tool loop, streaming, and what is refused.
+live server on the real default model: text, JSON-schema output, a tool loop, streaming, namespace and custom
+tools, built-in tools left out, requests shaped as Codex sends them, and what is refused.
 Run with -s to see the streamed output."""
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -30,6 +32,19 @@ TIME_TOOL = {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
 }
 ASK_WEATHER = "What is the weather like in Paris today?"
+WEATHER_NAMESPACE = {  # as Codex groups its sub-agent tools, and an MCP server's
+    "type": "namespace",
+    "name": "weather",
+    "description": "Weather and time",
+    "tools": [WEATHER_TOOL, TIME_TOOL],
+}
+WEB_SEARCH = {"type": "web_search", "external_web_access": False}  # as Codex sends it
+NOTE_TOOL = {  # a custom (freeform) tool: its input is text, here in a Lark grammar's language
+    "type": "custom",
+    "name": "write_note",
+    "description": "Write a short note",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "NOTE: " /[A-Za-z ]+/'},
+}
 
 
 class City(BaseModel):
@@ -183,15 +198,180 @@ def test_streamed_tool_call_and_named_choice(client):
     assert done.arguments == call.arguments
 
 
+def test_namespace_tools_flattened_and_calls_mapped_back(client):
+    """The model is offered weather.get_weather and weather.get_time; its call comes back as Codex runs it:
+    the tool's own name, and the namespace apart."""
+    kw = dict(model="smollm2", input=ASK_WEATHER, temperature=0, max_output_tokens=80)
+    first = client.responses.create(
+        **kw, tools=[WEATHER_NAMESPACE, WEB_SEARCH], tool_choice="required", parallel_tool_calls=False
+    )
+    (call,) = first.output
+    assert call.type == "function_call" and call.namespace == "weather"
+    assert call.name in ("get_weather", "get_time") and call.status == "completed"
+    jsonschema.validate(
+        json.loads(call.arguments),
+        {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.name]["parameters"],
+    )
+    print("\ncall ->", call.namespace, call.name, call.arguments)
+    # a named choice: the name as the model knows it, or the namespace apart; streamed
+    for choice in (
+        {"type": "function", "name": "weather.get_time"},
+        {"type": "function", "name": "get_time", "namespace": "weather"},
+    ):
+        with client.responses.stream(**kw, tools=[WEATHER_NAMESPACE], tool_choice=choice) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        (named,) = final.output
+        assert (named.type, named.namespace, named.name) == ("function_call", "weather", "get_time")
+        (added,) = [e for e in events if e.type == "response.output_item.added"]
+        (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert (
+            added.item.namespace == "weather"
+            and done.name == "get_time"
+            and done.arguments == named.arguments
+        )
+    show("responses.stream, namespaced call", events)
+    # the call goes back as it came, namespace and all, with its output; the model answers
+    conversation = [{"role": "user", "content": ASK_WEATHER}, call.model_dump(exclude_none=True)]
+    conversation.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"})
+    answer = client.responses.create(
+        model="smollm2", input=conversation, tools=[WEATHER_NAMESPACE], temperature=0, max_output_tokens=40
+    )
+    assert answer.output_text and all(o.type == "message" for o in answer.output)
+    print("answer ->", answer.output_text)
+
+
+def test_custom_tool_takes_text(client):
+    """A custom tool is offered as a function of one string, `input`; its call comes back as a
+    custom_tool_call whose input is that text, streamed as custom_tool_call_input events."""
+    kw = dict(model="smollm2", input="Write a note saying hello.", temperature=0, max_output_tokens=60)
+    with client.responses.stream(
+        **kw, tools=[NOTE_TOOL], tool_choice={"type": "custom", "name": "write_note"}
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    show("responses.stream, custom tool call", events)
+    (call,) = final.output
+    assert call.type == "custom_tool_call" and call.name == "write_note" and call.namespace is None
+    assert call.call_id.startswith("call_") and call.id.startswith("ctc_") and isinstance(call.input, str)
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert done.input == "".join(deltas) == call.input
+    assert not [e for e in events if e.type.startswith("response.function_call_arguments")]
+    print("final:", call.name, repr(call.input))
+    same = client.responses.create(
+        **kw, tools=[NOTE_TOOL], tool_choice={"type": "custom", "name": "write_note"}
+    )
+    assert same.output[0].type == "custom_tool_call" and same.output[0].input == call.input
+    # in a namespace too, and back with its output
+    grouped = {"type": "namespace", "name": "notes", "description": "Notes", "tools": [NOTE_TOOL]}
+    r = client.responses.create(**kw, tools=[grouped], tool_choice="required")
+    (call,) = r.output
+    assert (call.type, call.namespace, call.name) == ("custom_tool_call", "notes", "write_note")
+    conversation = [{"role": "user", "content": kw["input"]}, call.model_dump(exclude_none=True)]
+    conversation.append({"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Saved."})
+    answer = client.responses.create(
+        model="smollm2", input=conversation, tools=[grouped], temperature=0, max_output_tokens=30
+    )
+    assert answer.output_text and all(o.type == "message" for o in answer.output)
+
+
+def test_builtin_tools_left_out_and_named_in_a_header(client, default_server):
+    """Tools OpenAI runs itself are not refused: they are left out of the prompt, and the response says so."""
+    builtins = [
+        WEB_SEARCH,
+        {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        {"type": "mcp", "server_label": "docs", "server_url": "https://mcp.example"},
+        {"type": "web_search"},
+    ]
+    body = {
+        "model": "smollm2",
+        "input": "hi",
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "tools": [*builtins, TIME_TOOL],
+    }
+    for streamed in (False, True):
+        r = httpx.post(f"{default_server}/v1/responses", json={**body, "stream": streamed}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-kvserve-ignored-tools"] == "web_search, file_search, mcp"
+    echoed = json.loads(httpx.post(f"{default_server}/v1/responses", json=body, timeout=120).text)["tools"]
+    assert echoed[0] == WEB_SEARCH and [t["type"] for t in echoed] == [
+        *(t["type"] for t in builtins),
+        "function",
+    ]
+    r = httpx.post(f"{default_server}/v1/responses", json={**body, "tools": [TIME_TOOL]}, timeout=120)
+    assert r.status_code == 200 and "x-kvserve-ignored-tools" not in r.headers
+    only = client.responses.create(
+        model="smollm2", input="Say hi.", tools=[WEB_SEARCH], temperature=0, max_output_tokens=8
+    )
+    assert only.output_text and only.output[0].type == "message"
+
+
+def test_requests_shaped_as_codex_sends_them(client):
+    """The fields Codex sends with every request are accepted (and change nothing kvserve does): developer
+    messages with ids, reasoning, include, store false, prompt_cache_key, client_metadata, text.verbosity; and
+    the history it sends back: calls with their status, id and namespace, outputs with their ids."""
+    tools = [
+        {"type": "function", "name": "exec_command", "description": "Run a shell command", "strict": False,
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                        "additionalProperties": False}},
+        WEATHER_NAMESPACE,
+        WEB_SEARCH,
+    ]  # fmt: skip
+    codex = dict(
+        model="smollm2",
+        tools=tools,
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        reasoning={"summary": "auto"},
+        store=False,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="0198-session",
+        text={"verbosity": "low"},
+        extra_body={"client_metadata": {"session_id": "0198-session", "turn_id": "1"}},
+        temperature=0,
+        max_output_tokens=24,
+    )
+    developer = {"type": "message", "id": "msg_1", "role": "developer",
+                 "content": [{"type": "input_text", "text": "You are a coding agent. Answer briefly."}]}  # fmt: skip
+    user = {
+        "type": "message",
+        "id": "msg_2",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Hi."}],
+    }
+    with client.responses.create(input=[developer, user], stream=True, **codex) as stream:
+        events = list(stream)
+    final = events[-1].response  # completed, or incomplete when max_output_tokens cut it
+    assert final.status in ("completed", "incomplete") and final.text.verbosity == "low"
+    history = [
+        developer,
+        user,
+        {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "call_1", "name": "get_time",
+         "namespace": "weather", "arguments": '{"zone": "UTC"}'},
+        {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": "12:00"},
+        {"type": "function_call", "call_id": "call_2", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "README.md"}]},
+    ]  # fmt: skip
+    r = client.responses.create(input=history, **codex)
+    assert r.status in ("completed", "incomplete") and r.output
+
+
 def test_what_is_refused_is_a_400_naming_it(client):
     cases = [
         ({"store": True}, "store"),
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
+        ({"tools": [{"type": "telepathy"}]}, "tools.0"),
+        ({"tools": [{"type": "namespace", "name": "n", "tools": [WEB_SEARCH]}]}, "tools.0.namespace.tools.0"),
         (
-            {"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1}]},
-            "tools.0.type",
+            {"tool_choice": {"type": "web_search_preview"}, "tools": [{"type": "web_search_preview"}]},
+            "tool_choice",
+        ),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+        ({"tool_choice": {"type": "custom", "name": "get_time"}, "tools": [TIME_TOOL]}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "name": "get_time"}, "tools": [WEATHER_NAMESPACE]},
+            "tool_choice",
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input"),
@@ -206,11 +386,5 @@ def test_what_is_refused_is_a_400_naming_it(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**{"model": "smollm2", "input": "hi", **extra})
         assert e.value.body["param"].startswith(param), (extra, e.value.body)
-        for named in (
-            "web_search",
-            "file_search",
-            "computer_use_preview",
-            "input_image",
-            "max_output_tokens",
-        ):
+        for named in ("telepathy", "web_search_preview", "allowed_tools", "input_image", "max_output_tokens"):
             assert named in e.value.body["message"] or named not in json.dumps(extra)
