@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -56,7 +56,7 @@ class Choice:
     stop_string: str | None = None  # the stop string that ended it, if one did
     first_output_time: float | None = None
     last_output_time: float | None = None
-    request_time: float = field(default_factory=time.monotonic)
+    arrival_time: float | None = None  # time.monotonic() when handed to the engine: the request's one clock
     outputs: AsyncIterator[RequestOutput] | None = None  # the engine stream, once queued
 
 
@@ -210,7 +210,8 @@ async def answer(
     # Handed to the engine now, while the request is being answered, so that the waiting count the next
     # request's 429 check reads already includes them.
     for c in choices:
-        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params)
+        c.arrival_time = time.monotonic()
+        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params, c.arrival_time)
     if streamed:
         return stream(state, choices, shape, log_id)
     folded = shape.empty(choices)
@@ -312,9 +313,9 @@ def usage(choices: list[Choice]) -> p.Usage:
 
 def log_request(log_id: str, choices: list[Choice]) -> None:
     u, c = usage(choices), choices[0]
-    ttft = f"{c.first_output_time - c.request_time:.3f}s" if c.first_output_time else "-"
+    ttft = f"{c.first_output_time - c.arrival_time:.3f}s" if c.first_output_time else "-"
     reasons = ",".join(sorted({x.finish_reason or "abort (client gone)" for x in choices}))
-    took = time.monotonic() - c.request_time
+    took = time.monotonic() - c.arrival_time
     log.info(
         "request %s: %d prompt + %d output tokens (%d cached), ttft %s, %.3fs, finish %s",
         *(

@@ -36,6 +36,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float  # stamped on the event loop: the wait in the inbox counts as queue time
 
 
 @dataclass(slots=True)
@@ -81,18 +82,25 @@ class AsyncEngine:
         return await asyncio.to_thread(self._engine.grammars.compile, spec)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a validated request now and return the stream of its delta outputs.
 
-        Queueing at call time keeps the waiting count exact under a burst. Closing the stream early (client
-        gone, task cancelled) aborts the request in the engine; so does dropping a stream never iterated.
+        Queueing at call time keeps the waiting count exact under a burst. `arrival_time` (time.monotonic(),
+        now if None) is where the request's latencies count from: stamped here, not when the stepping thread
+        takes it in, which may be a whole step later. Closing the stream early (client gone, task cancelled)
+        aborts the request in the engine; so does dropping a stream never iterated.
         """
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(_Add(request_id, list(prompt_token_ids), params, arrival))
         outputs = self._outputs(request_id, stream)
         weakref.finalize(outputs, self._forget, request_id)
         return outputs
@@ -187,7 +195,7 @@ class AsyncEngine:
         if isinstance(message, _Add):
             try:
                 self._engine.add_validated_request(
-                    message.request_id, message.prompt_token_ids, message.params
+                    message.request_id, message.prompt_token_ids, message.params, message.arrival_time
                 )
             except (
                 Exception

@@ -49,20 +49,34 @@ class Engine:
         if error:
             raise ValueError(error)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         """Validate, then queue the request (raises ValueError as validate() does)."""
         self.validate(prompt_token_ids, params)
-        self.add_validated_request(request_id, prompt_token_ids, params)
+        self.add_validated_request(request_id, prompt_token_ids, params, arrival_time)
 
     def add_validated_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> None:
-        """Queue a request its caller has validated (the async engine validates on the event loop)."""
+        """Queue a request its caller has validated (the async engine validates on the event loop).
+        `arrival_time` is the time.monotonic() at which the caller received it (now if None): every latency
+        the request reports (queue time, TTFT, end to end) counts from it."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.seed is None:  # a fixed seed per request keeps its draws independent of the batch
             params = dataclasses.replace(params, seed=random.getrandbits(63))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         if params.grammar is not None:
             request.grammar = params.grammar.new_state()
         self.outputs.add(request)

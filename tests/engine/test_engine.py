@@ -289,3 +289,47 @@ def test_async_engine_builds_on_its_stepping_thread(tiny_engine_factory):
     finally:
         from_factory.shutdown()
         prebuilt.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_latencies_count_the_wait_for_the_step_in_progress(tiny_engine_factory):
+    """A request that arrives while a step runs waits for that step to end before the stepping thread takes it
+    in: its queue time and TTFT count that wait, from the moment it was handed to the engine (one clock)."""
+    import asyncio
+    import threading
+    import time
+
+    from server.engine.async_engine import AsyncEngine
+
+    engine = tiny_engine_factory()
+    held, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():  # the first step blocks until the test lets it go, as a long prefill would
+        if not held.is_set():
+            held.set()
+            release.wait(10)
+        return step()
+
+    engine.step = held_step
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        first = async_engine.generate("first", [5, 6, 7], params)
+        await asyncio.to_thread(held.wait, 10)
+        handed_over = time.monotonic()
+        second = async_engine.generate("second", [8, 9, 10], params)
+        await asyncio.sleep(0.5)  # the step in progress holds the second request in the inbox
+        release.set()
+        outs = [o async for o in first] + [o async for o in second]
+        return handed_over, [o.times for o in outs if o.finished]
+
+    try:
+        handed_over, (_, times) = asyncio.run(scenario())
+    finally:
+        release.set()
+        async_engine.shutdown()
+    assert 0 <= times.arrival - handed_over < 0.05
+    assert times.scheduled - times.arrival >= 0.5
+    assert times.first_token - times.arrival >= 0.5
