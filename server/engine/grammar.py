@@ -9,20 +9,36 @@ preemption: recomputing a request's tokens draws nothing the state has not alrea
 
 Compiling (~1 ms for a typical schema, more for large ones) happens on the caller's thread, off the event
 loop and off the stepping thread; results are cached by what was asked, so a repeated schema costs nothing.
+llguidance's limits bound the compile and each step's mask; a GBNF grammar's conversion to Lark, which is
+Python, runs in a child process with a time limit (gbnf_to_lark).
 """
 
 import json
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from model.tokenizer import Tokenizer
 from server.engine.request import JSON_LAYOUT, GrammarSpec
 
 CACHE_SIZE = 256  # compiled grammars kept, by request
+GBNF_SECONDS = 2.0  # a GBNF grammar's conversion to Lark, at most
+# llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
+_GBNF_TO_LARK = """import sys
+from llguidance.gbnf_to_lark import gbnf_to_lark
+try:
+    lark = gbnf_to_lark(sys.stdin.buffer.read().decode())
+except Exception as e:
+    sys.stderr.write(str(e))
+    sys.exit(1)
+sys.stdout.buffer.write(lark.encode())
+"""
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,8 @@ def grammar_text(spec: GrammarSpec) -> str:
                 raise ValueError("choice must be a non-empty list of strings")
             return llguidance.grammar_from("choice", choices)
         if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
-            return llguidance.grammar_from("grammar", spec.source)
+            lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source)
+            return llguidance.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "lark":  # llguidance's Lark, as built by the API (tool calls)
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
     except json.JSONDecodeError as e:
@@ -138,6 +155,28 @@ def grammar_text(spec: GrammarSpec) -> str:
     except ValueError as e:
         raise ValueError(_short(str(e))) from None
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def gbnf_to_lark(source: str) -> str:
+    """A GBNF grammar in Lark, converted by llguidance in a child process that may run GBNF_SECONDS. The converter
+    is Python, holds the GIL, and takes time quadratic in how deeply rules chain (a chain of 3,000 rules took
+    20 s): in this process it would stall every other request's tokens while it ran, and nothing could stop it
+    (a shutdown waited on it). A child costs ~0.1 s per new grammar (compiled grammars are cached)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _GBNF_TO_LARK],
+            input=source.encode(),
+            capture_output=True,
+            timeout=GBNF_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"the GBNF grammar took more than {GBNF_SECONDS:g} s to convert (too many rules chained)"
+        ) from None
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip() or f"the converter exited with {done.returncode}"
+        raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {why}")
+    return done.stdout.decode()
 
 
 def _short(message: str) -> str:

@@ -2,6 +2,8 @@
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -102,3 +104,33 @@ def test_leaving_a_responses_or_messages_stream_aborts_it(
     after = scrape(url)
     assert after["kvserve:kv_cache_usage_perc"] == 0
     assert after["kvserve:request_success_total{abort}"] == before + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_grammar_slow_to_convert_is_refused_in_its_budget_and_holds_no_other_tokens(
+    long_engine, start_server
+):
+    """A GBNF grammar of 10,000 chained rules (llguidance's converter takes time quadratic in the chain): a 400
+    naming the field once the conversion's budget (2 s) is spent, while a stream running meanwhile keeps its
+    pace, as the conversion runs in a child process, not under this process's GIL."""
+    url, _ = start_server(long_engine)
+    chain = "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1}\n' for i in range(10_000)) + 'r10000 ::= "y"\n'
+    body = {"prompt": "hi", "max_tokens": 5, "structured_outputs": {"grammar": chain}}
+    arrivals: list[float] = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            with ThreadPoolExecutor(1) as pool:
+                sent = time.monotonic()
+                refused = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=20)
+                while not refused.done():
+                    next(lines)
+                    arrivals.append(time.monotonic())
+                answered = time.monotonic()
+    response = refused.result()
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs"
+    assert "2 s" in response.json()["error"]["message"], response.text
+    assert answered - sent < 8
+    gaps = [b - a for a, b in pairwise([sent, *arrivals])]
+    assert len(arrivals) > 20 and max(gaps) < 1.0, (len(arrivals), max(gaps))
