@@ -339,6 +339,11 @@ async def merge(
     stream's index. Ends early when `until` completes (the client went away); an exception in a stream is
     raised here. On exit the streams are cancelled, which aborts their unfinished requests in the engine.
     """
+    if len(streams) == 1 and until is None:  # one streamed choice: its items as they are, no hop per token
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     inbox: asyncio.Queue = asyncio.Queue()
     end = object()
 
