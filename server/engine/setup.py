@@ -5,6 +5,7 @@ build_runner() makes every choice here, in this order, and hands the ModelRunner
 switched later.
 """
 
+import enum
 import logging
 import os
 from pathlib import Path
@@ -31,13 +32,27 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_CACHE_BYTES = 2 << 30
 
 
+class WeightFormat(enum.Enum):
+    """How the weights run."""
+
+    DENSE = "dense"  # in the model's dtype; a checkpoint's quantized weights dequantized at load
+    STORED = "as stored"  # a checkpoint's quantized weights kept so, on kvserve's quantized GEMMs
+    INT8 = "int8"  # dense weights quantized at load, to 8 or 4 bits
+    INT4 = "int4"
+
+    @property
+    def quantize_to(self) -> int | None:
+        """The bits dense weights are quantized to at load (None: they stay dense)."""
+        return {WeightFormat.INT8: 8, WeightFormat.INT4: 4}.get(self)
+
+
 def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     bound_onednn_caches()
     device = select_device(config.device)
     tier = select_cpu_tier(config.cpu_tier, device, config.cpu_kernels)
     cpu_kernels = select_cpu_kernels(config.cpu_kernels, device, tier)
     dtype = select_dtype(config.dtype, device, tier)
-    bits = select_quantization(config, device, cpu_kernels, Path(model_path), dtype)
+    weights = select_quantization(config, device, cpu_kernels, Path(model_path), dtype)
     # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders) for
     # small row counts: the GEMMs that do pad small batches (measured per weight shape at load). By default
     # for 16-bit dtypes (the avx512bf16 tier), where it is nearly free, not for float32, where more GEMMs pad.
@@ -46,14 +61,14 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     invariant = invariant and device.type == "cpu"
     dense = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
     linear = dense(batch_invariant=invariant)
-    if bits is not None:
-        linear = QuantizedLinear(cpu_kernels, linear, bits or None)
+    if weights is not WeightFormat.DENSE:
+        linear = QuantizedLinear(cpu_kernels, linear, weights.quantize_to)
     ops = Ops.with_kernels(linear, cpu_kernels)
     log.info("loading %s on %s in %s", model_path, device, str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_path, dtype, device, ops)
     log.info(
         "GEMMs: %s%s%s; attention and RMSNorm: %s",
-        describe_weights(model) if bits is not None else "",
+        describe_weights(model) if weights is not WeightFormat.DENSE else "",
         "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
@@ -102,14 +117,14 @@ def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTi
 
 def select_quantization(
     config: EngineConfig, device: torch.device, cpu_kernels, path: Path, dtype: torch.dtype
-) -> int | None:
-    """How the weights run: None = dense (a checkpoint's quantized weights dequantized), 0 = a checkpoint's
-    quantized weights kept so, 4 / 8 = dense weights also quantized to that many bits at load."""
+) -> WeightFormat:
+    """How the weights run, from --quantization (auto: a checkpoint's quantized weights as stored, where the
+    quantized GEMMs can run, else dense)."""
     mode, quantized_file = config.quantization, (path / QUANTIZED_FILE).is_file()
     if mode not in ("auto", "none", "int8", "int4"):
         raise ValueError(f"unknown --quantization {mode!r}: use auto, none, int8 or int4")
     if mode == "none":
-        return None
+        return WeightFormat.DENSE
     why_not = None
     if device.type != "cpu":
         why_not = "the quantized GEMMs are CPU kernels"
@@ -122,8 +137,10 @@ def select_quantization(
     if why_not:
         if quantized_file:
             log.warning("serving the quantized weights of %s dequantized: %s", path, why_not)
-        return None
-    return {"auto": 0, "int8": 8, "int4": 4}[mode] if mode != "auto" or quantized_file else None
+        return WeightFormat.DENSE
+    if mode == "auto":
+        return WeightFormat.STORED if quantized_file else WeightFormat.DENSE
+    return WeightFormat(mode)
 
 
 def describe_weights(model) -> str:

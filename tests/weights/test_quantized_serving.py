@@ -85,14 +85,25 @@ def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, tiny_gg
     """The quantized GEMMs are CPU kernels: on CUDA the same folder is served dense (bfloat16 at load), with a
     warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
     reaches the device, so it is checked here without one."""
-    from server.engine.setup import select_quantization
+    from server.engine.setup import WeightFormat, select_quantization
 
     tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):
-        assert select_quantization(EngineConfig(), cuda, None, folder, torch.bfloat16) is None
+        assert select_quantization(EngineConfig(), cuda, None, folder, torch.bfloat16) == WeightFormat.DENSE
     assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
     with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
         select_quantization(EngineConfig(quantization="int4"), cuda, None, folder, torch.bfloat16)
-    assert select_quantization(EngineConfig(), torch.device("cpu"), object(), folder, torch.float32) == 0
+    cpu = torch.device("cpu")
+    assert select_quantization(EngineConfig(), cpu, object(), folder, torch.float32) == WeightFormat.STORED
+    assert (
+        select_quantization(
+            EngineConfig(quantization="int4"), cpu, object(), folder, torch.float32
+        ).quantize_to
+        == 4
+    )
+    assert (
+        select_quantization(EngineConfig(quantization="none"), cpu, object(), folder, torch.float32)
+        == WeightFormat.DENSE
+    )
