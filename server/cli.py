@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from server.api.config import ServerConfig
 from server.commands import (
     cmd_bench,
     cmd_bench_invariance,
@@ -27,6 +28,7 @@ from server.commands import (
     cmd_openapi,
     cmd_serve,
 )
+from server.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -74,24 +76,25 @@ def log_level(default: str, from_env: bool = False) -> Flag:
     return Flag("--log-level", default, choices=("debug", "info", "warning", "error"), env=from_env)
 
 
+ENGINE, SERVER = EngineConfig(), ServerConfig()  # the flags' defaults are the configs'
 MODEL_FLAGS = (
     Flag("--model", help="HF-layout model folder (default: the embedded SmolLM2)", env=True),
     Flag("--weights-dir", help="where fetched weights live", env=True),
-    Flag("--device", "auto", choices=("auto", "cpu", "cuda"), env=True),
-    Flag("--dtype", "auto", choices=("auto", "float32", "bfloat16", "float16"), env=True),
+    Flag("--device", ENGINE.device, choices=("auto", "cpu", "cuda"), env=True),
+    Flag("--dtype", ENGINE.dtype, choices=("auto", "float32", "bfloat16", "float16"), env=True),
     Flag(
         "--kv-cache-dtype",
-        "auto",
+        ENGINE.kv_cache_dtype,
         choices=("auto", "float32", "bfloat16", "float16"),
         env=True,
         help="auto: bfloat16 on CPU (the model's dtype on GPUs); else the model's dtype, or bfloat16 under float32",
     ),
-    Flag("--max-num-seqs", 64, int, env=True),
-    Flag("--max-num-batched-tokens", 512, int, env=True),
+    Flag("--max-num-seqs", ENGINE.max_num_seqs, int, env=True),
+    Flag("--max-num-batched-tokens", ENGINE.max_num_batched_tokens, int, env=True),
     Flag("--kv-cache-memory", help="KV cache size, e.g. 2GiB", env=True),
-    Flag("--gpu-memory-utilization", 0.9, float, env=True),
-    Flag("--block-size", 16, int, env=True),
-    Flag("--enable-prefix-caching", True, switch=True, env=True),
+    Flag("--gpu-memory-utilization", ENGINE.gpu_memory_utilization, float, env=True),
+    Flag("--block-size", ENGINE.block_size, int, env=True),
+    Flag("--enable-prefix-caching", ENGINE.enable_prefix_caching, switch=True, env=True),
     Flag(
         "--batch-invariant",
         switch=True,
@@ -101,7 +104,7 @@ MODEL_FLAGS = (
     Flag("--max-model-len", None, int, env=True),
     Flag(
         "--quantization",
-        "auto",
+        ENGINE.quantization,
         choices=("auto", "none", "int8", "int4"),
         env=True,
         help="auto: serve a GGUF's quantized weights as they are (CPU); none: dequantized; int8, int4: also "
@@ -109,14 +112,14 @@ MODEL_FLAGS = (
     ),
     Flag(
         "--cpu-kernels",
-        "auto",
+        ENGINE.cpu_kernels,
         choices=("auto", "on", "off"),
         env=True,
         help="kvserve's C++ kernels on CPU: on, off (PyTorch ops), auto (on unless their build failed at install)",
     ),
     Flag(
         "--cpu-tier",
-        "auto",
+        ENGINE.cpu_tier,
         choices=("auto", "avx512bf16", "avx512", "avx2", "generic"),
         env=True,
         help="the instructions and numbers to run with on CPU (auto: the best this CPU has; see the README)",
@@ -131,12 +134,12 @@ SERVER_FLAGS = (
     Flag("--system-prompt", help="used when a chat request has none", env=True),
     Flag("--api-key", help="require Authorization: Bearer <key>", env=True),
     Flag("--allowed-origins", help="comma-separated CORS origins", env=True),
-    Flag("--max-queue", 256, int, env=True),
-    Flag("--max-request-bytes", 4 << 20, int, env=True),
-    Flag("--shutdown-timeout", 30.0, float, env=True),
+    Flag("--max-queue", SERVER.max_queue, int, env=True),
+    Flag("--max-request-bytes", SERVER.max_request_bytes, int, env=True),
+    Flag("--shutdown-timeout", SERVER.shutdown_timeout, float, env=True),
     Flag(
         "--read-timeout",
-        30.0,
+        SERVER.read_timeout,
         float,
         env=True,
         help="seconds a request body may take to arrive; slower ones get 408",
