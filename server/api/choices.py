@@ -211,7 +211,7 @@ async def answer(
     # request's 429 check reads already includes them.
     for c in choices:
         c.arrival_time = time.monotonic()
-        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params, c.arrival_time)
+        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params, arrival_time=c.arrival_time)
     if streamed:
         return stream(state, choices, shape, log_id)
     folded = shape.empty(choices)

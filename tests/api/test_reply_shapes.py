@@ -44,7 +44,7 @@ class ScriptedEngine:
     ):
         self.deltas, self.finish, self.stop_string, self.cached = deltas, finish, stop_string, cached
 
-    async def generate(self, request_id: str, ids: list[int], params: SamplingParams):
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams, arrival_time: float):
         for i, text in enumerate(self.deltas):
             last = i == len(self.deltas) - 1
             yield RequestOutput(
