@@ -207,7 +207,7 @@ class NamedChoice(Body):
 
     type: Literal["function", "custom"]
     name: str = Field(description="The tool's name; one in a namespace tool as `<namespace>.<name>`.")
-    namespace: str | None = Field(None, description="Or the namespace apart.")
+    namespace: str | None = Field(None, description="Or the namespace apart.", exclude_if=lambda v: v is None)
 
     def prompt_name(self) -> str:
         return f"{self.namespace}.{self.name}" if self.namespace else self.name

@@ -190,6 +190,8 @@ def test_streamed_tool_call_and_named_choice(client):
     show("responses.stream, tool call", events)
     (call,) = final.output
     assert call.type == "function_call" and call.name == "get_weather"
+    # the choice is echoed as it was sent, without a namespace key it did not have
+    assert final.tool_choice.model_dump(exclude_unset=True) == {"type": "function", "name": "get_weather"}
     print("final:", call.name, call.arguments)
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(deltas) > 3 and "".join(deltas) == call.arguments
