@@ -49,16 +49,10 @@ class Engine:
         if error:
             raise ValueError(error)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Validate, then queue the request (raises ValueError as validate() does)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate, then queue the request, arrived now (raises ValueError as validate() does)."""
         self.validate(prompt_token_ids, params)
-        self.add_validated_request(request_id, prompt_token_ids, params, arrival_time)
+        self.add_validated_request(request_id, prompt_token_ids, params)
 
     def add_validated_request(
         self,

@@ -14,12 +14,12 @@ Claude Code said.
 
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
+from agent_cli import Recorded, npm_command
 
 from server.api.app import create_app
 from server.api.config import ServerConfig
@@ -36,18 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="session")
 def claude() -> Path:
     """The claude command, installed once into the user's cache folder."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    prefix = cache / "kvserve" / "npm" / f"claude-code-{CLAUDE_CODE}"
-    command = prefix / "node_modules" / ".bin" / "claude"
-    if not command.exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is needed to install Claude Code"
-        partial = prefix.with_name(prefix.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        package = f"@anthropic-ai/claude-code@{CLAUDE_CODE}"
-        install = [npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund", package]
-        subprocess.run(install, check=True, timeout=600, capture_output=True)
-        partial.replace(prefix)  # the package's links are relative: they survive the rename
+    command = npm_command("@anthropic-ai/claude-code", CLAUDE_CODE, "claude")
     with tempfile.TemporaryDirectory() as home:
         env = {"PATH": os.environ["PATH"], "HOME": home, "DISABLE_AUTOUPDATER": "1"}
         version = subprocess.run([command, "--version"], env=env, capture_output=True, text=True, timeout=60)
@@ -82,43 +71,6 @@ def claude_env(home: Path, base_url: str, **extra: str) -> dict[str, str]:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",  # a small context: short turns
         **extra,
     }
-
-
-class Recorded:
-    """An ASGI app in front of another that keeps each request's method, path, query, headers and body, and the
-    response's status."""
-
-    def __init__(self, app):
-        self.app = app
-        self.exchanges: list[dict] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        exchange = {
-            "method": scope["method"],
-            "path": scope["path"],
-            "query": scope["query_string"].decode(),
-            "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
-            "body": b"",
-        }
-        self.exchanges.append(exchange)
-
-        async def receiving():
-            message = await receive()
-            exchange["body"] += message.get("body", b"")
-            return message
-
-        async def sending(message) -> None:
-            if message["type"] == "http.response.start":
-                exchange["status"] = message["status"]
-            await send(message)
-
-        await self.app(scope, receiving, sending)
-
-    def messages(self, since: int = 0) -> list[dict]:
-        """The bodies posted to /v1/messages from exchange `since` on."""
-        return [json.loads(x["body"]) for x in self.exchanges[since:] if x["path"] == "/v1/messages"]
 
 
 def run_claude(claude: Path, env: dict, workdir: Path, prompt: str, max_turns: int) -> tuple[int, dict, str]:
@@ -187,13 +139,13 @@ def test_claude_code_against_kvserve(claude, new_engine, default_model_dir, serv
     posts = [x for x in server.exchanges if x["path"] == "/v1/messages"]
     assert all(x["query"] == "beta=true" and x["headers"]["x-api-key"] == KEY for x in posts)
     assert all("anthropic-version" in x["headers"] and "anthropic-beta" in x["headers"] for x in posts)
-    first = server.messages()[0]
+    first = server.bodies("/v1/messages")[0]
     assert first["stream"] is True and first["model"] == MODEL
     assert {"thinking", "context_management", "output_config", "metadata"} <= set(first)
     roles = [m["role"] for m in first["messages"]]
     assert roles[0] == "user" and "system" in roles[1:], roles
     # the forced call went out as a tool_use block and came back as the tool_result of the same id
-    _, back = server.messages(said_hi)[:2]
+    _, back = server.bodies("/v1/messages", said_hi)[:2]
     blocks = [b for m in back["messages"] if isinstance(m["content"], list) for b in m["content"]]
     (call,) = [b for b in blocks if b["type"] == "tool_use"]
     (answer,) = [b for b in blocks if b["type"] == "tool_result"]

@@ -11,7 +11,6 @@ dependency of the npm package), never into the repository. Run with -s to see Co
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from agent_cli import Recorded, npm_command
 
 from server.api.app import create_app
 from server.api.config import ServerConfig
@@ -70,72 +70,26 @@ for line in sys.stdin:
 @pytest.fixture(scope="session")
 def codex() -> Path:
     """The codex command, installed once into the user's cache folder."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    prefix = cache / "kvserve" / "npm" / f"codex-{CODEX}"
-    command = prefix / "node_modules" / ".bin" / "codex"
-    if not command.exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is needed to install Codex"
-        partial = prefix.with_name(f"{prefix.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        package = f"@openai/codex@{CODEX}"
-        install = [npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund", package]
-        subprocess.run(install, check=True, timeout=600, capture_output=True)
-        partial.replace(prefix)  # the package's links are relative: they survive the rename
+    command = npm_command("@openai/codex", CODEX, "codex")
     version = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=60)
     assert version.stdout.split() == ["codex-cli", CODEX], version
     return command
 
 
-class Recorded:
-    """An ASGI app in front of another that keeps each request's path, body and response status and headers.
+def forcing(choices: list | None):
+    """A rewrite for Recorded that puts the next of `choices` as the tool_choice of each /v1/responses request,
+    so that the model calls a tool, or answers in words, whatever its judgment (Codex itself always sends
+    "auto"); None when there are none."""
+    if not choices:
+        return None
+    left = list(choices)
 
-    forced_choices: the tool_choice to put into each /v1/responses request in turn, so that the model calls a
-    tool, or answers in words, whatever its judgment (Codex itself always sends "auto")."""
+    def rewrite(path: str, request: dict) -> dict | None:
+        if path != "/v1/responses" or not left:
+            return None
+        return {**request, "tool_choice": left.pop(0), "parallel_tool_calls": False}
 
-    def __init__(self, app, forced_choices: list | None = None):
-        self.app = app
-        self.forced_choices = list(forced_choices or [])
-        self.exchanges: list[dict] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        exchange = {"path": scope["path"], "body": b""}
-        self.exchanges.append(exchange)
-        if self.forced_choices and scope["path"] == "/v1/responses":
-            scope, receive = await self._forced(scope, receive)
-
-        async def receiving():
-            message = await receive()
-            exchange["body"] += message.get("body", b"")
-            return message
-
-        async def sending(message) -> None:
-            if message["type"] == "http.response.start":
-                exchange["status"] = message["status"]
-                exchange["headers"] = {k.decode(): v.decode() for k, v in message.get("headers", [])}
-            await send(message)
-
-        await self.app(scope, receiving, sending)
-
-    async def _forced(self, scope, receive):
-        """The request with the next forced tool_choice, read whole and given again."""
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body, more = body + message.get("body", b""), message.get("more_body", False)
-        choice = self.forced_choices.pop(0)
-        request = {**json.loads(body), "tool_choice": choice, "parallel_tool_calls": False}
-        body = json.dumps(request).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        given = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive_again():
-            return given.pop() if given else await receive()
-
-        return scope, receive_again
+    return rewrite
 
 
 @contextmanager
@@ -143,7 +97,7 @@ def live_codex(new_engine, default_model_dir, serve_app, tmp_path, forced_choice
     """(the recorded server, CODEX_HOME, the folder Codex works in) around a kvserve on the default model, with
     the README's config.toml plus a one-tool MCP server."""
     engine = new_engine(default_model_dir, max_model_len=MAX_MODEL_LEN)
-    server = Recorded(create_app(engine, ServerConfig(served_model_name=MODEL)), forced_choices)
+    server = Recorded(create_app(engine, ServerConfig(served_model_name=MODEL)), forcing(forced_choices))
     home, workdir = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
     workdir.mkdir()
@@ -197,7 +151,7 @@ def test_codex_exec_against_kvserve(codex, new_engine, default_model_dir, serve_
     first = json.loads(calls[0]["body"])
     kinds = {t["type"]: t for t in first["tools"]}
     assert kinds["namespace"]["name"] == "mcp__notes" and "web_search" in kinds and first["stream"] is True
-    assert calls[0]["headers"]["x-kvserve-ignored-tools"] == "web_search"
+    assert calls[0]["response_headers"]["x-kvserve-ignored-tools"] == "web_search"
     for field in ("reasoning", "include", "prompt_cache_key", "client_metadata"):
         assert field in first
     assert first["store"] is False
