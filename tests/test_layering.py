@@ -80,3 +80,29 @@ def test_the_api_talks_to_the_engine_client_only():
             if isinstance(node, ast.Attribute) and node.attr == "_engine":
                 bad.append(f"{f.relative_to(ROOT)}:{node.lineno} reads ._engine")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("package", ["model", "server/engine", "server/api", "weights"])
+def test_no_import_circles_inside_a_package(package):
+    """Modules of one package import each other one way (imports under TYPE_CHECKING count too: a circle that
+    only type hints need is still two modules that cannot be read apart)."""
+    files = sorted((ROOT / package).rglob("*.py"))
+    module = {f: ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for f in files}
+    names = set(module.values())
+    graph = {module[f]: {n for n in imports_of(f) if n in names and n != module[f]} for f in files}
+    state: dict[str, str] = {}  # module -> "open" while on the path, "done" after
+
+    def circle_from(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := circle_from(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := circle_from(start, [start])):
+            pytest.fail(" -> ".join(found))

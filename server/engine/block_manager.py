@@ -9,7 +9,7 @@ Pure bookkeeping: it never touches tensors. A block is in exactly one of three s
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from server.engine.request import Request
+from server.engine.request_state import Request
 
 ROOT_HASH = 0  # parent hash of a request's first block
 

@@ -14,7 +14,8 @@ from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
-from server.engine.request import Request, RequestOutput, SamplingParams
+from server.engine.request import ParamError, RequestOutput, SamplingParams
+from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
 from server.engine.setup import build_runner, context_length
 from server.engine.stats import EngineStats
@@ -38,19 +39,19 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (shown to the client) when the request can never be served. Reads only what is
-        fixed at start, so any thread may call it."""
+        """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
+        Reads only what is fixed at start, so any thread may call it."""
         params.validate(self.vocab_size)
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise ParamError("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         error = self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
         if error:
-            raise ValueError(error)
+            raise ParamError("prompt", error)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate, then queue the request, arrived now (raises ValueError as validate() does)."""
+        """Validate, then queue the request, arrived now (raises ParamError as validate() does)."""
         self.validate(prompt_token_ids, params)
         self.add_validated_request(request_id, prompt_token_ids, params)
 

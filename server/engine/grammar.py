@@ -72,6 +72,11 @@ class GrammarState:
         return self.matcher.is_stopped()
 
     @property
+    def is_broken(self) -> bool:
+        """It refused a token: it can check nothing more."""
+        return self.matcher.is_error()
+
+    @property
     def error(self) -> str:
         return self.matcher.get_error()
 

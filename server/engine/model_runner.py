@@ -10,8 +10,10 @@ from model.kv_cache import KVCache
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
 from server.engine.grammar import fill_bitmasks
-from server.engine.request import Request, TokenLogprob
+from server.engine.request import TokenLogprob
+from server.engine.request_state import Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
+from server.engine.stopping import banned_token_ids
 
 
 @dataclass(slots=True)
@@ -133,7 +135,7 @@ class ModelRunner:
             positions=[len(r.output_token_ids) for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
-            suppress_ids=[_suppressed(r) for r in reqs],
+            suppress_ids=[banned_token_ids(r, len(r.output_token_ids)) for r in reqs],
             logit_bias=[r.params.logit_bias for r in reqs],
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
@@ -169,14 +171,3 @@ def _token_slice(req: Request, start: int, end: int) -> list[int]:
     if start >= p:
         return req.output_token_ids[start - p : end - p]
     return req.prompt_token_ids[start:] + req.output_token_ids[: end - p]
-
-
-def _suppressed(req: Request) -> list[int]:
-    """Stop tokens are banned until min_tokens outputs exist (under a grammar, the grammar says where the
-    output may end)."""
-    if len(req.output_token_ids) >= req.params.min_tokens or req.grammar is not None:
-        return []
-    ids = set(req.params.stop_token_ids)
-    if not req.params.ignore_eos:
-        ids |= req.eos_token_ids
-    return sorted(ids)

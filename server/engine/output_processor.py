@@ -1,12 +1,10 @@
-"""The output stage of a step: what the runner computed in, one delta per request out, and the one place that
-decides why a request finishes.
+"""The output stage of a step: what the runner computed in, one delta per request out, and who finished why.
 
 Per request it keeps the text so far (an incremental detokenizer, plus text held back while it may begin a
-stop string), the prompt logprobs not yet sent and when the first token came. A request finishes, in this
-order of precedence: on a stop string in its text, on the end of its grammar, on a stop token (EOS or
-stop_token_ids, once min_tokens are out), on its length (max_tokens or the context), or when aborted. The
-scheduler frees its blocks from that decision. A request under a grammar has its grammar state advanced here,
-by the token drawn.
+stop string), the prompt logprobs not yet sent and when the first token came. Whether a token ends the output
+is stopping.py's answer; a stop string in the text wins over it (the text is here). The scheduler frees the
+finished requests' blocks from what this stage says. A request under a grammar has its grammar state advanced
+here, by the token drawn.
 """
 
 import logging
@@ -15,8 +13,10 @@ from dataclasses import dataclass
 
 from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.engine.model_runner import ModelOutput
-from server.engine.request import FinishReason, Request, RequestOutput, RequestTimes, TokenLogprob
+from server.engine.request import FinishReason, RequestOutput, RequestTimes, TokenLogprob
+from server.engine.request_state import Request
 from server.engine.scheduler import SchedulerOutput
+from server.engine.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +48,6 @@ class RequestState:
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
         return taken
-
-
-def token_stop_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
-    """Why the token just drawn for `request` (not yet appended) ends it, by the token rules."""
-    params = request.params
-    num_output = len(request.output_token_ids) + 1
-    # a stop token that ends the output wins over the length limit reached by the same token
-    if num_output >= params.min_tokens:
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return FinishReason.STOP
-    if num_output >= params.max_tokens or request.num_tokens + 1 >= max_model_len:
-        return FinishReason.LENGTH
-    return None
-
-
-def grammar_stop_reason(request: Request, token_id: int) -> FinishReason | None:
-    """Advance the request's grammar by the token drawn; STOP when the grammar is complete (the output is
-    whole: this wins over the length limit reached by the same token)."""
-    grammar = request.grammar
-    if grammar is None:
-        return None
-    if not grammar.accept(token_id):  # the mask allowed only what the grammar takes: a fault, not the model's
-        log.error("request %s: grammar refused token %d: %s", request.request_id, token_id, grammar.error)
-        return FinishReason.STOP
-    return FinishReason.STOP if grammar.is_complete else None
 
 
 class OutputProcessor:
@@ -110,10 +83,13 @@ class OutputProcessor:
             sampled = model_output.sampled.get(request.request_id)
             if sampled is None:
                 continue
-            reason = grammar_stop_reason(request, sampled.token_id) or token_stop_reason(
-                request, sampled.token_id, self.max_model_len
-            )
-            new_text = state.detokenizer.add([sampled.token_id])
+            token_id = sampled.token_id
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                log.error("request %s: grammar refused token %d: %s", request.request_id, token_id,
+                          request.grammar.error)  # fmt: skip
+            num_output = len(request.output_token_ids) + 1  # with this token; update() appends it
+            reason = finish_reason(request, token_id, num_output, self.max_model_len)
+            new_text = state.detokenizer.add([token_id])
             if reason is not None:
                 new_text += state.detokenizer.flush()
             text, stop_string = state.release(new_text, final=reason is not None)
@@ -123,12 +99,12 @@ class OutputProcessor:
                 state.first_token_time = now
             output = RequestOutput(
                 request_id=request.request_id,
-                new_token_ids=[sampled.token_id],
+                new_token_ids=[token_id],
                 text=text,
                 finished=reason is not None,
                 finish_reason=reason,
                 num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=len(request.output_token_ids) + 1,  # with this token, appended by update()
+                num_output_tokens=num_output,
                 num_cached_tokens=request.num_cached_tokens,
                 logprobs=[sampled.logprob] if sampled.logprob is not None else None,
                 prompt_logprobs=state.take_prompt_logprobs(),

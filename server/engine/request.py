@@ -1,24 +1,17 @@
-"""Per-request records shared by the scheduler, the model runner, the engine and the API layer."""
+"""The engine's contract: what a caller (the API, the CLI, a benchmark) hands the engine and gets back.
+
+Only this module, config.py, stats.py and the async engine are for callers to import; the engine's own
+per-request state is in request_state.py.
+"""
 
 import enum
 import math
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from server.engine.grammar import CompiledGrammar, GrammarState
+from typing import Protocol
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
 
 
 # The layout of JSON that constrained outputs take (llguidance's JSON options): compact, with one space after ','
@@ -32,6 +25,22 @@ class GrammarSpec:
 
     kind: str  # json_schema | regex | choice (a JSON list of strings) | grammar (GBNF or Lark) | lark (llguidance's)
     source: str
+
+
+class Grammar(Protocol):
+    """A compiled grammar, as AsyncEngine.compile_grammar() returns it (server/engine/grammar.py): opaque to
+    callers, who only pass it on in SamplingParams.grammar."""
+
+    spec: GrammarSpec
+
+
+class ParamError(ValueError):
+    """A request the engine can never serve, blamed on one of its parameters: each API dialect names that
+    parameter in its own words (the engine's `prompt` is chat's `messages`)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class FinishReason(enum.Enum):
@@ -61,13 +70,13 @@ class SamplingParams:
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias)
     logit_bias: dict[int, float] = field(default_factory=dict)
     # the output must match it (its end may end the output); from AsyncEngine.compile_grammar()
-    grammar: "CompiledGrammar | None" = None
+    grammar: Grammar | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the offending field; the API maps it to a 400."""
+        """Raise ParamError naming the offending field; the API maps it to a 400."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}")
+            raise ParamError(name, f"{name} {why}")
 
         for name in (
             "temperature",
@@ -119,41 +128,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top N (token id, logprob), most likely first
-
-
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    # prompt + output tokens whose K/V are in the cache; catches up with num_tokens
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
-    block_table: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    grammar: "GrammarState | None" = None  # where its output is in params.grammar; dropped when it finishes
-    num_preemptions: int = 0
-    scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
-from server.engine.request import FinishReason, Request, RequestStatus
+from server.engine.request import FinishReason
+from server.engine.request_state import Request, RequestStatus
 from server.engine.stats import EngineStats
 
 

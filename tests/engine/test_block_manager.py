@@ -1,7 +1,8 @@
 import pytest
 
 from server.engine.block_manager import BlockManager
-from server.engine.request import Request, SamplingParams
+from server.engine.request import SamplingParams
+from server.engine.request_state import Request
 
 
 def make_request(request_id: str, prompt: list[int]) -> Request:

@@ -4,9 +4,10 @@ from collections.abc import Callable
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.output_processor import token_stop_reason
-from server.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from server.engine.request import FinishReason, SamplingParams
+from server.engine.request_state import Request, RequestStatus
 from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.engine.stopping import finish_reason
 
 EOS = 2
 FILLER = 7  # a token that stops nothing
@@ -50,8 +51,8 @@ def step(
 
 def decide(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> dict[str, FinishReason]:
     """What the output stage decides from the token rules alone (no stop strings here)."""
-    reasons = {c.request.request_id: token_stop_reason(c.request, sampled[c.request.request_id],
-                                                       sched.max_model_len)
+    reasons = {c.request.request_id: finish_reason(c.request, sampled[c.request.request_id],
+                                                   len(c.request.output_token_ids) + 1, sched.max_model_len)
                for c in out.chunks if c.request.request_id in sampled}  # fmt: skip
     return {rid: r for rid, r in reasons.items() if r is not None}
 

@@ -1,0 +1,51 @@
+"""The engine's own record of a request: where it stands (waiting, running, its computed tokens, its blocks,
+its grammar state). Callers never see it: they get RequestOutputs (server/engine/request.py)."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from server.engine.grammar import GrammarState
+from server.engine.request import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output tokens whose K/V are in the cache; catches up with num_tokens
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    grammar: GrammarState | None = None  # where its output is in params.grammar; dropped when it finishes
+    num_preemptions: int = 0
+    scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
