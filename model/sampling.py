@@ -172,6 +172,34 @@ def _pad(rows: list[list], pad: float, dtype: torch.dtype = torch.int64) -> Tens
     return out
 
 
+# Row sums go through this many partial sums of equal width: torch splits a lone row's sum across threads but
+# gives each row of a larger batch one thread, so a plain sum's rounding depends on the batch size (a row's
+# logsumexp differed in the last bit from 6 rows up). Many partials of fixed width always split one way.
+ROW_SUM_PARTS = 64
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """[B, V] -> [B] sums whose bits do not depend on B."""
+    pad = (-x.shape[1]) % ROW_SUM_PARTS
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.view(x.shape[0], ROW_SUM_PARTS, -1).sum(-1).sum(-1)
+
+
+def row_logsumexp(x: Tensor) -> Tensor:
+    """[B, V] f32 -> [B], batch-invariant (see ROW_SUM_PARTS)."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(m.isfinite(), m, 0.0)  # a row of -inf stays -inf
+    return row_sum((x - m).exp()).log() + m.squeeze(-1)
+
+
+def row_softmax(x: Tensor) -> Tensor:
+    """[B, V] f32 -> softmax over each row, batch-invariant (see ROW_SUM_PARTS)."""
+    m = x.amax(dim=-1, keepdim=True)
+    e = (x - torch.where(m.isfinite(), m, 0.0)).exp()
+    return e / row_sum(e)[:, None]
+
+
 def apply_penalties(
     logits: Tensor,
     prompt_ids: Tensor,
@@ -240,7 +268,7 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         # Sorted position i is kept when the mass before it is under top_p: the count of cumsums under top_p
         # is the index of the last kept one. A top-k row's window holds all its mass, so the softmax over the
         # window is its renormalised top-k distribution.
-        cumsum = desc.softmax(dim=-1).cumsum_(dim=-1)  # [B, width]
+        cumsum = row_softmax(desc).cumsum_(dim=-1)  # [B, width]
         last = (cumsum < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(max=width - 1)  # [B, 1]
         # top_p = 1 keeps everything, even tokens whose mass vanished in float32 rounding.
         floor = desc.gather(1, last).masked_fill(top_p[:, None] >= 1, -torch.inf)
@@ -303,7 +331,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
     x = logits.float()  # [B, V]
     top_ids = top_logprobs = lse = None
     if t.max_num_logprobs is not None:
-        lse = x.logsumexp(dim=-1)  # [B]
+        lse = row_logsumexp(x)  # [B]
         top_values, top_ids = x.topk(t.max_num_logprobs, dim=-1)  # [B, K]
         top_logprobs = top_values - lse[:, None]
 

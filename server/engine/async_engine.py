@@ -9,6 +9,7 @@ Event (no polling).
 """
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -72,7 +73,7 @@ class AsyncEngine:
     # --- called from the event loop -------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (a message for the client, naming the field) when the request can never be
+        """Raise ParamError (a message for the client, naming the parameter) when the request can never be
         served. Call it once per prompt before generate()."""
         self._engine.validate(prompt_token_ids, params)
 
@@ -126,7 +127,7 @@ class AsyncEngine:
         """The snapshot taken after the latest step, plus requests not yet handed to the scheduler."""
         with self._stats_lock:
             s, queued = self._stats, self._num_queued
-        return EngineStats(**{**s.__dict__, "num_waiting": s.num_waiting + queued})
+        return dataclasses.replace(s, num_waiting=s.num_waiting + queued)
 
     @property
     def num_unfinished(self) -> int:

@@ -137,6 +137,16 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
             hashes.append(h)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the request's first num_tokens tokens (held for drafts it did not keep:
+        never hashed, never shared)."""
+        num_needed = -(-num_tokens // self.block_size)
+        while len(request.block_table) > num_needed:
+            block_id = request.block_table.pop()
+            assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
+            self.ref_counts[block_id] = 0
+            self.free_block_ids.append(block_id)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail first, so that in the LRU the tail of a prefix is evicted
         before its head (a head block is useful to more future prompts than a tail block)."""

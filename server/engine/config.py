@@ -3,6 +3,31 @@
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Drafts verified in the normal step (vLLM's --speculative-config, method "ngram"): the tokens that followed
+    the latest earlier match of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+    ride along with its decode; the output stays what it would have been without them."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafts per request per step, at most
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # no drafts in a step whose decodes already number this many: a batch that large is compute-bound, and
+    # verifying drafts there costs more than it saves
+    max_batch_size: int = 8
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r} is not supported (only 'ngram')")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step, at most
@@ -25,3 +50,4 @@ class EngineConfig:
     cpu_tier: str = (
         "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | avx512bf16 | avx512 | avx2 | generic
     )
+    speculative: SpeculativeConfig | None = None  # None = no speculative decoding

@@ -12,6 +12,7 @@ import torch
 
 from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig
+from server.engine.drafting import Drafter
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import ParamError, RequestOutput, SamplingParams
@@ -37,6 +38,7 @@ class Engine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
@@ -84,6 +86,8 @@ class Engine:
             return None
         output = self.outputs.abort(request)
         self.scheduler.finish_request(request, output.finish_reason)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
         return output
 
     def abort_all(self) -> list[RequestOutput]:
@@ -98,7 +102,10 @@ class Engine:
             return []
         computed = self.runner.execute(scheduled)
         outputs, finished = self.outputs.process(scheduled, computed)
-        self.scheduler.update(scheduled, {k: s.token_id for k, s in computed.sampled.items()}, finished)
+        kept = {o.request_id: o.new_token_ids for o in outputs}
+        self.scheduler.update(scheduled, kept, finished)
+        if self.drafter is not None:
+            self.drafter.after_step(scheduled.chunks, kept, finished, self.scheduler.running)
         return outputs
 
     def score(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
@@ -117,6 +124,17 @@ class Engine:
             raise RuntimeError("the engine still has requests")
         self.config = dataclasses.replace(self.config, **changes)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
+        self.drafter = Drafter(self.config.speculative) if self.config.speculative is not None else None
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)
+        stats = dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)
+        if self.drafter is not None:
+            d = self.drafter
+            stats = dataclasses.replace(
+                stats,
+                num_drafts=d.num_drafts,
+                num_draft_tokens=d.num_draft_tokens,
+                num_accepted_tokens=d.num_accepted_tokens,
+                accepted_per_position=dict(d.accepted_per_position),
+            )
+        return stats

@@ -66,6 +66,24 @@ class GrammarState:
         """Advance by the drawn token; False if the grammar does not allow it (then the state is broken)."""
         return self.matcher.consume_token(token_id)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens that must come next whatever the model says (a JSON key, a tool call's fixed fields)."""
+        return self.matcher.compute_ff_tokens()
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of token_ids, in order, the grammar takes from here (nothing is advanced)."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def masks_along(self, token_ids: list[int], rows: torch.Tensor) -> None:
+        """Fill rows[j] with the allowed tokens after token_ids[:j], for each j in 0..len(token_ids) (rows
+        [len + 1, ceil(V / 32)]); the state ends where it began. token_ids must be a valid prefix."""
+        for j, row in enumerate(rows):
+            self.fill_bitmask(row)
+            if j < len(token_ids) and not self.matcher.consume_token(token_ids[j]):
+                raise ValueError(f"token {token_ids[j]} is not allowed here: {self.error}")
+        if token_ids:
+            self.matcher.rollback(len(token_ids))
+
     @property
     def is_complete(self) -> bool:
         """Nothing more may follow: the output ends here."""
@@ -85,11 +103,17 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmasks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
-    """[len(states), ceil(V / 32)] int32: bit j % 32 of word j // 32 set = token j allowed for that row."""
-    bitmask = torch.empty(len(states), bitmask_words(vocab_size), dtype=torch.int32)
-    for state, row in zip(states, bitmask, strict=True):
-        state.fill_bitmask(row)
+def fill_bitmasks(
+    states: list[GrammarState], vocab_size: int, drafts: list[list[int]] | None = None
+) -> torch.Tensor:
+    """[sum(len(d) + 1), ceil(V / 32)] int32: bit j % 32 of word j // 32 set = token j allowed. Each state fills
+    one row, or with drafts one row after each prefix of its drafts (the rows of a verified decode)."""
+    drafts = drafts or [[] for _ in states]
+    bitmask = torch.empty(sum(len(d) + 1 for d in drafts), bitmask_words(vocab_size), dtype=torch.int32)
+    row = 0
+    for state, d in zip(states, drafts, strict=True):
+        state.masks_along(d, bitmask[row : row + len(d) + 1])
+        row += len(d) + 1
     return bitmask
 
 

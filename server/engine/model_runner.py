@@ -7,7 +7,7 @@ import torch
 
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.sampling import SamplingTensors, sample
+from model.sampling import SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
 from server.engine.grammar import fill_bitmasks
 from server.engine.request import TokenLogprob
@@ -26,7 +26,8 @@ class SampledToken:
 class ModelOutput:
     """Everything one step computed, by request id."""
 
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # the token drawn after a chunk
+    # the token drawn after a chunk; for a decode with drafts, one after its last token and after each draft
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # the logprobs of the prompt tokens a chunk scored (each scores the token after its position)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
@@ -55,7 +56,8 @@ class ModelRunner:
         starts: list[int] = []  # flat index of each chunk's first token
         for c in out.chunks:
             starts.append(len(ids))
-            ids.extend(_token_slice(c.request, c.start, c.start + c.num_tokens))
+            ids.extend(c.request.token_slice(c.start, c.start + c.num_tokens - len(c.drafts)))
+            ids.extend(c.drafts)
         positions, meta = self.attention.build(
             [c.num_tokens for c in out.chunks],
             [c.start + c.num_tokens for c in out.chunks],
@@ -71,8 +73,15 @@ class ModelRunner:
                 result.prompt_logprobs[c.request.request_id] = self._prompt_logprobs(hidden, c, start)
         sampled = [(c, start) for c, start in zip(out.chunks, starts, strict=True) if c.sample]
         if sampled:
-            rows = torch.tensor([start + c.num_tokens - 1 for c, start in sampled], device=self.device)
-            result.sampled = self._sample(hidden[rows], [c.request for c, _ in sampled])
+            # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
+            rows = [
+                start + c.num_tokens - 1 - len(c.drafts) + j
+                for c, start in sampled
+                for j in range(len(c.drafts) + 1)
+            ]
+            result.sampled = self._sample(
+                hidden[torch.tensor(rows, device=self.device)], [c for c, _ in sampled]
+            )
         return result
 
     @torch.inference_mode()
@@ -101,9 +110,12 @@ class ModelRunner:
         flags = [longest > original for n, longest in chunks for _ in range(n)]
         return torch.tensor(flags).to(self.device, non_blocking=True)
 
-    def _sample(self, hidden: torch.Tensor, reqs: list[Request]) -> dict[str, SampledToken]:
+    def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
+        """Draw after each row of hidden: one per chunk, plus one per draft. Row j of a chunk draws as a plain
+        decode would with the output grown by its first j drafts (penalties, bans, grammar, position)."""
+        rows = [(c.request, c.drafts[:j]) for c in chunks for j in range(len(c.drafts) + 1)]
         logits = self.model.compute_logits(hidden)
-        result = sample(logits, self._sampling_tensors(reqs))
+        result = sample(logits, self._sampling_tensors(rows, chunks))
         token_ids = result.token_ids.tolist()  # the one host read per step
         logprobs = [None] * len(token_ids)
         if result.top_ids is not None:
@@ -113,16 +125,27 @@ class ModelRunner:
                 TokenLogprob(t, lp, list(zip(ti[: r.params.logprobs], tl[: r.params.logprobs], strict=True)))
                 if r.params.logprobs is not None
                 else None
-                for r, t, lp, ti, tl in zip(reqs, token_ids, chosen, top_ids, top_lps, strict=True)
+                for (r, _), t, lp, ti, tl in zip(rows, token_ids, chosen, top_ids, top_lps, strict=True)
             ]
-        return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(reqs, token_ids, logprobs, strict=True)}
+        drawn: dict[str, list[SampledToken]] = {}
+        for (r, _), t, lp in zip(rows, token_ids, logprobs, strict=True):
+            drawn.setdefault(r.request_id, []).append(SampledToken(t, lp))
+        return drawn
 
-    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+    def _sampling_tensors(
+        self, rows: list[tuple[Request, list[int]]], chunks: list[ScheduledChunk]
+    ) -> SamplingTensors:
+        """One row per (request, the drafts before it)."""
+        reqs = [r for r, _ in rows]
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         grammar_bitmask = None
         if grammar_rows:
-            states = [reqs[i].grammar for i in grammar_rows]
-            grammar_bitmask = fill_bitmasks(states, self.model_config.vocab_size)
+            constrained = [c for c in chunks if c.request.grammar is not None]
+            grammar_bitmask = fill_bitmasks(
+                [c.request.grammar for c in constrained],
+                self.model_config.vocab_size,
+                [c.drafts for c in constrained],
+            )
         return SamplingTensors.from_lists(
             temperature=[r.params.temperature for r in reqs],
             top_k=[max(r.params.top_k, 0) for r in reqs],
@@ -132,10 +155,10 @@ class ModelRunner:
             presence_penalty=[r.params.presence_penalty for r in reqs],
             frequency_penalty=[r.params.frequency_penalty for r in reqs],
             seeds=[r.params.seed for r in reqs],  # the engine gives unseeded requests a random seed
-            positions=[len(r.output_token_ids) for r in reqs],
+            positions=[len(r.output_token_ids) + len(d) for r, d in rows],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            suppress_ids=[banned_token_ids(r, len(r.output_token_ids)) for r in reqs],
+            output_token_ids=[r.output_token_ids + d if d else r.output_token_ids for r, d in rows],
+            suppress_ids=[banned_token_ids(r, len(r.output_token_ids) + len(d)) for r, d in rows],
             logit_bias=[r.params.logit_bias for r in reqs],
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
@@ -152,7 +175,8 @@ class ModelRunner:
         n = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)
         if n <= 0:
             return []
-        logp = torch.log_softmax(self.model.compute_logits(hidden[start : start + n]), dim=-1)
+        logits = self.model.compute_logits(hidden[start : start + n]).float()
+        logp = logits - row_logsumexp(logits)[:, None]  # the same bits however the prompt was chunked
         targets = torch.tensor(req.prompt_token_ids[c.start + 1 : c.start + 1 + n], device=logp.device)
         chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.params.logprobs or 0
@@ -161,13 +185,3 @@ class ModelRunner:
             TokenLogprob(t, lp, list(zip(ti[:k], tl[:k], strict=True)))
             for t, lp, ti, tl in zip(targets.tolist(), chosen, top_id.tolist(), top_lp.tolist(), strict=True)
         ]
-
-
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
-    """req.all_token_ids[start:end] without building the whole list every step."""
-    p = req.num_prompt_tokens
-    if end <= p:
-        return req.prompt_token_ids[start:end]
-    if start >= p:
-        return req.output_token_ids[start - p : end - p]
-    return req.prompt_token_ids[start:] + req.output_token_ids[: end - p]

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from model.tokenizer import IncrementalDetokenizer, Tokenizer
-from server.engine.model_runner import ModelOutput
+from server.engine.model_runner import ModelOutput, SampledToken
 from server.engine.request import FinishReason, RequestOutput, RequestTimes, TokenLogprob
 from server.engine.request_state import Request
 from server.engine.scheduler import SchedulerOutput
@@ -83,30 +83,19 @@ class OutputProcessor:
             sampled = model_output.sampled.get(request.request_id)
             if sampled is None:
                 continue
-            token_id = sampled.token_id
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                log.error("request %s: grammar refused token %d: %s", request.request_id, token_id,
-                          request.grammar.error)  # fmt: skip
-            num_output = len(request.output_token_ids) + 1  # with this token; update() appends it
-            reason = finish_reason(request, token_id, num_output, self.max_model_len)
-            new_text = state.detokenizer.add([token_id])
-            if reason is not None:
-                new_text += state.detokenizer.flush()
-            text, stop_string = state.release(new_text, final=reason is not None)
-            if stop_string is not None:
-                reason = FinishReason.STOP
+            kept, text, reason, stop_string = self._keep(request, state, sampled, c.drafts)
             if state.first_token_time is None:
                 state.first_token_time = now
             output = RequestOutput(
                 request_id=request.request_id,
-                new_token_ids=[token_id],
+                new_token_ids=[s.token_id for s in kept],
                 text=text,
                 finished=reason is not None,
                 finish_reason=reason,
                 num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=num_output,
+                num_output_tokens=len(request.output_token_ids) + len(kept),  # update() appends them
                 num_cached_tokens=request.num_cached_tokens,
-                logprobs=[sampled.logprob] if sampled.logprob is not None else None,
+                logprobs=[s.logprob for s in kept] if kept[0].logprob is not None else None,
                 prompt_logprobs=state.take_prompt_logprobs(),
                 stop_string=stop_string,
             )
@@ -116,6 +105,35 @@ class OutputProcessor:
                 del self.states[request.request_id]
             outputs.append(output)
         return outputs, finished
+
+    def _keep(
+        self, request: Request, state: RequestState, sampled: list[SampledToken], drafts: list[int]
+    ) -> tuple[list[SampledToken], str, FinishReason | None, str | None]:
+        """The drawn tokens the output keeps, in order, as the plain path would have drawn them one per step:
+        each draw after a confirmed draft is what that step would have drawn, so keep draws while each equals
+        the draft it follows, and stop at the first that ends the output. Returns (kept, their text, why the
+        output ended or None, the stop string that ended it or None)."""
+        kept: list[SampledToken] = []
+        texts: list[str] = []
+        reason = stop_string = None
+        for j, drawn in enumerate(sampled):
+            token_id = drawn.token_id
+            kept.append(drawn)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                log.error("request %s: grammar refused token %d: %s", request.request_id, token_id,
+                          request.grammar.error)  # fmt: skip
+            num_output = len(request.output_token_ids) + len(kept)
+            reason = finish_reason(request, token_id, num_output, self.max_model_len)
+            new_text = state.detokenizer.add([token_id])
+            if reason is not None:
+                new_text += state.detokenizer.flush()
+            text, stop_string = state.release(new_text, final=reason is not None)
+            texts.append(text)
+            if stop_string is not None:
+                reason = FinishReason.STOP
+            if reason is not None or j == len(drafts) or token_id != drafts[j]:
+                break
+        return kept, "".join(texts), reason, stop_string
 
     def abort(self, request: Request) -> RequestOutput:
         """The last output of a request ended before it finished (client gone, shutdown, engine error)."""

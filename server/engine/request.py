@@ -71,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # the output must match it (its end may end the output); from AsyncEngine.compile_grammar()
     grammar: Grammar | None = None
+    speculative: bool = True  # False: never draft for this request, where the engine speculates
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ParamError naming the offending field; the API maps it to a 400."""

@@ -33,6 +33,9 @@ class Request:
     grammar: GrammarState | None = None  # where its output is in params.grammar; dropped when it finishes
     num_preemptions: int = 0
     scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
+    # tokens guessed to follow its last one (drafting.py), verified in its next decode; never part of the output
+    # until the step's draw agrees with them
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -49,3 +52,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

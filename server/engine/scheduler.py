@@ -22,29 +22,38 @@ from server.engine.stats import EngineStats
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Compute `request.all_token_ids[start : start + num_tokens]` at those positions."""
+    """Compute `request.all_token_ids[start : start + num_tokens - len(drafts)]` followed by `drafts`, at
+    positions start.. on."""
 
     request: Request
     start: int  # the request's num_computed_tokens when scheduled
-    num_tokens: int
+    num_tokens: int  # drafts included
     sample: bool  # the chunk reaches the end of the known tokens: the step draws the next token after it
     prompt_logprobs: bool  # also score the prompt tokens it covers (completions' echo with logprobs)
+    # a decode's drafts (drafting.py): the step also draws a token after each of them, to verify them
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
-        """One new token of a request that is generating (anything else is a prefill chunk)."""
-        return self.num_tokens == 1 and self.sample and self.start >= self.request.num_prompt_tokens
+        """One new token of a request that is generating, with its drafts (anything else is a prefill chunk)."""
+        return (
+            self.num_tokens - len(self.drafts) == 1
+            and self.sample
+            and self.start >= self.request.num_prompt_tokens
+        )
 
 
-def chunk(request: Request, num_tokens: int) -> ScheduledChunk:
+def chunk(request: Request, num_tokens: int, drafts: list[int] | None = None) -> ScheduledChunk:
     start = request.num_computed_tokens
     wants_prompt_logprobs = request.params.prompt_logprobs and not request.output_token_ids
+    drafts = drafts or []
     return ScheduledChunk(
         request,
         start,
-        num_tokens,
+        num_tokens + len(drafts),
         sample=start + num_tokens == request.num_tokens,
         prompt_logprobs=wants_prompt_logprobs and start < request.num_prompt_tokens,
+        drafts=drafts,
     )
 
 
@@ -146,7 +155,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, n, out):
+            drafts = self._fit_drafts(request, n, budget)
+            if drafts:
+                out.chunks.append(chunk(request, n, drafts))
+                out.num_batched_tokens += n + len(drafts)
+            elif self._allocate_or_preempt(request, n, out):
                 out.chunks.append(chunk(request, n))
                 out.num_batched_tokens += n
 
@@ -179,6 +192,16 @@ class Scheduler:
             self.num_steps += 1
         return out
 
+    def _fit_drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decode can verify this step: what the token budget and the free blocks allow (drafts
+        never preempt anyone), with the slots allocated. Empty for a prefill chunk or when none fit."""
+        drafts = request.draft_token_ids[: budget - n]
+        if n != 1 or not drafts:
+            return []
+        while drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
+            drafts = drafts[:-1]
+        return drafts
+
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Get slots for n more tokens of a running request, preempting the most recently admitted
         running requests until they fit. False when the request had to preempt itself."""
@@ -200,22 +223,27 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(
-        self, out: SchedulerOutput, token_ids: dict[str, int], finished: dict[str, FinishReason]
+        self, out: SchedulerOutput, token_ids: dict[str, list[int]], finished: dict[str, FinishReason]
     ) -> None:
-        """Advance the scheduled requests by their chunks, append the tokens drawn for them (request id ->
-        token) and finish the requests the output stage ended (request id -> why), freeing their blocks."""
+        """Advance the scheduled requests by their chunks, append the tokens the output stage kept for them
+        (request id -> tokens: one, or with drafts up to one more than the drafts it confirmed) and finish the
+        requests it ended (request id -> why), freeing their blocks. The K/V of a chunk's rejected drafts stays
+        behind num_computed_tokens, unhashed, to be overwritten; blocks held only for them are freed."""
         for c in out.chunks:
             request = c.request
             if request.is_finished:  # aborted since schedule() (the engine applies aborts between steps)
                 continue
-            request.num_computed_tokens += c.num_tokens
+            kept = token_ids.get(request.request_id, [])
+            # the chunk's known tokens, then the drafts the kept tokens confirmed (all but the last kept)
+            request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
+            request.output_token_ids.extend(kept)
             self.block_manager.cache_full_blocks(request)
-            token_id = token_ids.get(request.request_id)
-            if token_id is None:
+            if c.drafts:
+                self.block_manager.trim(request, request.num_tokens)
+            if not kept:
                 continue
-            assert request.num_computed_tokens == request.num_tokens, "sampled a request mid-prefill"
-            request.output_token_ids.append(token_id)
-            self.num_generation_tokens += 1
+            assert request.num_computed_tokens == request.num_tokens - 1, "sampled a request mid-prefill"
+            self.num_generation_tokens += len(kept)
             reason = finished.get(request.request_id)
             if reason is not None:
                 self.finish_request(request, reason)

@@ -1,6 +1,6 @@
 """Plain snapshots of engine state for the metrics layer (which alone knows Prometheus)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,3 +20,8 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # speculative decoding: decodes verified with drafts, their drafts, the drafts kept, kept by draft position
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: dict[int, int] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from model.sampling import (
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p,
+    row_softmax,
     sample,
     uniform_noise,
 )
@@ -494,3 +495,25 @@ def test_logit_bias_is_added_to_its_rows_logits_only():
     mixed = make(5, 3, seeds=[5, 6, 7], positions=[0, 0, 0], logit_bias=[{2: 1.5}, {0: 9.0, 1: 3.0}, {}])
     assert sample(repeat_row(logits, 3), mixed).token_ids[0] == alone[0]
     assert make(5, 2, logit_bias=[{}, {}]).bias_ids is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vocab_size", [49152, 151936])
+def test_logprobs_and_nucleus_of_a_row_are_the_same_bits_in_any_batch(vocab_size):
+    """At a real vocabulary's width torch sums a lone row on two threads and a batch's rows on one each: the
+    sampler's row sums (logsumexp for logprobs, softmax for top-p) must not follow that, or a speculative
+    verify (several rows of one request) and a large batch would change a request's logprobs and draws."""
+    torch.manual_seed(0)
+    n = 16
+    logits = torch.randn(n, vocab_size) * 3
+    logits[:, :50] += 12  # a peaked head, as a trained model's logits have
+    rows = dict(temperature=[0.9] * n, top_p=[0.8] * n, seeds=list(range(n)), positions=[5] * n)
+    batch = sample(logits, make(vocab_size, n, max_num_logprobs=3, **rows))
+    for i in range(n):
+        one = {k: v[i : i + 1] for k, v in rows.items()}
+        alone = sample(logits[i : i + 1], make(vocab_size, 1, max_num_logprobs=3, **one))
+        assert alone.token_ids[0] == batch.token_ids[i]
+        assert torch.equal(alone.logprobs[0], batch.logprobs[i]), i
+        assert torch.equal(alone.top_logprobs[0], batch.top_logprobs[i]), i
+    cumsum = row_softmax(logits).cumsum(-1)
+    assert all(torch.equal(row_softmax(logits[i : i + 1]).cumsum(-1)[0], cumsum[i]) for i in range(n))

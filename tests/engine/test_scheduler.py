@@ -45,7 +45,7 @@ def step(
     out = sched.schedule()
     sampled = {c.request.request_id: token(c.request) for c in out.chunks if c.sample}
     finished = decide(sched, out, sampled)
-    sched.update(out, sampled, finished)
+    sched.update(out, {rid: [t] for rid, t in sampled.items()}, finished)
     return out, [c.request for c in out.chunks if c.request.request_id in finished]
 
 
@@ -290,7 +290,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     sched.add_request(b)
     out = sched.schedule()
     sched.abort_request("a")
-    sched.update(out, {"a": FILLER, "b": FILLER}, {"b": FinishReason.STOP})  # as on a stop string
+    sched.update(out, {"a": [FILLER], "b": [FILLER]}, {"b": FinishReason.STOP})  # as on a stop string
     assert a.output_token_ids == [] and b.output_token_ids == [FILLER]
     assert a.finish_reason == FinishReason.ABORT
     assert b.finish_reason == FinishReason.STOP and not sched.has_unfinished_requests()
@@ -402,7 +402,7 @@ def test_random_workloads_finish_cleanly(seed: int):
         tokens_out = {c.request.request_id: rng.choice([EOS, 3, 4, 5]) for c in out.chunks if c.sample}
         for rid, t in tokens_out.items():
             sampled[rid].append(t)
-        sched.update(out, tokens_out, decide(sched, out, tokens_out))
+        sched.update(out, {rid: [t] for rid, t in tokens_out.items()}, decide(sched, out, tokens_out))
         bm.check_invariants()
         # why admission order puts decodes first: only the newest running request can be mid-prefill
         assert all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running[:-1])
@@ -423,3 +423,41 @@ def test_random_workloads_finish_cleanly(seed: int):
         else:
             assert r.finish_reason == FinishReason.LENGTH and len(out_ids) == p.max_tokens
     assert_all_blocks_free(sched)
+
+
+@pytest.mark.timeout(30)
+def test_a_decode_carries_its_drafts_and_keeps_only_what_the_draws_confirmed():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=6)
+    r = make_request("a", 6, max_tokens=20)
+    sched.add_request(r)
+    step(sched)  # the prefill: 6 tokens computed, one drawn (7 known)
+    r.draft_token_ids = [21, 22, 23, 24, 25, 26]
+    out = sched.schedule()
+    (c,) = out.chunks
+    # the token budget (6) takes the last token and five drafts; slots for 12 tokens = 3 blocks
+    assert (c.start, c.num_tokens, c.drafts, c.is_decode) == (6, 6, [21, 22, 23, 24, 25], True)
+    assert len(r.block_table) == 3 and out.num_batched_tokens == 6
+    sched.update(out, {"a": [21, 22, 9]}, {})  # two drafts confirmed, then another draw
+    assert r.output_token_ids == [FILLER, 21, 22, 9]
+    assert r.num_computed_tokens == 9 == r.num_tokens - 1  # the last token and the two confirmed drafts
+    assert len(r.block_table) == 3  # 10 tokens still need 3 blocks
+    bm = sched.block_manager
+    assert len(bm.request_hashes["a"]) == 2  # only blocks full of computed, kept tokens are hashed
+    r.draft_token_ids = [5, 6]
+    out = sched.schedule()
+    sched.update(out, {"a": [7]}, {})  # none confirmed: the block held for them goes back
+    assert r.num_computed_tokens == 10 and len(r.block_table) == 3
+    bm.check_invariants()
+
+
+@pytest.mark.timeout(30)
+def test_drafts_shrink_to_the_free_blocks_and_never_preempt():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 3, max_tokens=8), make_request("b", 3, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # both prefilled: a holds 1 block (4 known tokens), b 1, one block free
+    a.draft_token_ids = [1, 2, 3, 4, 5, 6]
+    out = sched.schedule()
+    assert [(c.request.request_id, c.drafts) for c in out.chunks] == [("a", [1, 2, 3, 4]), ("b", [])]
+    assert not out.preempted and sched.block_manager.num_free_blocks == 0
