@@ -1,6 +1,6 @@
 """The FastAPI app from a factory: state, routers, error handlers, middleware; loading and draining.
 
-What the routes do lives in routes.py (thin) and the serving modules (completions.py, chat.py, choices.py);
+What the routes do lives in routes.py (thin) and the serving modules (completions.py, chat.py, serving.py);
 errors in errors.py, the request guard in middleware.py, the OpenAPI document in openapi.py.
 """
 

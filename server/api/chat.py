@@ -6,7 +6,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from server.api import protocol as p
-from server.api.choices import (
+from server.api.errors import ApiError
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
@@ -20,7 +21,6 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError
 from server.api.structured import chat_tools, output_grammar_for
 from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser, render_history
 from server.engine.request import RequestOutput, TokenLogprob

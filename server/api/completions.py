@@ -5,7 +5,8 @@ import uuid
 from dataclasses import dataclass
 
 from server.api import protocol as p
-from server.api.choices import (
+from server.api.errors import ApiError
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
@@ -18,7 +19,6 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError
 from server.api.structured import output_grammar_for
 from server.engine.request import RequestOutput, TokenLogprob
 

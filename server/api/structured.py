@@ -4,8 +4,8 @@ forced tool calls), turned into one grammar the engine constrains sampling with.
 import json
 
 from server.api import protocol as p
-from server.api.choices import ServingState
 from server.api.errors import ApiError
+from server.api.serving import ServingState
 from server.api.tools import Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
 

@@ -279,7 +279,7 @@ def test_cors_headers_only_when_origins_are_allowed(tiny_engine, start_server):
 
 def test_one_log_line_per_request_without_the_prompt(tiny_engine, start_server, caplog):
     url, _ = start_server(tiny_engine)
-    with caplog.at_level(logging.INFO, logger="server.api.choices"):
+    with caplog.at_level(logging.INFO, logger="server.api.serving"):
         body = {"prompt": "my secret prompt", "max_tokens": 3, "n": 2, "ignore_eos": True}
         httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "log-1"})
     (line,) = [r.getMessage() for r in caplog.records if "log-1" in r.getMessage()]
