@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from server.api import messages_protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
-from server.api.chat import chat_prompt_ids
 from server.api.errors import ApiError, anthropic_error
+from server.api.prompt import chat_prompt_ids
 from server.api.serving import (
     Choice,
     Disconnected,

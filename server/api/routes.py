@@ -11,11 +11,12 @@ from pydantic import BaseModel
 from server.api import messages_protocol as mp
 from server.api import protocol as p
 from server.api import responses_protocol as rp
-from server.api.chat import chat, chat_prompt_ids
+from server.api.chat import chat
 from server.api.completions import completion
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
 from server.api.messages import chat_messages, message, request_tools
+from server.api.prompt import chat_prompt_ids
 from server.api.responses import ignored_tools_header, respond
 from server.api.serving import ServingState, check_model
 
