@@ -9,8 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.api import messages_protocol as mp
-from server.api import protocol as p
+from server.api.anthropic import protocol as mp
+from server.api.openai import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pydantic import BaseModel
@@ -27,7 +27,9 @@ from server.engine.request import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 Disconnected = Callable[[], Awaitable[None]]
-PARAM_NAMES = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
+# The words the engine's errors open with when they name a field (SamplingParams' own, and the prompt): the param
+# of the 400 they become.
+PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt"}
 
 
 @dataclass
@@ -111,37 +113,6 @@ class Shape(ABC):
     @abstractmethod
     def response(self, answer: Any, choices: list[Choice]) -> BaseModel:
         """The non-streamed body, made of the answer once every event is folded in."""
-
-
-class OpenAIShape(Shape):
-    """What chat and completions streams share: data-only chunks, a usage chunk when the client asks for one,
-    errors in OpenAI's body and [DONE] at the end. The answer is the list of choices; a subclass makes its
-    chunks and folds a chunk's choice into the answer's."""
-
-    body: p.SamplingFields  # the request: its stream_options say whether a usage chunk closes the stream
-    end = "data: [DONE]\n\n"
-    closes_with_answer = False
-
-    @abstractmethod
-    def chunk(self, choices: list, usage: p.Usage | None = None) -> BaseModel:
-        """One chunk of the stream: these choices' deltas, or (with none) the usage."""
-
-    @abstractmethod
-    def add_choice(self, total: BaseModel, delta: BaseModel) -> None:
-        """Fold one choice's delta into that choice of the answer."""
-
-    def closing(self, answer: list, choices: list[Choice]) -> list[Event]:
-        options = self.body.stream_options
-        if options is None or not options.include_usage:
-            return []
-        return [Event(self.chunk([], usage(choices)))]
-
-    def failed(self, error: ApiError) -> list[Event]:
-        return [Event(error.body())]
-
-    def add(self, answer: list, event: BaseModel) -> None:
-        for d in event.choices:
-            self.add_choice(answer[d.index], d)
 
 
 def check_model(state: ServingState, model: str | None) -> None:

@@ -5,13 +5,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import protocol as p
+from server.api.openai import protocol as p
+from server.api.openai.shape import OpenAIShape
+from server.api.openai.structured import chat_tools, output_grammar_for
 from server.api.prompt import chat_prompt_ids
 from server.api.serving import (
     Choice,
     Disconnected,
     Event,
-    OpenAIShape,
     ServingState,
     answer,
     check_model,
@@ -21,7 +22,6 @@ from server.api.serving import (
     sampling_params,
     usage,
 )
-from server.api.structured import chat_tools, output_grammar_for
 from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser
 from server.engine.request import RequestOutput, TokenLogprob
 

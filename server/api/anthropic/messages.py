@@ -7,7 +7,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import messages_protocol as mp
+from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError, anthropic_error
 from server.api.prompt import chat_prompt_ids

@@ -14,9 +14,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import responses_protocol as rp
 from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
+from server.api.openai import responses_protocol as rp
 from server.api.prompt import chat_prompt_ids
 from server.api.serving import (
     Choice,
