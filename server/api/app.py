@@ -44,9 +44,13 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     app.include_router(fleet.router, dependencies=[Depends(check_api_key)])
     if config.ui:
         app.include_router(ui_router)
-    add_error_handlers(app)
+    error_shapes = {**openai.ERROR_SHAPES, **anthropic.ERROR_SHAPES}  # each API's on its paths
+    add_error_handlers(app, error_shapes)
     app.add_middleware(
-        RequestGuard, max_request_bytes=config.max_request_bytes, read_timeout=config.read_timeout
+        RequestGuard,
+        error_shapes=error_shapes,
+        max_request_bytes=config.max_request_bytes,
+        read_timeout=config.read_timeout,
     )
     if config.allowed_origins:
         app.add_middleware(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
-from server.api.errors import ApiError, anthropic_error
+from server.api.errors import ApiError
 from server.api.prompt import chat_prompt_ids
 from server.api.serving import (
     Choice,
@@ -181,7 +181,7 @@ class MessagesShape(Shape):
         )
 
     def failed(self, error: ApiError) -> list[Event]:
-        return [named(anthropic_error(error))]
+        return [named(mp.error_body(error))]
 
     def empty(self, choices: list[Choice]) -> Reply:
         # before any output the cache is not yet looked up: the whole prompt counts as input until message_delta

@@ -10,6 +10,9 @@ from server.api.routes import Ready, check_api_key, client_gone, documented_erro
 from server.api.serving import check_model
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
+# Anthropic's error shape on its routes and every path below them: its clients read no other (a 404 or 405 there
+# too, and a 413 before any route is found).
+ERROR_SHAPES = {"/v1/messages": mp.error_body}
 
 
 @router.post(

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
+from server.api.errors import MAX_ERROR_CHARS, ApiError
 from server.api.protocol import MAX_STOP, TOOL_NAME, Body, JsonObject, Sampling, Text, Usage, one_of
 
 MAX_CHOICES = 16
@@ -423,3 +424,10 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def error_body(error: ApiError) -> ErrorResponse:
+    """OpenAI's shape of an error: the server's own, on every path no other API registers."""
+    message = error.message[:MAX_ERROR_CHARS]  # bounded, whatever the input it quotes
+    info = ErrorInfo(message=message, type=error.type, param=error.param, code=error.code)
+    return ErrorResponse(error=info)

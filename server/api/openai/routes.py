@@ -11,6 +11,8 @@ from server.api.openai.responses import ignored_tools_header, respond
 from server.api.routes import GENERATION_ERRORS, Ready, check_api_key, client_gone, documented_stream, reply
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
+# OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
+ERROR_SHAPES = {"": p.error_body}
 
 
 @router.post(

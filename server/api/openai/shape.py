@@ -34,7 +34,7 @@ class OpenAIShape(Shape):
         return [Event(self.chunk([], usage(choices)))]
 
     def failed(self, error: ApiError) -> list[Event]:
-        return [Event(error.body())]
+        return [Event(p.error_body(error))]
 
     def add(self, answer: list, event: BaseModel) -> None:
         for d in event.choices:
