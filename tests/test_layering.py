@@ -106,3 +106,38 @@ def test_no_import_circles_inside_a_package(package):
     for start in sorted(graph):
         if start not in state and (found := circle_from(start, [start])):
             pytest.fail(" -> ".join(found))
+
+
+# Each API's package (server/api/<name>/) uses the shared modules of server/api and never another API's; the
+# shared modules use no API's. Only the assembly sees them: app.py, openapi.py, and routes.py and fleet.py, whose
+# routes answer in OpenAI's shapes.
+APIS = ("openai", "anthropic")
+SHARED = (
+    "blocks",
+    "config",
+    "errors",
+    "metrics",
+    "middleware",
+    "prompt",
+    "protocol",
+    "serving",
+    "structured",
+    "tools",
+)
+
+
+@pytest.mark.timeout(30)
+def test_each_api_stands_apart():
+    api = ROOT / "server" / "api"
+    bad = []
+    for name in APIS:
+        others = [f"server.api.{other}" for other in APIS if other != name]
+        for f in sorted((api / name).rglob("*.py")):
+            bad += [
+                f"{f.relative_to(ROOT)} imports {m}" for m in imports_of(f) if m.startswith(tuple(others))
+            ]
+    for name in SHARED:
+        f = api / f"{name}.py"
+        apis = tuple(f"server.api.{a}" for a in APIS)
+        bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports_of(f) if m.startswith(apis)]
+    assert not bad, "\n".join(bad)

@@ -1,17 +1,20 @@
 """The FastAPI app from a factory: state, routers, error handlers, middleware; loading and draining.
 
-What the routes do lives in routes.py (thin) and the serving modules (completions.py, chat.py, choices.py);
-errors in errors.py, the request guard in middleware.py, the OpenAPI document in openapi.py.
+Each API's routes live in its package (openai/, anthropic/) and run the serving pipeline (serving.py); the
+server's own routes and what all routes share in routes.py; errors in errors.py, the request guard in
+middleware.py, the OpenAPI document in openapi.py.
 """
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server.api import fleet
+from server.api.anthropic import routes as anthropic
 from server.api.config import ServerConfig
 from server.api.errors import add_error_handlers
 from server.api.metrics import Metrics
 from server.api.middleware import RequestGuard
+from server.api.openai import routes as openai
 from server.api.openapi import openapi_schema
 from server.api.routes import api_router, check_api_key, health_router
 from server.api.ui import ui_router
@@ -34,14 +37,20 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     app.state.draining = False
     app.state.metrics = Metrics(config.served_model_name, lambda: app.state.engine)
     app.include_router(health_router)
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
     app.include_router(api_router)
     app.include_router(fleet.public_router)
     app.include_router(fleet.router, dependencies=[Depends(check_api_key)])
     if config.ui:
         app.include_router(ui_router)
-    add_error_handlers(app)
+    error_shapes = {**openai.ERROR_SHAPES, **anthropic.ERROR_SHAPES}  # each API's on its paths
+    add_error_handlers(app, error_shapes)
     app.add_middleware(
-        RequestGuard, max_request_bytes=config.max_request_bytes, read_timeout=config.read_timeout
+        RequestGuard,
+        error_shapes=error_shapes,
+        max_request_bytes=config.max_request_bytes,
+        read_timeout=config.read_timeout,
     )
     if config.allowed_origins:
         app.add_middleware(

@@ -1,36 +1,25 @@
-"""Errors as the API at hand shapes them: ApiError carries a status and OpenAI's error fields, and the handlers
-turn every failure (ours, FastAPI's validation, Starlette's routing, anything unexpected) into one. Anthropic's
-route (/v1/messages) answers in Anthropic's shape; every other route in OpenAI's."""
+"""Errors: ApiError carries a status and the fields every API's error body is made of, and the handlers turn
+every failure (ours, FastAPI's validation, Starlette's routing, anything unexpected) into one. Its body takes the
+shape of the API whose paths it is on: each API registers its shape for its path prefixes (ERROR_SHAPES in its
+routes.py), and the app hands the lot to the handlers and the request guard."""
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-
-from server.api import messages_protocol as mp
-from server.api import protocol as p
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 300
-ANTHROPIC_ROUTE = "/v1/messages"
-# Anthropic's error type for each status; any other is an api_error
-ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 
 
 class ApiError(Exception):
-    """An error with its HTTP status and OpenAI error body; the app turns it into a response."""
+    """An error with its HTTP status and the fields of its body (OpenAI's: each API's shape is made of them);
+    the app turns it into a response."""
 
     def __init__(
         self,
@@ -46,27 +35,26 @@ class ApiError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers
 
-    def body(self) -> p.ErrorResponse:
-        message = self.message[:MAX_ERROR_CHARS]  # bounded, whatever the input it quotes
-        info = p.ErrorInfo(message=message, type=self.type, param=self.param, code=self.code)
-        return p.ErrorResponse(error=info)
+
+ErrorBody = Callable[[ApiError], BaseModel]  # an API's error shape: an error as a body of its own
+ErrorShapes = dict[str, ErrorBody]  # by path prefix; "" is every path
 
 
-def anthropic_error(error: ApiError) -> mp.AnthropicError:
-    message = error.message[:MAX_ERROR_CHARS]
-    return mp.AnthropicError(
-        error=mp.ErrorDetail(type=ANTHROPIC_TYPES.get(error.status, "api_error"), message=message)
-    )
+def error_body(error: ApiError, shapes: ErrorShapes, path: str) -> BaseModel:
+    """The error in the shape registered for the longest prefix of `path`: a prefix holds the path itself and
+    those below it ("/v1/messages" holds "/v1/messages/count_tokens", not "/v1/messagesx")."""
+    holding = [prefix for prefix in shapes if path == prefix or path.startswith(prefix + "/")]
+    return shapes[max(holding, key=len)](error)
 
 
-def error_response(error: ApiError, path: str) -> JSONResponse:
+def error_response(error: ApiError, shapes: ErrorShapes, path: str) -> JSONResponse:
     """The error as the API of the route at `path` shapes it."""
-    anthropic = path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
-    body = anthropic_error(error) if anthropic else error.body()
+    body = error_body(error, shapes, path)
     return JSONResponse(body.model_dump(), status_code=error.status, headers=error.headers)
 
 
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
+    app.state.error_shapes = shapes
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -74,11 +62,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return error_response(error, request.url.path)
+    return _response(error, request)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return error_response(_bad_request(error), request.url.path)
+    return _response(_bad_request(error), request)
 
 
 def _bad_request(error: RequestValidationError) -> ApiError:
@@ -98,10 +86,14 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     # Starlette's own: unknown route (404), wrong method (405), a body FastAPI could not parse (400).
     code = "not_found" if error.status_code == 404 else None
     refused = ApiError(error.status_code, str(error.detail), param=None, code=code, headers=error.headers)
-    return error_response(refused, request.url.path)
+    return _response(refused, request)
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     # The server logs the traceback (Starlette re-raises after this); the client learns nothing of the code.
     log.error("request %s failed: %s", getattr(request.state, "request_id", "-"), type(error).__name__)
-    return error_response(ApiError(500, "internal server error", type="internal_error"), request.url.path)
+    return _response(ApiError(500, "internal server error", type="internal_error"), request)
+
+
+def _response(error: ApiError, request: Request) -> JSONResponse:
+    return error_response(error, request.app.state.error_shapes, request.url.path)

@@ -4,7 +4,7 @@ import asyncio
 import re
 import uuid
 
-from server.api.errors import ApiError, error_response
+from server.api.errors import ApiError, ErrorShapes, error_response
 
 REQUEST_ID = re.compile(r"[\w.:@/+=-]{1,128}")  # an X-Request-Id echoed as given; anything else is replaced
 
@@ -19,8 +19,9 @@ class RequestGuard:
     HEAD is answered as GET without the body, on every route: FastAPI gives a GET route no HEAD (a 405), and
     clients probe with one (Claude Code sends `HEAD /` as it starts)."""
 
-    def __init__(self, app, max_request_bytes: int, read_timeout: float = 30.0):
+    def __init__(self, app, error_shapes: ErrorShapes, max_request_bytes: int, read_timeout: float = 30.0):
         self.app = app
+        self.error_shapes = error_shapes  # its refusals come before any route, in the shape of the path's API
         self.max_request_bytes = max_request_bytes
         self.read_timeout = read_timeout
 
@@ -46,7 +47,9 @@ class RequestGuard:
         )
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_request_bytes:
-            return await error_response(too_large, scope["path"])(scope, receive, send_with_id)
+            return await error_response(too_large, self.error_shapes, scope["path"])(
+                scope, receive, send_with_id
+            )
         chunks, size, more = [], 0, True
         try:
             async with asyncio.timeout(self.read_timeout):  # for the whole body: trickling does not reset it
@@ -58,7 +61,9 @@ class RequestGuard:
                     size += len(chunks[-1])
                     more = message.get("more_body", False)
                     if size > self.max_request_bytes:
-                        return await error_response(too_large, scope["path"])(scope, receive, send_with_id)
+                        return await error_response(too_large, self.error_shapes, scope["path"])(
+                            scope, receive, send_with_id
+                        )
         except TimeoutError:
             slow = ApiError(
                 408,
@@ -66,13 +71,15 @@ class RequestGuard:
                 code="request_timeout",
                 headers={"Connection": "close"},
             )
-            return await error_response(slow, scope["path"])(scope, receive, send_with_id)
+            return await error_response(slow, self.error_shapes, scope["path"])(scope, receive, send_with_id)
         body = b"".join(chunks)
         try:
             body.decode()  # JSON is UTF-8; say so rather than FastAPI's "error parsing the body"
         except UnicodeDecodeError:
             not_utf8 = ApiError(400, "the body is not valid UTF-8")
-            return await error_response(not_utf8, scope["path"])(scope, receive, send_with_id)
+            return await error_response(not_utf8, self.error_shapes, scope["path"])(
+                scope, receive, send_with_id
+            )
         replayed = False
 
         async def replay():

@@ -5,9 +5,9 @@ import yaml
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.api import messages_protocol as mp
-from server.api import protocol as p
-from server.api import responses_protocol as rp
+from server.api.anthropic import protocol as mp
+from server.api.openai import protocol as p
+from server.api.openai import responses_protocol as rp
 
 
 def openapi_schema(app: FastAPI) -> dict:

@@ -1,12 +1,12 @@
-"""Request and response bodies of the OpenAI-compatible API, shaped as OpenAI's.
+"""What every API's bodies are made of (OpenAI's chat and completions, OpenAI's Responses, Anthropic's
+Messages): the request base and its rules, the validated types, the helpers that shape fields and their errors,
+the sampling fields they all take, and the usage the serving pipeline counts.
 
 Unknown request fields are ignored (clients send extras); fields kvserve knows but does not support are
 rejected by name, so a client never silently gets behaviour it did not ask for. A JSON null means "the
 default", as in OpenAI's API.
 """
 
-import json
-import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -17,24 +17,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
-    model_serializer,
     model_validator,
 )
 
-MAX_CHOICES = 16
 MAX_STOP = 16
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-FinishReasonName = Literal["stop", "length", "abort", "tool_calls"]
-# Fields kvserve knows but does not support, with the one value that means "not used" (as does leaving them
-# out); any other value is a 400 naming the field rather than silently ignored.
-UNSUPPORTED = {
-    "best_of": 1,
-    "suffix": "",
-    "functions": [],  # OpenAI's deprecated spelling of tools
-    "function_call": "none",
-}
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 class Body(BaseModel):
@@ -113,54 +100,6 @@ def one_of(handler, value: Any, message: str) -> Any:
         raise ValueError(message) from None
 
 
-class StreamOptions(Body):
-    include_usage: bool = False
-
-
-class JsonSchemaFormat(Body):
-    name: str = Field("response", max_length=64, description="The schema's name (not used).")
-    description: str | None = None
-    schema_: JsonObject | None = Field(
-        None, alias="schema", description="A JSON schema the output will match; left out: any JSON object."
-    )
-    strict: bool | None = Field(None, description="Outputs always match the schema, strict or not.")
-
-
-class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("json_schema is required when type is 'json_schema'")
-        return self
-
-    def output_schema(self) -> dict | None:
-        """The JSON schema the output must match, or None for free text."""
-        if self.type == "json_schema" and self.json_schema.schema_ is not None:
-            return self.json_schema.schema_
-        return None if self.type == "text" else {"type": "object"}
-
-
-class StructuredOutputs(Body):
-    """vLLM's structured outputs: exactly one of the constraints."""
-
-    json_: JsonObject | Text | None = Field(None, alias="json", description="A JSON schema.")
-    regex: Text | None = Field(None, description="A regular expression (Rust regex syntax).")
-    choice: list[Text] | None = Field(None, min_length=1, description="The output is one of these strings.")
-    grammar: Text | None = Field(None, description="A context-free grammar, GBNF (llama.cpp's) or Lark.")
-    json_object: bool | None = Field(None, description="Any JSON object.")
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
-        return self
-
-
 class Sampling(Body):
     """The sampling fields every generating endpoint takes: OpenAI's names, and vLLM's for what OpenAI's lack."""
 
@@ -185,170 +124,6 @@ class Sampling(Body):
         return []
 
 
-class SamplingFields(Sampling):
-    """The fields completions and chat share."""
-
-    stop: Text | list[Text] | None = Field(
-        None, description=f"Up to {MAX_STOP} strings; never part of the text."
-    )
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    user: str | None = None
-    best_of: int | None = Field(None, description="Not supported yet (only 1).")
-    response_format: ResponseFormat | None = Field(
-        None, description="text, json_object or json_schema: the output is made to match it by a grammar."
-    )
-    structured_outputs: StructuredOutputs | None = Field(
-        None, description="vLLM's constraints: json, regex, choice, grammar or json_object."
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _guided_fields(cls, data: Any) -> Any:
-        # vLLM's older names (guided_json, ...) for what structured_outputs now holds
-        if isinstance(data, dict) and "structured_outputs" not in data:
-            guided = {k.removeprefix("guided_"): data[k] for k in GUIDED if data.get(k) is not None}
-            if guided:
-                data = {**data, "structured_outputs": guided}
-        return data
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value):
-        if isinstance(value, list) and len(value) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(value)}")
-        return value
-
-    @field_validator(*UNSUPPORTED, check_fields=False)
-    @classmethod
-    def _refuse_unsupported(cls, value, info):
-        neutral = UNSUPPORTED[info.field_name]
-        if value != neutral:
-            raise ValueError(f"not supported by kvserve; leave it out or send {json.dumps(neutral)}")
-        return value
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
-        description="A string, a list of strings, a list of token ids, or a list of token-id lists; "
-        "each prompt gets n choices."
-    )
-    max_tokens: int = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob plus the top N.")
-    echo: bool = Field(False, description="Put the prompt before the completion (with logprobs: theirs too).")
-    suffix: str | None = Field(None, description="Not supported yet.")
-
-    @field_validator("prompt", mode="wrap")
-    @classmethod
-    def _check_prompt(cls, value, handler):
-        return one_of(
-            handler, value, "must be a string, a list of strings, a list of token ids or a list of lists"
-        )
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCallIn(Body):
-    name: Text
-    arguments: Text | JsonObject = Field("{}", description="The arguments as a JSON string (or object).")
-
-
-class ToolCallIn(Body):
-    id: Text | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessage(Body):
-    # "developer" is OpenAI's newer name for "system"; the chat template sees "system"
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = Field(
-        None, description="Required, except in an assistant message with tool_calls."
-    )
-    name: Text | None = None
-    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls (history).")
-    tool_call_id: Text | None = Field(None, description="A tool message's call.")
-
-    @field_validator("content", mode="wrap")
-    @classmethod
-    def _check_content(cls, value, handler):
-        return one_of(
-            handler, value, "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
-        )
-
-    @model_validator(mode="after")
-    def _content_given(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(
-                "content is required (only an assistant message with tool_calls may leave it out)"
-            )
-        return self
-
-
-TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
-class FunctionDefinition(Body):
-    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
-    description: Text | None = None
-    parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
-    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
-
-
-class ChatTool(Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(Body):
-    name: str
-
-
-class NamedToolChoice(Body):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens.")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[ChatTool] | None = Field(None, max_length=128, description="Functions the model may call.")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None,
-        description="none, auto (the default with tools), required (at least one call) or a named function; "
-        "required and named calls are made to match the functions' schemas by a grammar.",
-    )
-    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply.")
-    functions: list[Any] | None = Field(None, description="Not supported (use tools).")
-    function_call: Any = Field(None, description="Not supported (use tool_choice).")
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @field_validator("messages")
-    @classmethod
-    def _tool_results_follow_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        previous = None  # the message before the current run of tool results
-        for m in messages:
-            if m.role == "tool" and not (previous and previous.role == "assistant" and previous.tool_calls):
-                raise ValueError("a 'tool' message must follow an assistant message with tool_calls")
-            if m.role != "tool":
-                previous = m
-        return messages
-
-
 # --- responses ----------------------------------------------------------------------------------
 
 
@@ -356,194 +131,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+# What a request used, as the serving pipeline counts it: OpenAI's shape, which chat and completions send as it
+# is and the other APIs reshape (a docstring here would be a description in openapi.yaml).
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class CompletionStreamResponse(CompletionResponse):
-    """One server-sent event of a streamed completion; the last one (when asked for) has usage and no choices."""
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None  # null in a reply of tool calls alone
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(BaseModel):
-    """A piece of a streamed call: the first has its id, type and name, the next ones more arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-    @model_serializer(mode="wrap")
-    def _omit_nulls(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
-        return {key: value for key, value in data.items() if value is not None}
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_nulls(self, handler) -> dict[str, Any]:
-        # As OpenAI: the role only in a choice's first chunk, and the last chunk's delta may be {}.
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    """One server-sent event of a streamed chat completion; the last one (when asked for) has usage and no choices."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(Body):
-    """A prompt (tokenized as /v1/completions does) or chat messages (rendered as /v1/chat/completions does)."""
-
-    model: str | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = Field(
-        True, description="For a prompt: add the tokenizer's BOS/EOS if it has them."
-    )
-    add_generation_prompt: bool = Field(
-        True, description="For messages: end with the assistant's turn opening."
-    )
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
-        return self
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(Body):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -1,4 +1,11 @@
-"""The routes: thin functions that parse a body, call a serving function and return JSON or SSE."""
+"""What every API's routes share, and the server's own routes.
+
+A route is thin: it parses a body, calls a serving function and returns JSON or SSE. Here are what the routes
+depend on (the API key as OpenAI's or Anthropic's clients send it, the serving state with its 503s, the client
+going away), how a route documents its errors and its stream in openapi.yaml, the reply, and the routes no one
+API owns: /health, /metrics, /v1/models, /tokenize and /detokenize, in OpenAI's and vLLM's shapes. Each API's
+own routes are in its package (openai/routes.py, anthropic/routes.py).
+"""
 
 import hmac
 from typing import Annotated
@@ -8,16 +15,11 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from server.api import messages_protocol as mp
-from server.api import protocol as p
-from server.api import responses_protocol as rp
-from server.api.chat import chat, chat_prompt_ids
-from server.api.choices import ServingState, check_model
-from server.api.completions import completion
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
-from server.api.messages import chat_messages, message, request_tools
-from server.api.responses import ignored_tools_header, respond
+from server.api.openai import protocol as p
+from server.api.prompt import chat_prompt_ids
+from server.api.serving import ServingState, check_model
 
 # --- dependencies -------------------------------------------------------------------------------
 
@@ -53,7 +55,7 @@ async def serving_state(request: Request) -> ServingState:
 Ready = Annotated[ServingState, Depends(serving_state)]
 
 
-async def _client_gone(request: Request) -> None:
+async def client_gone(request: Request) -> None:
     # The body has been read, so the next message is the disconnect (or the end of the response).
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -62,7 +64,7 @@ async def _client_gone(request: Request) -> None:
 # --- routes -------------------------------------------------------------------------------------
 
 
-def _errors(*statuses: int, error: type = p.ErrorResponse) -> dict:
+def documented_errors(*statuses: int, error: type = p.ErrorResponse) -> dict:
     why = {
         400: "Invalid request",
         401: "Missing or invalid API key",
@@ -74,7 +76,7 @@ def _errors(*statuses: int, error: type = p.ErrorResponse) -> dict:
     return {s: {"model": error, "description": why[s]} for s in statuses}
 
 
-def _streamed(chunk: type, named: bool = False) -> dict:
+def documented_stream(chunk: type, named: bool = False) -> dict:
     schema = {"$ref": f"#/components/schemas/{chunk.__name__}"}
     if named:
         about = "JSON, or with stream: true server-sent events `event: <its type>` + `data: <event JSON>`."
@@ -85,16 +87,16 @@ def _streamed(chunk: type, named: bool = False) -> dict:
     return {200: {"description": about, "content": {"text/event-stream": {"schema": schema}}}}
 
 
-GENERATION_ERRORS = _errors(400, 401, 404, 413, 429, 503)
+GENERATION_ERRORS = documented_errors(400, 401, 404, 413, 429, 503)
 METRICS_CONTENT = {
     "description": "Prometheus text format",
     "content": {"text/plain": {"schema": {"type": "string"}}},
 }
 health_router = APIRouter()
-api_router = APIRouter(dependencies=[Depends(check_api_key)])
+api_router = APIRouter(dependencies=[Depends(check_api_key)])  # the server's own: models and tokens
 
 
-@health_router.get("/health", response_model=p.HealthResponse, responses=_errors(503))
+@health_router.get("/health", response_model=p.HealthResponse, responses=documented_errors(503))
 async def health(request: Request) -> p.HealthResponse:
     await serving_state(request)  # raises the 503 while loading or draining
     return p.HealthResponse()
@@ -105,80 +107,27 @@ def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@api_router.post(
-    "/v1/completions",
-    response_model=p.CompletionResponse,
-    responses={**_streamed(p.CompletionStreamResponse), **GENERATION_ERRORS},
-)
-async def completions(body: p.CompletionRequest, request: Request, state: Ready) -> Response:
-    result = await completion(state, body, request.state.request_id, lambda: _client_gone(request))
-    return _respond(result)
-
-
-@api_router.post(
-    "/v1/chat/completions",
-    response_model=p.ChatCompletionResponse,
-    responses={**_streamed(p.ChatCompletionStreamResponse), **GENERATION_ERRORS},
-)
-async def chat_completions(body: p.ChatCompletionRequest, request: Request, state: Ready) -> Response:
-    result = await chat(state, body, request.state.request_id, lambda: _client_gone(request))
-    return _respond(result)
-
-
-@api_router.post(
-    "/v1/responses",
-    response_model=rp.ResponseObject,
-    responses={**_streamed(rp.ResponseStreamEvent, named=True), **GENERATION_ERRORS},
-)
-async def responses(body: rp.ResponsesRequest, request: Request, state: Ready) -> Response:
-    """OpenAI's Responses API, stateless: nothing is stored, each request carries its whole conversation."""
-    result = await respond(state, body, request.state.request_id, lambda: _client_gone(request))
-    return _respond(result, ignored_tools_header(body))
-
-
-@api_router.post(
-    "/v1/messages",
-    response_model=mp.MessageResponse,
-    responses={
-        **_streamed(mp.MessageStreamEvent, named=True),
-        **_errors(400, 401, 404, 413, 429, 503, error=mp.AnthropicError),
-    },
-)
-async def messages(body: mp.MessagesRequest, request: Request, state: Ready) -> Response:
-    """Anthropic's Messages API; errors come in Anthropic's shape, and the key may come as x-api-key."""
-    result = await message(state, body, request.state.request_id, lambda: _client_gone(request))
-    return _respond(result)
-
-
-@api_router.post(
-    "/v1/messages/count_tokens",
-    response_model=mp.TokenCount,
-    responses=_errors(400, 401, 404, 413, 503, error=mp.AnthropicError),
-)
-def count_tokens(body: mp.CountTokensRequest, state: Ready) -> mp.TokenCount:
-    """The prompt tokens a /v1/messages request with this body would have."""
-    check_model(state, body.model)
-    ids = chat_prompt_ids(state, chat_messages(body), tools=request_tools(body))
-    return mp.TokenCount(input_tokens=len(ids))
-
-
 def _model_card(state: ServingState) -> p.ModelCard:
     return p.ModelCard(id=state.model_name, created=0, max_model_len=state.engine.max_model_len)
 
 
-@api_router.get("/v1/models", response_model=p.ModelList, responses=_errors(401, 503))
+@api_router.get("/v1/models", response_model=p.ModelList, responses=documented_errors(401, 503))
 async def models(state: Ready) -> p.ModelList:
     return p.ModelList(data=[_model_card(state)])
 
 
-@api_router.get("/v1/models/{model:path}", response_model=p.ModelCard, responses=_errors(401, 404, 503))
+@api_router.get(
+    "/v1/models/{model:path}", response_model=p.ModelCard, responses=documented_errors(401, 404, 503)
+)
 async def model(model: str, state: Ready) -> p.ModelCard:
     """One model, as OpenAI's `models.retrieve` asks for it (a served name may hold slashes)."""
     check_model(state, model)
     return _model_card(state)
 
 
-@api_router.post("/tokenize", response_model=p.TokenizeResponse, responses=_errors(400, 401, 404, 413, 503))
+@api_router.post(
+    "/tokenize", response_model=p.TokenizeResponse, responses=documented_errors(400, 401, 404, 413, 503)
+)
 def tokenize(body: p.TokenizeRequest, state: Ready) -> p.TokenizeResponse:
     check_model(state, body.model)
     if body.prompt is not None:
@@ -189,7 +138,7 @@ def tokenize(body: p.TokenizeRequest, state: Ready) -> p.TokenizeResponse:
 
 
 @api_router.post(
-    "/detokenize", response_model=p.DetokenizeResponse, responses=_errors(400, 401, 404, 413, 503)
+    "/detokenize", response_model=p.DetokenizeResponse, responses=documented_errors(400, 401, 404, 413, 503)
 )
 def detokenize(body: p.DetokenizeRequest, state: Ready) -> p.DetokenizeResponse:
     check_model(state, body.model)
@@ -199,7 +148,7 @@ def detokenize(body: p.DetokenizeRequest, state: Ready) -> p.DetokenizeResponse:
     return p.DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
 
 
-def _respond(result, headers: dict[str, str] | None = None) -> Response:
+def reply(result, headers: dict[str, str] | None = None) -> Response:
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     if isinstance(result, BaseModel):

@@ -1,24 +1,13 @@
-"""Structured outputs: what a request asks its output to look like (response_format, vLLM's structured_outputs,
-forced tool calls), turned into one grammar the engine constrains sampling with."""
+"""Structured outputs whatever the API: the tools a request offers and its tool_choice, checked, and the one
+grammar the engine constrains sampling with when the reply must be JSON matching a schema or calls of the tools.
+What each API's fields ask for is read in its own module (OpenAI's chat and completions: openai/structured.py)."""
 
 import json
 
-from server.api import protocol as p
-from server.api.choices import ServingState
 from server.api.errors import ApiError
+from server.api.serving import ServingState
 from server.api.tools import Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
-
-
-def chat_tools(body: p.ChatCompletionRequest) -> Tools | None:
-    """The request's tools and tool_choice, checked; None when it offers no tools."""
-    choice = body.tool_choice
-    name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
-    functions = [
-        Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
-        for t in body.tools or []
-    ]
-    return offered_tools(functions, name or choice or "auto", body.parallel_tool_calls)
 
 
 def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Tools | None:
@@ -36,22 +25,6 @@ def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Too
     return Tools(functions, choice, parallel)
 
 
-def requested_grammar(body: p.SamplingFields, tools: Tools | None) -> tuple[GrammarSpec, str] | None:
-    """(the grammar the output must follow, the request field it comes from), or None for free text."""
-    answer = body.response_format.output_schema() if body.response_format is not None else None
-    so = body.structured_outputs
-    if so is not None:
-        if answer is not None:
-            raise ApiError(
-                400, "give response_format or structured_outputs, not both", param="structured_outputs"
-            )
-        if tools is not None and tools.active:
-            why = "structured_outputs cannot be combined with tools; use response_format"
-            raise ApiError(400, why, param="structured_outputs")
-        return structured_outputs_spec(so), "structured_outputs"
-    return answer_grammar(answer, "response_format", tools)
-
-
 def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tuple[GrammarSpec, str] | None:
     """The grammar of a reply that is JSON matching the schema `answer` (None: free text; `param` is the field
     it comes from) or calls of the tools, as tool_choice says; None when nothing constrains the reply."""
@@ -61,25 +34,6 @@ def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tupl
     if answer is not None:
         return GrammarSpec("json_schema", json.dumps(answer)), param
     return None
-
-
-def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
-    if so.json_ is not None:
-        schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
-        return GrammarSpec("json_schema", schema)
-    if so.regex is not None:
-        return GrammarSpec("regex", so.regex)
-    if so.choice is not None:
-        return GrammarSpec("choice", json.dumps(so.choice))
-    if so.grammar is not None:
-        return GrammarSpec("grammar", so.grammar)
-    return GrammarSpec("json_schema", json.dumps({"type": "object"}))
-
-
-async def output_grammar_for(state: ServingState, body: p.SamplingFields, tools: Tools | None = None):
-    """The compiled grammar the request's output must follow (for SamplingParams.grammar), or None; a grammar
-    that cannot be used is a 400 naming the field it came from."""
-    return await compiled(state, requested_grammar(body, tools))
 
 
 async def compiled(state: ServingState, requested: tuple[GrammarSpec, str] | None):

@@ -8,7 +8,9 @@ import httpx
 import pytest
 
 from server.api import fleet, routes, ui
+from server.api.anthropic import routes as anthropic_routes
 from server.api.app import begin_drain, drain, set_engine
+from server.api.openai import routes as openai_routes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,7 +165,8 @@ def test_head_is_get_without_the_body_on_every_route(tiny_engine, start_server):
     url, app = start_server(tiny_engine, api_key="sesame")
     client = httpx.Client(base_url=url)
     examples = {"name": "index.html", "model": "test-model"}  # the path parameters of the GET routes
-    routers = (routes.health_router, routes.api_router, fleet.public_router, fleet.router, ui.ui_router)
+    routers = (routes.health_router, routes.api_router, openai_routes.router, anthropic_routes.router)
+    routers += (fleet.public_router, fleet.router, ui.ui_router)
     paths = [
         r.path_format.format(**examples) for router in routers for r in router.routes if "GET" in r.methods
     ]
@@ -248,7 +251,7 @@ def test_500_is_generic(tiny_engine, start_server, monkeypatch):
     async def broken(*args):
         raise RuntimeError("secret detail in /srv/kvserve/server/api/serving.py")
 
-    monkeypatch.setattr(routes, "completion", broken)
+    monkeypatch.setattr(openai_routes, "completion", broken)
     error = assert_error(httpx.post(f"{url}/v1/completions", json=PROMPT), 500)
     assert "secret" not in error["message"]
 
@@ -279,7 +282,7 @@ def test_cors_headers_only_when_origins_are_allowed(tiny_engine, start_server):
 
 def test_one_log_line_per_request_without_the_prompt(tiny_engine, start_server, caplog):
     url, _ = start_server(tiny_engine)
-    with caplog.at_level(logging.INFO, logger="server.api.choices"):
+    with caplog.at_level(logging.INFO, logger="server.api.serving"):
         body = {"prompt": "my secret prompt", "max_tokens": 3, "n": 2, "ignore_eos": True}
         httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "log-1"})
     (line,) = [r.getMessage() for r in caplog.records if "log-1" in r.getMessage()]
@@ -345,7 +348,7 @@ def test_anthropic_route_errors_in_anthropics_shape(tiny_engine, start_server, m
     async def broken(*args):
         raise RuntimeError("secret detail in /srv/kvserve/server/api/messages.py")
 
-    monkeypatch.setattr(routes, "message", broken)
+    monkeypatch.setattr(anthropic_routes, "message", broken)
     assert "secret" not in assert_anthropic_error(post("/v1/messages", json=MESSAGE), 500, "api_error")
     # the other routes keep OpenAI's shape
     assert_error(

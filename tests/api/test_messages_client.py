@@ -216,7 +216,7 @@ def test_claude_codes_requests(default_server, caplog):
         extra_query={"beta": "true"},  # Claude Code's SDK adds it on the beta route
     )
     asked = [*ASK_WEATHER, agents]
-    with caplog.at_level(logging.DEBUG, logger="server.api.messages"):
+    with caplog.at_level(logging.DEBUG, logger="server.api.anthropic.messages"):
         with sdk.beta.messages.stream(
             messages=asked,
             thinking={"type": "adaptive", "display": "omitted"},

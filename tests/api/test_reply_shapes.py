@@ -10,13 +10,13 @@ import anthropic
 import openai
 import pytest
 
-from server.api import messages_protocol as mp
-from server.api import responses_protocol as rp
+from server.api.anthropic import protocol as mp
+from server.api.anthropic.messages import MessagesShape
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks
-from server.api.choices import Choice, ServingState, answer
-from server.api.messages import MessagesShape
 from server.api.metrics import Metrics
-from server.api.responses import ResponsesShape
+from server.api.openai import responses_protocol as rp
+from server.api.openai.responses import ResponsesShape
+from server.api.serving import Choice, ServingState, answer
 from server.api.tools import Function, ToolCallParser, Tools, call_parser, new_call_id
 from server.engine.request import FinishReason, RequestOutput, SamplingParams
 

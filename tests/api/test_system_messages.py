@@ -6,7 +6,7 @@ import anthropic
 import httpx
 import pytest
 
-from server.api.chat import fold_inline_system
+from server.api.prompt import fold_inline_system
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine

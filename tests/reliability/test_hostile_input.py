@@ -27,9 +27,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from server.api import messages_protocol as mp
-from server.api import protocol as p
-from server.api import responses_protocol as rp
+from server.api.anthropic import protocol as mp
+from server.api.openai import protocol as p
+from server.api.openai import responses_protocol as rp
 
 OPENAPI = Path(__file__).resolve().parents[2] / "openapi.yaml"
 schema = schemathesis.openapi.from_path(OPENAPI)

@@ -7,14 +7,16 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import messages_protocol as mp
+from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
-from server.api.chat import chat_prompt_ids
-from server.api.choices import (
+from server.api.errors import ApiError
+from server.api.prompt import chat_prompt_ids
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
     ServingState,
+    Shape,
     answer,
     check_model,
     check_queue,
@@ -23,7 +25,6 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError, anthropic_error
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import Function, Tools, call_parser, new_call_id
 
@@ -115,7 +116,7 @@ class Reply:
 
 
 @dataclass
-class MessagesShape:
+class MessagesShape(Shape):
     """The reply as content blocks: a text block for each stretch of text, a tool_use block for each call."""
 
     state: ServingState
@@ -180,7 +181,7 @@ class MessagesShape:
         )
 
     def failed(self, error: ApiError) -> list[Event]:
-        return [named(anthropic_error(error))]
+        return [named(mp.error_body(error))]
 
     def empty(self, choices: list[Choice]) -> Reply:
         # before any output the cache is not yet looked up: the whole prompt counts as input until message_delta

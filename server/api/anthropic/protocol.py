@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
+from server.api.errors import MAX_ERROR_CHARS, ApiError
 from server.api.protocol import (
     MAX_STOP,
     TOOL_NAME,
@@ -23,6 +24,17 @@ from server.api.protocol import (
 )
 
 MAX_TOOLS = 128
+# Anthropic's error type for each status; any other is an api_error
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
@@ -190,6 +202,12 @@ class AnthropicError(BaseModel):
 
     type: Literal["error"] = "error"
     error: ErrorDetail
+
+
+def error_body(error: ApiError) -> AnthropicError:
+    """Anthropic's shape of an error, on /v1/messages and the paths below it."""
+    message = error.message[:MAX_ERROR_CHARS]  # bounded, whatever the input it quotes
+    return AnthropicError(error=ErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"), message=message))
 
 
 # --- the stream -------------------------------------------------------------------------------------

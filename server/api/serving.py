@@ -1,6 +1,6 @@
-"""What every generating endpoint shares: a request's choices as engine requests, run concurrently, answered
-either as an SSE stream of events or as one body that is the fold of the same events (so the two cannot drift
-apart).
+"""The serving pipeline every generating endpoint runs: a request's choices as engine requests, run
+concurrently, answered either as an SSE stream of events or as one body that is the fold of the same events (so
+the two cannot drift apart).
 
 An endpoint says only what differs: how it builds its prompt, and its Shape (the events an engine output makes,
 how they fold into the body, how its stream opens and ends).
@@ -11,9 +11,10 @@ import contextlib
 import logging
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -26,7 +27,9 @@ from server.engine.request import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 Disconnected = Callable[[], Awaitable[None]]
-PARAM_NAMES = set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
+# The words the engine's errors open with when they name a field (SamplingParams' own, and the prompt): the param
+# of the 400 they become.
+PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt"}
 
 
 @dataclass
@@ -72,57 +75,44 @@ class Event:
         return f"{head}data: {self.data.model_dump_json()}\n\n"
 
 
-class Shape(Protocol):
+class Shape(ABC):
     """What an endpoint's answer looks like: the events of its stream, and its body, the fold of those events.
-    Streamed or not, an answer is the same events: the stream sends them, the body folds them."""
+    Streamed or not, an answer is the same events: the stream sends them, the body folds them. Each API's
+    shape subclasses it; one that leaves a method out cannot be made."""
 
     end: str  # written after the last event ("data: [DONE]" in OpenAI's chat and completions)
     # Its closing events carry the whole answer (Responses' response.completed), so a stream folds every event
     # too; otherwise a stream folds nothing (per token, that would be work no one reads).
     closes_with_answer: bool
 
+    @abstractmethod
     def opening(self, choices: list[Choice]) -> list[Event]:
         """Events before any output (chat: each choice's role; Responses: response.created)."""
 
+    @abstractmethod
     def events(self, c: Choice, out: RequestOutput) -> list[Event]:
         """The events one engine output makes (none when there is nothing to send)."""
 
+    @abstractmethod
     def closing(self, answer: Any, choices: list[Choice]) -> list[Event]:
         """Events after every choice finished; `answer` holds the fold of the events so far (None in a
         stream, unless closes_with_answer)."""
 
+    @abstractmethod
     def failed(self, error: ApiError) -> list[Event]:
         """The events that end a stream that failed after it started."""
 
+    @abstractmethod
     def empty(self, choices: list[Choice]) -> Any:
         """The answer before any event: what add() folds the events into."""
 
+    @abstractmethod
     def add(self, answer: Any, event: BaseModel) -> None:
         """Fold one event's data into the answer."""
 
+    @abstractmethod
     def response(self, answer: Any, choices: list[Choice]) -> BaseModel:
         """The non-streamed body, made of the answer once every event is folded in."""
-
-
-class OpenAIShape:
-    """What chat and completions streams share: data-only chunks, a usage chunk when the client asks for one,
-    errors in OpenAI's body and [DONE] at the end. A subclass has `body` and makes chunks with `chunk()`."""
-
-    end = "data: [DONE]\n\n"
-    closes_with_answer = False
-
-    def closing(self, answer: list, choices: list[Choice]) -> list[Event]:
-        options = self.body.stream_options
-        if options is None or not options.include_usage:
-            return []
-        return [Event(self.chunk([], usage(choices)))]
-
-    def failed(self, error: ApiError) -> list[Event]:
-        return [Event(error.body())]
-
-    def add(self, answer: list, event: BaseModel) -> None:
-        for d in event.choices:
-            self.add_choice(answer[d.index], d)
 
 
 def check_model(state: ServingState, model: str | None) -> None:

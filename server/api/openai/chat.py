@@ -1,16 +1,18 @@
-"""/v1/chat/completions: messages rendered through the chat template, n choices, logprobs in the chat shape,
-tool calls (server/api/tools.py) and structured outputs (server/api/structured.py)."""
+"""/v1/chat/completions: messages rendered through the chat template (server/api/prompt.py), n choices,
+logprobs in the chat shape, tool calls (server/api/tools.py) and structured outputs (server/api/structured.py)."""
 
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import protocol as p
-from server.api.choices import (
+from server.api.openai import protocol as p
+from server.api.openai.shape import OpenAIShape
+from server.api.openai.structured import chat_tools, output_grammar_for
+from server.api.prompt import chat_prompt_ids
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
-    OpenAIShape,
     ServingState,
     answer,
     check_model,
@@ -20,9 +22,7 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError
-from server.api.structured import chat_tools, output_grammar_for
-from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser, render_history
+from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser
 from server.engine.request import RequestOutput, TokenLogprob
 
 
@@ -39,64 +39,6 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
     choices = new_choices(state, response_id, 0, ids, params, body.n)
     shape = ChatShape(state, body, response_id, int(time.time()), tools)
     return await answer(state, choices, shape, log_id, disconnected, body.stream)
-
-
-def chat_prompt_ids(
-    state: ServingState,
-    messages: list[p.ChatMessage] | list[dict],
-    add_generation_prompt: bool = True,
-    tools: Tools | None = None,
-) -> list[int]:
-    """The prompt the chat template makes of the messages (OpenAI's chat shape) and the tools offered, after the
-    server's system prompt if they have none."""
-    dicts = [m.model_dump(exclude_none=True) if isinstance(m, p.ChatMessage) else dict(m) for m in messages]
-    for m in dicts:
-        if m["role"] == "developer":
-            m["role"] = "system"
-    if state.system_prompt and not any(m["role"] == "system" for m in dicts):
-        dicts.insert(0, {"role": "system", "content": state.system_prompt})
-    tokenizer = state.engine.tokenizer
-    native = tokenizer.template_renders_tools
-    dicts = render_history(dicts, tools, native)
-    if not tokenizer.template_renders_inline_system:
-        dicts = fold_inline_system(dicts)
-    try:
-        # The template writes the special tokens (BOS, role markers) itself.
-        template_tools = tools.template_tools() if tools is not None and native else None
-        return tokenizer.encode(tokenizer.apply_chat_template(dicts, add_generation_prompt, template_tools))
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages") from None
-
-
-def fold_inline_system(messages: list[dict]) -> list[dict]:
-    """The conversation for a template that cannot render a system message after the first turns (it refuses one
-    or leaves it out): the system messages that lead are joined into one, and each later one joins a user turn,
-    the one it follows when nothing came between, else the next (a user turn of its own when none follows).
-
-    Not into the system prompt: Claude Code adds its reminders as it goes, and each would change the prompt's
-    first tokens, so no request could reuse the last one's cached prefix; joined to a user turn, only the end of
-    the prompt changes (vLLM folds them the same way, and Claude Code writes its own reminders into user turns)."""
-    out: list[dict] = []
-    pending: list = []  # the contents of system messages waiting for the next user turn
-    for m in messages:
-        if m["role"] != "system":
-            if pending and m["role"] == "user":
-                m, pending = {**m, "content": _joined(*pending, m.get("content"))}, []
-            out.append(m)
-        elif all(o["role"] == "system" for o in out):
-            out[:] = [{**m, "content": _joined(*(o.get("content") for o in out), m.get("content"))}]
-        elif out[-1]["role"] == "user" and not pending:
-            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), m.get("content"))}
-        else:
-            pending.append(m.get("content"))
-    if pending:
-        out.append({"role": "user", "content": _joined(*pending)})
-    return out
-
-
-def _joined(*contents: str | list | None) -> list[dict]:
-    # As text parts, which the template renderer joins with newlines; a part it cannot render stays to be refused.
-    return [p for c in contents for p in (c if isinstance(c, list) else [{"type": "text", "text": c or ""}])]
 
 
 @dataclass

@@ -4,12 +4,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from server.api import protocol as p
-from server.api.choices import (
+from server.api.errors import ApiError
+from server.api.openai import protocol as p
+from server.api.openai.shape import OpenAIShape
+from server.api.openai.structured import output_grammar_for
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
-    OpenAIShape,
     ServingState,
     answer,
     check_model,
@@ -18,8 +20,6 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError
-from server.api.structured import output_grammar_for
 from server.engine.request import RequestOutput, TokenLogprob
 
 MAX_PROMPTS = 256  # prompts in one completion request; each becomes n engine requests

@@ -14,14 +14,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from server.api import responses_protocol as rp
 from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
-from server.api.chat import chat_prompt_ids
-from server.api.choices import (
+from server.api.errors import ApiError
+from server.api.openai import responses_protocol as rp
+from server.api.prompt import chat_prompt_ids
+from server.api.serving import (
     Choice,
     Disconnected,
     Event,
     ServingState,
+    Shape,
     answer,
     check_model,
     check_queue,
@@ -30,7 +32,6 @@ from server.api.choices import (
     sampling_params,
     usage,
 )
-from server.api.errors import ApiError
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import ANY_OBJECT, Function, call_parser
 from server.engine.request import RequestOutput
@@ -175,7 +176,7 @@ def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
 
 
 @dataclass
-class ResponsesShape:
+class ResponsesShape(Shape):
     """The reply as output items: a message for each stretch of text, a function_call or custom_tool_call for
     each call."""
 

@@ -1,0 +1,46 @@
+"""OpenAI's routes: /v1/completions, /v1/chat/completions and /v1/responses."""
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from server.api.openai import protocol as p
+from server.api.openai import responses_protocol as rp
+from server.api.openai.chat import chat
+from server.api.openai.completions import completion
+from server.api.openai.responses import ignored_tools_header, respond
+from server.api.routes import GENERATION_ERRORS, Ready, check_api_key, client_gone, documented_stream, reply
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+# OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
+ERROR_SHAPES = {"": p.error_body}
+
+
+@router.post(
+    "/v1/completions",
+    response_model=p.CompletionResponse,
+    responses={**documented_stream(p.CompletionStreamResponse), **GENERATION_ERRORS},
+)
+async def completions(body: p.CompletionRequest, request: Request, state: Ready) -> Response:
+    result = await completion(state, body, request.state.request_id, lambda: client_gone(request))
+    return reply(result)
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=p.ChatCompletionResponse,
+    responses={**documented_stream(p.ChatCompletionStreamResponse), **GENERATION_ERRORS},
+)
+async def chat_completions(body: p.ChatCompletionRequest, request: Request, state: Ready) -> Response:
+    result = await chat(state, body, request.state.request_id, lambda: client_gone(request))
+    return reply(result)
+
+
+@router.post(
+    "/v1/responses",
+    response_model=rp.ResponseObject,
+    responses={**documented_stream(rp.ResponseStreamEvent, named=True), **GENERATION_ERRORS},
+)
+async def responses(body: rp.ResponsesRequest, request: Request, state: Ready) -> Response:
+    """OpenAI's Responses API, stateless: nothing is stored, each request carries its whole conversation."""
+    result = await respond(state, body, request.state.request_id, lambda: client_gone(request))
+    return reply(result, ignored_tools_header(body))
