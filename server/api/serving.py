@@ -13,7 +13,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel
@@ -22,14 +22,13 @@ from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
 from server.engine.async_engine import AsyncEngine
-from server.engine.request import RequestOutput, SamplingParams
+from server.engine.request import ParamError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 Disconnected = Callable[[], Awaitable[None]]
 # The words the engine's errors open with when they name a field (SamplingParams' own, and the prompt): the param
 # of the 400 they become.
-PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt"}
 
 
 @dataclass
@@ -170,14 +169,12 @@ def new_choices(
     `names` renames the fields the engine's errors name (prompt, max_tokens) to the endpoint's own."""
     try:
         state.engine.validate(ids, params)
-    except ValueError as e:
+    except ParamError as e:
+        names = names or {}
         message = str(e)
-        word = message.split(" ", 1)[0]
-        param = word if word in PARAM_NAMES else None
-        for name, own in (names or {}).items():
+        for name, own in names.items():  # the engine's words for the fields, in the endpoint's
             message = re.sub(rf"\b{name}\b", own, message)
-            param = own if param == name else param
-        raise ApiError(400, message, param=param) from None
+        raise ApiError(400, message, param=names.get(e.param, e.param)) from None
     choices = []
     for j in range(n):
         choice_params = params

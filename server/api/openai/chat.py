@@ -36,7 +36,7 @@ async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, 
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     params.grammar = await output_grammar_for(state, body, tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = new_choices(state, response_id, 0, ids, params, body.n)
+    choices = new_choices(state, response_id, 0, ids, params, body.n, names={"prompt": "messages"})
     shape = ChatShape(state, body, response_id, int(time.time()), tools)
     return await answer(state, choices, shape, log_id, disconnected, body.stream)
 
