@@ -29,8 +29,8 @@ def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tupl
     """The grammar of a reply that is JSON matching the schema `answer` (None: free text; `param` is the field
     it comes from) or calls of the tools, as tool_choice says; None when nothing constrains the reply."""
     if tools is not None and tools.active:
-        lark = output_grammar(tools, answer)
-        return (GrammarSpec("lark", lark), "tools") if lark is not None else None
+        spec = output_grammar(tools, answer)
+        return (spec, "tools") if spec is not None else None
     if answer is not None:
         return GrammarSpec("json_schema", json.dumps(answer)), param
     return None

@@ -20,7 +20,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.engine.request import JSON_LAYOUT
+from server.engine.request import GrammarSpec
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 ANY_OBJECT = {"type": "object"}
@@ -151,37 +151,28 @@ def _with_object_arguments(m: dict) -> dict:
 # --- the grammar ---------------------------------------------------------------------------------------
 
 
-def output_grammar(tools: Tools | None, answer_schema: dict | None) -> str | None:
-    """An llguidance Lark grammar for the reply, or None when it is free text.
+def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSpec | None:
+    """The grammar of the reply, or None when it is free text.
 
     required: one or more calls (one if not parallel); a named function: one call of it; auto: free text,
     unless a response_format asks for JSON, then either that JSON or calls; none: the JSON if asked for.
     """
     if tools is None or not tools.active:
-        return None if answer_schema is None else f"start: {json_rule(answer_schema)}\n"
+        return None if answer_schema is None else GrammarSpec("json_schema", json.dumps(answer_schema))
     if tools.choice == "auto" and answer_schema is None:
         return None
     functions = tools.functions
     if tools.choice not in ("auto", "required"):
         functions = [f for f in functions if f.name == tools.choice]
-    calls = "call" if not tools.parallel or tools.choice not in ("auto", "required") else 'call ("\\n" call)*'
-    body = (
-        {"anyOf": [_call_schema(f) for f in functions]} if len(functions) > 1 else _call_schema(functions[0])
-    )
-    rules = [
-        f'call: "{CALL_START}\\n" {json_rule(body)} "\\n{CALL_END}"',
-        f"calls: {calls}",
-    ]
-    if tools.choice == "auto":  # here with a response_format: its JSON, or calls
-        rules.insert(0, f"start: {json_rule(answer_schema)} | calls")
-    else:
-        rules.insert(0, "start: calls")
-    return "\n".join(rules) + "\n"
-
-
-def json_rule(schema: dict) -> str:
-    """A Lark expression for JSON matching `schema`, in the layout constrained JSON always takes."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    calls = {
+        "open": f"{CALL_START}\n",
+        "close": f"\n{CALL_END}",
+        "separator": "\n",
+        "calls": [_call_schema(f) for f in functions],
+        "many": tools.parallel and tools.choice in ("auto", "required"),
+        "or_json": answer_schema if tools.choice == "auto" else None,  # here with a response_format
+    }
+    return GrammarSpec("tool_calls", json.dumps(calls))
 
 
 def _call_schema(f: Function) -> dict:

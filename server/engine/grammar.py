@@ -25,8 +25,11 @@ import torch
 from llguidance.gbnf_to_lark import is_lark_syntax
 
 from model.tokenizer import Tokenizer
-from server.engine.request import JSON_LAYOUT, GrammarSpec
+from server.engine.request import GrammarSpec
 
+# The layout of JSON that constrained outputs take (llguidance's JSON options): compact, with one space after ','
+# and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, by request
 GBNF_SECONDS = 2.0  # a GBNF grammar's conversion to Lark, at most
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
@@ -175,8 +178,8 @@ def grammar_text(spec: GrammarSpec) -> str:
         if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
             lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source)
             return llguidance.LLMatcher.grammar_from_lark(lark)
-        if spec.kind == "lark":  # llguidance's Lark, as built by the API (tool calls)
-            return llguidance.LLMatcher.grammar_from_lark(spec.source)
+        if spec.kind == "tool_calls":
+            return llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(json.loads(spec.source)))
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON: {e}") from None
     except RecursionError:
@@ -184,6 +187,28 @@ def grammar_text(spec: GrammarSpec) -> str:
     except ValueError as e:
         raise ValueError(_short(str(e))) from None
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def tool_calls_lark(calls: dict) -> str:
+    """The Lark grammar of a reply made of tool calls (GrammarSpec kind tool_calls): each call a JSON value
+    matching one of the schemas, between the open and close markers; one call, or several joined by the
+    separator; or else, when or_json is given, JSON matching that schema."""
+    schemas = calls["calls"]
+    body = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    literal = json.dumps  # a JSON string is a Lark string literal
+    rules = [
+        f"call: {literal(calls['open'])} {json_rule(body)} {literal(calls['close'])}",
+        f"calls: call ({literal(calls['separator'])} call)*" if calls["many"] else "calls: call",
+    ]
+    start = (
+        "start: calls" if calls.get("or_json") is None else f"start: {json_rule(calls['or_json'])} | calls"
+    )
+    return "\n".join([start, *rules]) + "\n"
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark expression for JSON matching `schema`, in the layout constrained JSON always takes."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
 
 
 def gbnf_to_lark(source: str) -> str:

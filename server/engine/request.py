@@ -14,16 +14,14 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 
-# The layout of JSON that constrained outputs take (llguidance's JSON options): compact, with one space after ','
-# and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
 @dataclass(frozen=True)
 class GrammarSpec:
     """What structure a request's output must have; AsyncEngine.compile_grammar() turns it into a grammar."""
 
-    kind: str  # json_schema | regex | choice (a JSON list of strings) | grammar (GBNF or Lark) | lark (llguidance's)
+    # json_schema | regex | choice (a JSON list of strings) | grammar (GBNF or Lark) | tool_calls (a JSON object:
+    # calls, each a JSON schema, between `open` and `close`, one or `many` joined by `separator`, or the JSON of
+    # `or_json` when that schema is given)
+    kind: str
     source: str
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from model.tokenizer import Tokenizer
 from server.api.tools import Function, ToolCallParser, Tools, output_grammar, render_history
+from server.engine.grammar import tool_calls_lark
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -155,15 +156,20 @@ def test_history_for_a_template_with_tools(tiny_llama_dir):
 
 
 def test_the_grammars_of_each_tool_choice():
+    def lark(tools: Tools, answer: dict | None) -> str:
+        spec = output_grammar(tools, answer)
+        assert spec.kind == "tool_calls"  # built into Lark by the engine's grammar module
+        return tool_calls_lark(json.loads(spec.source))
+
     add = Function("add", None, {"type": "object"})
     assert output_grammar(None, None) is None
     assert output_grammar(Tools([WEATHER, add], "auto"), None) is None  # free text, calls parsed from it
-    assert output_grammar(Tools([WEATHER], "none"), {"type": "object"}).startswith("start: %json")
-    required = output_grammar(Tools([WEATHER, add], "required"), None)
+    assert output_grammar(Tools([WEATHER], "none"), {"type": "object"}).kind == "json_schema"
+    required = lark(Tools([WEATHER, add], "required"), None)
     assert "start: calls" in required and 'call ("\\n" call)*' in required and '"const": "add"' in required
-    one = output_grammar(Tools([WEATHER, add], "required", parallel=False), None)
+    one = lark(Tools([WEATHER, add], "required", parallel=False), None)
     assert "calls: call\n" in one
-    named = output_grammar(Tools([WEATHER, add], "add"), None)
+    named = lark(Tools([WEATHER, add], "add"), None)
     assert '"const": "add"' in named and "get_weather" not in named and "calls: call\n" in named
-    either = output_grammar(Tools([WEATHER], "auto"), {"type": "object"})
+    either = lark(Tools([WEATHER], "auto"), {"type": "object"})
     assert either.startswith("start: %json") and "| calls" in either
