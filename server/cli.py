@@ -124,6 +124,12 @@ MODEL_FLAGS = (
         env=True,
         help="the instructions and numbers to run with on CPU (auto: the best this CPU has; see the README)",
     ),
+    Flag(
+        "--speculative-config",
+        env=True,
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default; the output is the same either way)',
+    ),
     Flag("--chat-template", help="a Jinja chat template, or a file", env=True),
     log_level("info", from_env=True),
 )

@@ -58,10 +58,27 @@ def engine_config(args, **overrides):
         quantization=args.quantization,
         cpu_kernels=args.cpu_kernels,
         cpu_tier=args.cpu_tier,
+        speculative=speculative_config(args.speculative_config),
     )
     for k, v in overrides.items():
         setattr(config, k, v)
     return config
+
+
+def speculative_config(text: str | None):
+    """--speculative-config's JSON object as a SpeculativeConfig (None when not given); exits naming the flag
+    when it is not one."""
+    from server.engine.config import SpeculativeConfig
+
+    if not text:
+        return None
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("must be a JSON object")
+        return SpeculativeConfig(**fields)
+    except (ValueError, TypeError) as e:  # bad JSON, an unknown key, a value out of range
+        raise SystemExit(f"--speculative-config: {e}") from None
 
 
 def build_engine(args, **overrides):
@@ -100,6 +117,7 @@ def cmd_serve(args) -> int:
     from server.api.uvicorn_server import DrainingServer, log_stats_periodically
     from server.engine.async_engine import AsyncEngine
 
+    engine_config(args)  # a bad flag value exits now, before the listener starts
     app = create_app(None, server_config(args, args.model))
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False), app
