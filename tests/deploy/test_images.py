@@ -18,8 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_files import DOCKER, REPO, venv_tool
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.deploy_files import DOCKER, REPO, venv_tool
 
 SCRIPT = REPO / "scripts/image.sh"
 MODEL = "smollm2-135m-instruct"  # the default model, fetched into the image's /models at build time

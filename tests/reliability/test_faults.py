@@ -9,7 +9,15 @@ import time
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, assert_openai_error, completion_text, scrape, sse_payloads, wait_idle
+
+from tests.helpers.live_server import (
+    MODEL_NAME,
+    assert_openai_error,
+    completion_text,
+    scrape,
+    sse_payloads,
+    wait_idle,
+)
 
 SHORT = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0}
 

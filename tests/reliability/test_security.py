@@ -4,12 +4,12 @@ loopback."""
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, assert_anthropic_error, assert_openai_error
 
 from server import cli, commands
 from server.api import messages_protocol as mp
 from server.api import protocol as p
 from server.api import responses_protocol as rp
+from tests.helpers.live_server import MODEL_NAME, assert_anthropic_error, assert_openai_error
 
 KEY = "sk-kvserve-test-7c1f9e0a5b"
 ROUTES = [
