@@ -18,13 +18,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from tests.helpers.gguf_writers import prompt_ids, tiny_hf_model, write_llama_cpp_gguf
+from tests.helpers.gguf_writers import TINY_FAMILIES, prompt_ids, tiny_hf_model, write_llama_cpp_gguf
 from weights.gguf_convert import convert_gguf
 
 SDIST = "llama-cpp-python==0.3.36"
 DRIVER = Path(__file__).parents[1] / "helpers" / "llama_cpp_convert.py"  # run as a script, never imported
-FAMILIES = ["llama", "llama_biased", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
-            "smollm3"]  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +98,7 @@ def assert_same_gguf(ours_path: Path, theirs_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_llama_cpp_converter_writes_what_the_test_writer_writes(tree, tmp_path, byte_vocab, family):
     model, ours, theirs = convert_both_ways(tree, tmp_path, byte_vocab, family)
     assert_same_gguf(ours, theirs)
