@@ -13,6 +13,7 @@ def kvserve(*args, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_is_deterministic_at_temperature_0(default_model_dir):
     args = ["generate", "--model", str(default_model_dir), "--prompt", "What is the capital of France?",

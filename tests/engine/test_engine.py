@@ -18,6 +18,7 @@ def tiny_engine_factory(tiny_llama_dir):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_model_batched_greedy_equals_alone(default_model_dir):
     """16 prompts together (chunked, mixed with decodes) give each prompt's tokens alone, bit for bit."""
@@ -179,6 +180,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_engine_factory):
     assert_all_blocks_free(cached)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stop_string_spanning_tokens_is_cut(default_model_dir):
     engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, dtype="float32"))

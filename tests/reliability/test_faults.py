@@ -19,6 +19,8 @@ from tests.helpers.live_server import (
     wait_idle,
 )
 
+pytestmark = pytest.mark.slow
+
 SHORT = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0}
 
 
@@ -147,7 +149,6 @@ def test_malformed_bodies_get_4xx(spawn, tiny_llama_dir):
     assert post("/v1/completions", json=SHORT).status_code == 200
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_memory_from_request_200_to_1000(spawn, tiny_llama_dir):
     server = spawn(tiny_llama_dir)

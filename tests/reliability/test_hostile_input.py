@@ -31,6 +31,8 @@ from tests.helpers.live_server import (
     start_server,
 )
 
+pytestmark = pytest.mark.slow
+
 OPENAPI = Path(__file__).resolve().parents[2] / "openapi.yaml"
 schema = schemathesis.openapi.from_path(OPENAPI)
 
@@ -66,7 +68,6 @@ CHECKS = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @schema.parametrize()
 @settings(
