@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tree() -> Path:
-    """A llama.cpp source tree holding its Python converter."""
+def llama_cpp_tree() -> Path:
+    """A llama.cpp source llama_cpp_tree holding its Python converter."""
     import tarfile
     import tempfile
 
@@ -67,7 +67,7 @@ def model_metadata(reader: GGUFReader) -> dict:
     }
 
 
-def convert_both_ways(tree, tmp_path, vocab, family, outtype="f32"):
+def convert_both_ways(llama_cpp_tree, tmp_path, vocab, family, outtype="f32"):
     """(the model, our GGUF, llama.cpp's GGUF)"""
     model = tiny_hf_model(family, len(vocab["tokens"]))
     model.save_pretrained(tmp_path / "hf")
@@ -78,7 +78,7 @@ def convert_both_ways(tree, tmp_path, vocab, family, outtype="f32"):
     qtype = GGMLQuantizationType.F32 if outtype == "f32" else GGMLQuantizationType.Q8_0
     write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "ours.gguf", vocab, qtype)
     run = subprocess.run(
-        [sys.executable, DRIVER, tree, tmp_path / "hf", tmp_path / "theirs.gguf", tmp_path / "vocab.json", outtype],
+        [sys.executable, DRIVER, llama_cpp_tree, tmp_path / "hf", tmp_path / "theirs.gguf", tmp_path / "vocab.json", outtype],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -99,8 +99,8 @@ def assert_same_gguf(ours_path: Path, theirs_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_llama_cpp_converter_writes_what_the_test_writer_writes(tree, tmp_path, byte_vocab, family):
-    model, ours, theirs = convert_both_ways(tree, tmp_path, byte_vocab, family)
+def test_llama_cpp_converter_writes_what_the_test_writer_writes(llama_cpp_tree, tmp_path, byte_vocab, family):
+    model, ours, theirs = convert_both_ways(llama_cpp_tree, tmp_path, byte_vocab, family)
     assert_same_gguf(ours, theirs)
 
     # and kvserve's conversion of llama.cpp's own file is the original model
@@ -115,5 +115,5 @@ def test_llama_cpp_converter_writes_what_the_test_writer_writes(tree, tmp_path, 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
-def test_llama_cpp_q8_0_matches_the_test_writer(tree, tmp_path, byte_vocab, family):
-    assert_same_gguf(*convert_both_ways(tree, tmp_path, byte_vocab, family, "q8_0")[1:])
+def test_llama_cpp_q8_0_matches_the_test_writer(llama_cpp_tree, tmp_path, byte_vocab, family):
+    assert_same_gguf(*convert_both_ways(llama_cpp_tree, tmp_path, byte_vocab, family, "q8_0")[1:])
