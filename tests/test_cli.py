@@ -49,6 +49,7 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     assert "FalconForCausalLM" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
     import json
