@@ -1,13 +1,131 @@
 """Shared fixtures: tiny random Hugging Face models built on the fly, the real default model, and kvserve's C++
-kernels as built for every CPU tier this host can execute."""
+kernels as built for every CPU tier this host can execute; and the rule that keeps `make test-fast` fast.
+
+The rule: a test that needs the real default model (or the real Gemma 3 file), a browser, a container engine, a
+live `kvserve serve` replica or a download of a third-party tool is marked `slow`, or it fails. It is checked
+twice: by the fixtures a test uses (HEAVY_FIXTURES, before any of them is set up), and where the heavy thing
+starts (guard_heavy_starts: fetching the real model in this process, or starting such a process).
+"""
 
 import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from model import cpu_tier
+from tests.helpers.tiny_models import CpuPath, build_tiny_model
+from weights import fetch
+from weights.store import weights_dir
+
+# fixture -> what it gives a test that makes the test slow; a fixture using one of these is covered too
+# (pytest lists every fixture a test needs, however deep, in item.fixturenames)
+HEAVY_FIXTURES = {
+    "default_model_dir": "the real default model",
+    "gemma3_gguf": "the real Gemma 3 270M GGUF",
+    "browser": "a browser (chromium through selenium)",
+    "oci_engine": "a container engine (podman or docker)",
+    "spawn": "live `kvserve serve` replicas",
+    "hostile_server": "a live `kvserve serve` replica",
+    "fleet": "live `kvserve serve` replicas behind a router",
+    "prometheus_bin": "a Prometheus server installed with apt-get",
+    "llama_cpp_tree": "llama.cpp's sources, downloaded",
+    "claude": "Claude Code, installed from npm",
+    "codex": "Codex, installed from npm",
+}
+# The weights folder the real models live in, as the run started (a test may point KVSERVE_WEIGHTS_DIR elsewhere).
+REAL_WEIGHTS = weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")).resolve()
+
+
+def not_slow(what: str, nodeid: str) -> str:
+    return (
+        f"{nodeid} needs {what} but is not marked slow: mark it @pytest.mark.slow (or the module, "
+        "pytestmark = pytest.mark.slow) so that `make test-fast` stays fast; `make test` runs it"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Fail an unmarked test that asks for a heavy fixture before that fixture is set up."""
+    if item.get_closest_marker("slow") is None:
+        heavy = [what for name, what in HEAVY_FIXTURES.items() if name in item.fixturenames]
+        if heavy:
+            pytest.fail(not_slow(" and ".join(heavy), item.nodeid), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """While an unmarked test runs (its fixtures' setup and teardown included), the real models cannot be fetched
+    in this process and no heavy process can start."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    with guard_heavy_starts(item.nodeid):
+        return (yield)
+
+
+@contextmanager
+def guard_heavy_starts(nodeid: str) -> Iterator[None]:
+    """Refuse, with not_slow's message: weights.fetch resolving a real model in the real weights folder (the
+    fixtures and `kvserve` in-process both come through it), and a subprocess that is a browser, a container
+    engine, a `kvserve serve` replica, or `kvserve` on the real weights folder."""
+
+    def refusal(what: str) -> BaseException:
+        return pytest.fail.Exception(not_slow(what, nodeid), pytrace=False)
+
+    def refuse_real(resolve, what: str):
+        def guarded(folder: Path, *args, **kwargs):
+            if Path(folder).resolve() == REAL_WEIGHTS:
+                raise refusal(what)
+            return resolve(folder, *args, **kwargs)
+
+        return guarded
+
+    class GuardedPopen(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            if (what := heavy_process(args)) is not None:
+                raise refusal(what)
+            super().__init__(args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            fetch, "ensure_default_model", refuse_real(fetch.ensure_default_model, "the real default model")
+        )
+        patch.setattr(
+            fetch, "gemma3_270m_gguf", refuse_real(fetch.gemma3_270m_gguf, "the real Gemma 3 270M GGUF")
+        )
+        patch.setattr(subprocess, "Popen", GuardedPopen)  # subprocess.run and check_output start through it
+        yield
+
+
+CONTAINER_ENGINES = {"podman", "docker", "podman-compose", "docker-compose", "image.sh"}
+BROWSERS = {"chromium", "chromedriver", "chrome", "google-chrome"}
+
+
+def heavy_process(args) -> str | None:
+    """What a subprocess's command line starts, if it is heavy: a browser, a container engine, a live
+    `kvserve serve`, or kvserve on the real weights folder (in which the real default model lives)."""
+    argv = [os.fspath(a) for a in ([args] if isinstance(args, (str, os.PathLike)) else args)]
+    if not argv:
+        return None
+    words = argv[0].split() if len(argv) == 1 else argv  # a shell string: its words, roughly
+    names = [Path(w).name for w in words]
+    if names[0] in BROWSERS:
+        return "a browser"
+    if CONTAINER_ENGINES & set(names[:2]):  # the engine, or `bash scripts/image.sh`
+        return "a container engine"
+    kvserve = next((i for i, w in enumerate(words) if w == "server.cli" or Path(w).name == "kvserve"), None)
+    if kvserve is None:
+        return None
+    rest = words[kvserve + 1 :]
+    if {"-h", "--help"} & set(rest):
+        return None
+    if rest[:1] == ["serve"]:
+        return "a live `kvserve serve` replica"
+    if any(REAL_WEIGHTS in Path(w).resolve().parents for w in rest if w.startswith("/")):
+        return "the real default model"
+    return None
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -24,91 +142,6 @@ def tier_kernels(request):
     from model.kernels import load
 
     return load(request.param)
-
-
-TINY_TOKENIZER_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# tiny-model arch name -> transformers' (config class, model class)
-FAMILY_CLASSES = {
-    arch: (f"{prefix}Config", f"{prefix}ForCausalLM")
-    for arch, prefix in [
-        ("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("qwen3", "Qwen3"), ("ministral", "Ministral"),
-        ("smollm3", "SmolLM3"), ("granite", "Granite"), ("olmo2", "Olmo2"), ("gemma2", "Gemma2"), ("phi3", "Phi3"),
-    ]
-} | {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}  # fmt: skip
-NORMS_PERTURBED = set(FAMILY_CLASSES) - {"llama", "qwen2", "mistral"}
-
-
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a small random model of the given architecture in HF layout (safetensors), with a byte-level tokenizer."""
-    import transformers
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=300, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if arch == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=300)
-        model_cls = transformers.GPT2LMHeadModel
-    else:
-        kw = dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=arch != "qwen2",
-            **common,
-        )
-        config_name, model_name = FAMILY_CLASSES[arch]
-        cfg = getattr(transformers, config_name)(**{**kw, **overrides})
-        model_cls = getattr(transformers, model_name)
-    cfg.bos_token_id, cfg.eos_token_id = 1, 2
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # random init is near zero; spread the logits so greedy choices are well separated
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
-            elif arch in NORMS_PERTURBED:  # norms away from their init (1, or Gemma's 0), so offsets show
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    _save_tiny_tokenizer(out)
-    return out
-
-
-def _save_tiny_tokenizer(out: Path) -> None:
-    """A byte-level BPE tokenizer (256 bytes + a few merges + ChatML specials), vocabulary < 300."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|im_start|>",
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": TINY_TOKENIZER_CHAT_TEMPLATE,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
-    )
 
 
 @pytest.fixture(scope="session")
@@ -131,61 +164,9 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The embedded default model (SmolLM2-135M-Instruct), fetched and converted once into the weights folder."""
-    from weights.fetch import ensure_default_model
-    from weights.store import weights_dir
-
-    return ensure_default_model(weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")), progress=False)
-
-
-def forward_sequence(
-    model,
-    cache,
-    token_ids: list[int],
-    num_cached: int,
-    block_table: list[int],
-    min_query_len: int = 1,
-    cpu_kernel: bool = False,
-):
-    """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
-    cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice)."""
-    from model.attention import TorchAttention
-    from model.attention_cpu import CpuKernelAttention
-    from model.kernels import cpu_kernels
-
-    config = model.config
-    if cpu_kernel:
-        attention = CpuKernelAttention(cpu_kernels(), cache.block_size)
-    else:
-        attention = TorchAttention(
-            cache.block_size, config.num_kv_heads, cache.num_blocks, "cpu", config.windows, min_query_len
-        )
-    new = token_ids[num_cached:]
-    positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])
-    original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
-    long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
-    with torch.inference_mode():
-        hidden = model(torch.tensor(new), positions, meta, cache, long_rope)
-        return model.compute_logits(hidden)
-
-
-class CpuPath:
-    """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops."""
-
-    def __init__(self, kernels: bool):
-        self.kernels = kernels
-
-    def load(self, path, dtype=torch.float32, linear=None):
-        from model.kernels import cpu_kernels
-        from model.linear import PlainLinear
-        from model.loader import load_model
-        from model.transformer import Ops
-
-        ops = Ops.with_kernels(linear or PlainLinear(), cpu_kernels() if self.kernels else None)
-        return load_model(path, dtype, "cpu", ops)
-
-    def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
-        return forward_sequence(model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels)
+    """The embedded default model (SmolLM2-135M-Instruct), fetched and converted once into the weights folder.
+    Tests using it are marked slow."""
+    return fetch.ensure_default_model(REAL_WEIGHTS, progress=False)
 
 
 @pytest.fixture(params=["cpp", "torch"])
@@ -198,7 +179,4 @@ def cpu_path(request) -> CpuPath:
 def gemma3_gguf() -> Path:
     """Google's Gemma 3 270M (base, Q4_K_M) GGUF, fetched once into the weights folder: a real gemma3 file with a
     262,144-piece SentencePiece vocabulary. Tests using it are marked slow."""
-    from weights.fetch import gemma3_270m_gguf
-    from weights.store import weights_dir
-
-    return gemma3_270m_gguf(weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")), progress=False)
+    return fetch.gemma3_270m_gguf(REAL_WEIGHTS, progress=False)

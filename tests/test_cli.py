@@ -13,6 +13,7 @@ def kvserve(*args, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_is_deterministic_at_temperature_0(default_model_dir):
     args = ["generate", "--model", str(default_model_dir), "--prompt", "What is the capital of France?",
@@ -48,6 +49,7 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     assert "FalconForCausalLM" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
     import json

@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from agent_cli import Recorded, npm_command
 
 from server.api.app import create_app
 from server.api.config import ServerConfig
+from tests.helpers.agent_cli import Recorded, npm_command
 
 CLAUDE_CODE = "2.1.200"
 MODEL = "smollm2"

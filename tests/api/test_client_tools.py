@@ -41,6 +41,7 @@ def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
     assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_with_a_duration_keeps_sending_until_it_is_over(start_server, tiny_engine):
     """`--duration` alone is a time-boxed run: requests keep starting until the time is up, then those in

@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from agent_cli import Recorded, npm_command
 
 from server.api.app import create_app
 from server.api.config import ServerConfig
+from tests.helpers.agent_cli import Recorded, npm_command
 
 CODEX = "0.169.0"
 MODEL = "smollm2-135m-instruct"  # as the README's config names it

@@ -18,6 +18,7 @@ async def stream_text(client: httpx.AsyncClient, sse_events, body: dict) -> tupl
     return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_32_concurrent_streams_equal_the_same_requests_alone(default_server, sse_events):
     topics = ["rivers", "bread", "chess", "owls", "glass", "rain", "maps", "bees"]

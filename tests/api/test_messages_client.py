@@ -9,7 +9,7 @@ import anthropic
 import jsonschema
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WEATHER_TOOL = {
     "name": "get_weather",

@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PIRATE = "You are a pirate. Answer every question in pirate speak, with arr and matey."

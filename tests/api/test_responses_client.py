@@ -11,7 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WEATHER_TOOL = {
     "type": "function",

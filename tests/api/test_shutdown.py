@@ -57,6 +57,7 @@ def wait_ready(proc, url, seen: set, timeout=120) -> None:
     raise AssertionError("server did not become ready")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=4096)
@@ -84,6 +85,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_factory):
             proc.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=4096)

@@ -180,6 +180,7 @@ def test_a_failure_after_the_start_ends_named_streams_with_an_error_event(
 # --- the real model -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_streamed_text_equals_non_streamed_for_the_same_seed(default_server, sse_events):
     body = {**CHAT, "max_tokens": 16, "temperature": 0.9, "seed": 1234}
@@ -190,6 +191,7 @@ def test_streamed_text_equals_non_streamed_for_the_same_seed(default_server, sse
     assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_emoji_and_cjk_arrive_whole(default_server, sse_events):
     # Characters of 3-4 UTF-8 bytes span several byte-level tokens: no delta may end inside one.

@@ -47,6 +47,7 @@ def test_fold_joins_each_to_a_user_turn():
     assert fold_inline_system(tail)[-1] == {"role": "user", "content": [{"type": "text", "text": "R2"}]}
 
 
+@pytest.mark.slow
 def test_rendered_where_they_stand(default_server):
     """SmolLM2's ChatML template renders a system turn anywhere: the prompt keeps the conversation's order."""
     client = httpx.Client(base_url=default_server)

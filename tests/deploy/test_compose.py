@@ -5,7 +5,8 @@ import re
 
 import pytest
 import yaml
-from deploy_files import DOCKER, REPO
+
+from tests.helpers.deploy_files import DOCKER, REPO
 
 COMPOSE = DOCKER / "compose.yaml"
 DEFAULT_SHUTDOWN_TIMEOUT = 30  # kvserve serve --shutdown-timeout

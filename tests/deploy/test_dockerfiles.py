@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy_files import DOCKERFILES, REPO, Instruction, parse_dockerfile, venv_tool
+
+from tests.helpers.deploy_files import DOCKERFILES, REPO, Instruction, parse_dockerfile, venv_tool
 
 pytestmark = pytest.mark.parametrize("name", sorted(DOCKERFILES))
 

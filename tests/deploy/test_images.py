@@ -18,8 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_files import DOCKER, REPO, venv_tool
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.deploy_files import DOCKER, REPO, venv_tool
 
 SCRIPT = REPO / "scripts/image.sh"
 MODEL = "smollm2-135m-instruct"  # the default model, fetched into the image's /models at build time
@@ -42,7 +43,7 @@ def image_sh(*args: str, timeout: float = 60, check: bool = True) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def engine() -> list[str]:
+def oci_engine() -> list[str]:
     """The engine command with the flags this host needs, e.g. ['podman', '--cgroup-manager', 'cgroupfs']."""
     result = image_sh("engine", timeout=600, check=False)
     if result.returncode == 3:  # the one case the script reports as "no engine can be had here"
@@ -52,20 +53,21 @@ def engine() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run_flags(engine) -> list[str]:
+def run_flags(oci_engine) -> list[str]:
     return image_sh("run-flags").stdout.split()
 
 
 @pytest.fixture(scope="module")
-def cpu_image(engine) -> Iterator[str]:
+def cpu_image(oci_engine) -> Iterator[str]:
     """kvserve:cpu, also tagged for this run alone: another checkout's build may move kvserve:cpu meanwhile."""
     tag = f"kvserve:test-{os.getpid()}"
     start = time.monotonic()
     image_sh("build", "cpu", "-t", tag, timeout=BUILD_TIMEOUT)
-    print(f"\nkvserve:cpu built in {time.monotonic() - start:.0f} s ({' '.join(engine)})")
-    assert subprocess.run([*engine, "image", "inspect", tag], capture_output=True, timeout=30).returncode == 0
+    print(f"\nkvserve:cpu built in {time.monotonic() - start:.0f} s ({' '.join(oci_engine)})")
+    inspected = subprocess.run([*oci_engine, "image", "inspect", tag], capture_output=True, timeout=30)
+    assert inspected.returncode == 0
     yield tag
-    subprocess.run([*engine, "rmi", tag], capture_output=True, timeout=120)  # the tag; kvserve:cpu stays
+    subprocess.run([*oci_engine, "rmi", tag], capture_output=True, timeout=120)  # the tag; kvserve:cpu stays
 
 
 def free_port() -> int:
@@ -125,10 +127,10 @@ def metric(text: str, name: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(COLD)
-def test_cpu_image_serves_turns_healthy_and_drains_on_stop(engine, run_flags, cpu_image):
+def test_cpu_image_serves_turns_healthy_and_drains_on_stop(oci_engine, run_flags, cpu_image):
     container = f"kvserve-test-{os.getpid()}"
     port = free_port()
-    run = [*engine, "run", "-d", "--name", container, *run_flags, "-p", f"127.0.0.1:{port}:8000",
+    run = [*oci_engine, "run", "-d", "--name", container, *run_flags, "-p", f"127.0.0.1:{port}:8000",
            "-e", "KVSERVE_KV_CACHE_MEMORY=256MiB", cpu_image]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     started = subprocess.run(run, capture_output=True, text=True, timeout=120)
@@ -136,17 +138,17 @@ def test_cpu_image_serves_turns_healthy_and_drains_on_stop(engine, run_flags, cp
     try:
         # The image's user, not root, owns the server process (PID 1, exec form).
         uid = subprocess.run(
-            [*engine, "exec", container, "id", "-u"], capture_output=True, text=True, timeout=30
+            [*oci_engine, "exec", container, "id", "-u"], capture_output=True, text=True, timeout=30
         )
         assert uid.stdout.strip() == "10001", uid.stdout + uid.stderr
         pid1 = subprocess.run(
-            [*engine, "exec", container, "cat", "/proc/1/cmdline"], capture_output=True, timeout=30
+            [*oci_engine, "exec", container, "cat", "/proc/1/cmdline"], capture_output=True, timeout=30
         ).stdout.split(b"\0")
         assert Path(pid1[0].decode()).name.startswith("python") and b"serve" in pid1, pid1
 
-        healthy_after = wait_healthy(engine, container, timeout=300)
+        healthy_after = wait_healthy(oci_engine, container, timeout=300)
         print(f"healthy {healthy_after:.0f} s after start")
-        assert "is already in /models" in logs(engine, container), "the baked-in model was not used"
+        assert "is already in /models" in logs(oci_engine, container), "the baked-in model was not used"
         assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]] == [MODEL]
 
         chat = httpx.post(
@@ -193,24 +195,24 @@ def test_cpu_image_serves_turns_healthy_and_drains_on_stop(engine, run_flags, cp
             assert time.monotonic() < deadline and reader.is_alive(), lines
             time.sleep(0.05)
         start = time.monotonic()
-        stop = subprocess.run([*engine, "stop", "-t", str(SHUTDOWN_TIMEOUT + 15), container],
+        stop = subprocess.run([*oci_engine, "stop", "-t", str(SHUTDOWN_TIMEOUT + 15), container],
                               capture_output=True, text=True, timeout=SHUTDOWN_TIMEOUT + 60)  # fmt: skip
         took = time.monotonic() - start
         reader.join(30)
         assert stop.returncode == 0, stop.stderr
         print(f"stopped in {took:.1f} s")
         assert took < SHUTDOWN_TIMEOUT + 5, f"stop took {took:.0f} s"
-        assert inspect(engine, container, "{{.State.ExitCode}}") == "0", logs(engine, container)
+        assert inspect(oci_engine, container, "{{.State.ExitCode}}") == "0", logs(oci_engine, container)
         finished = sse_payloads(lines)
         assert finished[-1]["choices"][0]["finish_reason"] == "length", "the drain cut the request short"
-        assert "draining: 1 requests in flight" in logs(engine, container), logs(engine, container)
+        assert "draining: 1 requests in flight" in logs(oci_engine, container), logs(oci_engine, container)
     finally:
-        subprocess.run([*engine, "rm", "-f", container], capture_output=True, timeout=120)
+        subprocess.run([*oci_engine, "rm", "-f", container], capture_output=True, timeout=120)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(COLD)
-def test_compose_stack_prometheus_scrapes_kvserve(engine, cpu_image, tmp_path):
+def test_compose_stack_prometheus_scrapes_kvserve(oci_engine, cpu_image, tmp_path):
     """docker/compose.yaml as it is, but for an override file: free loopback ports instead of its published
     ones, and the image built above. Prometheus is the real image, or its offline stand-in."""
     project = f"kvserve-test-{os.getpid()}"
@@ -261,10 +263,10 @@ def test_compose_stack_prometheus_scrapes_kvserve(engine, cpu_image, tmp_path):
     finally:
         down = image_sh(*compose, "down", "-v", timeout=300, check=False)
     assert down.returncode == 0, down.stderr[-3000:]
-    left = subprocess.run([*engine, "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
+    left = subprocess.run([*oci_engine, "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
     assert not [n for n in left.stdout.split() if n.startswith(project)], left.stdout
     volumes = subprocess.run(
-        [*engine, "volume", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
+        [*oci_engine, "volume", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
     )
     assert not [v for v in volumes.stdout.split() if v.startswith(project)], volumes.stdout
 

@@ -10,7 +10,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from deploy_files import DOCKERFILES, REPO, parse_dockerfile
+
+from tests.helpers.deploy_files import DOCKERFILES, REPO, parse_dockerfile
 
 SCRIPT = "scripts/install.sh"
 

@@ -6,7 +6,8 @@ import re
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import DOCKERFILES, REPO, parse_dockerfile
+
+from tests.helpers.deploy_files import DOCKERFILES, REPO, parse_dockerfile
 
 K8S = REPO / "docker" / "k8s"
 CORE_API_VERSIONS = {"v1", "apps/v1", "autoscaling/v2"}

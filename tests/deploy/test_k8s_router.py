@@ -16,8 +16,9 @@ import tomllib
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import DOCKER, REPO, parse_dockerfile, venv_tool
 from sglang_router.launch_router import parse_router_args
+
+from tests.helpers.deploy_files import DOCKER, REPO, parse_dockerfile, venv_tool
 
 K8S = DOCKER / "k8s"
 VERSIONS = ("1.30.0", kubernetes_validate.latest_version())

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_files import DOCKER, DOCKERFILES, REPO, parse_dockerfile
+
+from tests.helpers.deploy_files import DOCKER, DOCKERFILES, REPO, parse_dockerfile
 
 SHUTDOWN_TIMEOUT = 30  # kvserve serve's default drain; the server must exit within it on SIGTERM
 

@@ -5,47 +5,7 @@ import pytest
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import FinishReason, SamplingParams
-
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams | dict = GREEDY, aborts=()):
-    """Run requests to completion; returns {id: (token ids, text, finish reason)}."""
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params[rid] if isinstance(params, dict) else params)
-    for rid in aborts:
-        engine.abort(rid)
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    texts = {rid: "" for rid in prompts}
-    reasons = {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            texts[out.request_id] += out.text
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
-    return {rid: (tokens[rid], texts[rid], reasons.get(rid)) for rid in prompts}
-
-
-def alone(engine: Engine, prompts: dict[str, list[int]], params=GREEDY):
-    results = {}
-    for rid, ids in prompts.items():
-        results.update(run(engine, {rid: ids}, params[rid] if isinstance(params, dict) else params))
-    return results
-
-
-def assert_all_blocks_free(engine: Engine):
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == engine.runner.num_blocks
-    assert engine.stats().kv_cache_usage == 0.0
-    assert engine.stats().num_running == engine.stats().num_waiting == 0
-
-
-def random_prompts(n, vocab, seed=0, low=4, high=60, prefix="r"):
-    rng = random.Random(seed)
-    return {
-        f"{prefix}{i}": [rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for i in range(n)
-    }
+from tests.helpers.engine_runs import GREEDY, alone, assert_all_blocks_free, random_prompts, run
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +18,7 @@ def tiny_engine_factory(tiny_llama_dir):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_model_batched_greedy_equals_alone(default_model_dir):
     """16 prompts together (chunked, mixed with decodes) give each prompt's tokens alone, bit for bit."""
@@ -219,6 +180,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_engine_factory):
     assert_all_blocks_free(cached)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stop_string_spanning_tokens_is_cut(default_model_dir):
     engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, dtype="float32"))

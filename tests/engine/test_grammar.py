@@ -9,13 +9,13 @@ import weakref
 
 import pytest
 import torch
-from test_engine import alone, assert_all_blocks_free, random_prompts, run  # tests/engine/test_engine.py
 
 from model.sampling import apply_token_bitmask
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.grammar import bitmask_words
 from server.engine.request import FinishReason, GrammarSpec, SamplingParams
+from tests.helpers.engine_runs import alone, assert_all_blocks_free, random_prompts, run
 
 pytestmark = pytest.mark.timeout(300)
 

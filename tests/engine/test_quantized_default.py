@@ -7,6 +7,8 @@ from server.bench import DEFAULT_QUALITY_TEXT, bench_quality
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def quantized(default_model_dir) -> Engine:

@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from model.config import ModelConfig
+from model.families import FAMILIES
 from model.kv_cache import KVCache
+from tests.helpers.tiny_models import TINY_NAMES
 
-# arch -> the config overrides of its tiny model (build_tiny_model in tests/conftest.py)
-FAMILIES = {
+# Every family of the table, by its short name; a family added to model/families.py joins every test here.
+ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]
+# short name -> the config overrides of its tiny model (tests/helpers/tiny_models.py builds it); none: the defaults
+OVERRIDES = {
     "qwen3": dict(head_dim=32, tie_word_embeddings=False),
     "gemma3": dict(
         num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -43,8 +47,14 @@ START = 20  # the greedy runs' prompt: past Phi-3's 16 (transformers recomputes 
 # outgrows LongRoPE's original length; kvserve picks the long factors from a request's start)
 
 
+def test_every_family_has_a_tiny_model():
+    """A family added to model/families.py needs a short name in tests/helpers/tiny_models.py (transformers' class
+    of the same name builds it), or every test above would fail to build it."""
+    assert set(FAMILIES) <= set(TINY_NAMES), set(FAMILIES) - set(TINY_NAMES)
+
+
 def family(factory, arch):
-    return factory(arch, **FAMILIES.get(arch, {}))
+    return factory(arch, **OVERRIDES.get(arch, {}))
 
 
 def reference(path):
@@ -58,7 +68,7 @@ def cache_for(config):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ARCHES)
 def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
     path = family(tiny_model_factory, arch)
     model, config = cpu_path.load(path)
@@ -72,7 +82,7 @@ def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ARCHES)
 def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch):
     path = family(tiny_model_factory, arch)
     model, config = cpu_path.load(path)
@@ -89,7 +99,7 @@ def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch", ["llama", *FAMILIES])  # llama: the default model's family, for scale
+@pytest.mark.parametrize("arch", ARCHES)
 def test_quantized_weights_give_the_dense_models_choices(tiny_model_factory, cpu_path, arch):
     """Every family on kvserve's quantized CPU GEMMs (8-bit groups of 32, as a GGUF's Q8_0): close to the dense
     float32 logits, and the same top token nearly everywhere."""
@@ -110,10 +120,16 @@ def test_quantized_weights_give_the_dense_models_choices(tiny_model_factory, cpu
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("kernels", ["on", "off"])  # the C++ CPU kernels, PyTorch ops
-def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kernels):
+def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kernels, request):
     """Six prompts together (prefill chunks beside decodes, past every window) give each one's tokens alone."""
+    if arch == "gpt2" and kernels == "off":  # found when this test began to read the family table
+        reason = (
+            "model/attention.py: TorchAttentionMetadata.attend views a non-contiguous output when decodes and "
+            "prefill chunks share a step in a model with as many KV heads as query heads (GPT-2; a llama so made too)"
+        )
+        request.applymarker(pytest.mark.xfail(raises=RuntimeError, strict=True, reason=reason))
     from server.engine.config import EngineConfig
     from server.engine.engine import Engine
     from server.engine.request import SamplingParams
@@ -143,9 +159,12 @@ def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kerne
 def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
     from model.layer_stack import covers
 
-    for arch in ("llama", "qwen2", "mistral"):
+    plain = ("llama", "qwen2", "mistral")
+    for arch in plain:
         assert covers(ModelConfig.from_dir(tiny_model_factory(arch))), arch
-    for arch in FAMILIES:  # a norm, a scale, a window or a RoPE the C++ loop does not have
+    for arch in sorted(
+        set(ARCHES) - set(plain)
+    ):  # a norm, a scale, a window or a RoPE the C++ loop does not have
         assert not covers(ModelConfig.from_dir(family(tiny_model_factory, arch))), arch
 
 

@@ -7,6 +7,8 @@ from model.kv_cache import KVCache
 from model.loader import load_model
 from model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow
+
 CONVERSATION = [
     {"role": "system", "content": "You are a concise assistant. Answer in one short paragraph."},
     {

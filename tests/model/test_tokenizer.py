@@ -55,6 +55,7 @@ def stream(tokenizer: Tokenizer, ids: list[int], step: int = 1, **kwargs) -> lis
 # --- the default model (byte-level BPE) ---
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_default_model_special_tokens(smol, hf_smol):
     assert (smol.bos_token_id, smol.eos_token_id, smol.eos_token_ids) == (1, 2, {2})
@@ -68,12 +69,14 @@ def test_default_model_special_tokens(smol, hf_smol):
     assert smol.decode(ids, skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("text", SAMPLES)
 def test_default_model_roundtrip(smol, text):
     assert smol.decode(smol.encode(text)) == text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CHATS)
 def test_chat_template_matches_transformers(smol, hf_smol, name):
@@ -84,6 +87,7 @@ def test_chat_template_matches_transformers(smol, hf_smol, name):
     assert smol.apply_chat_template(messages, add_generation_prompt=False) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_chat_template_list_content(smol, hf_smol):
     parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
@@ -120,6 +124,7 @@ CUSTOM_TEMPLATES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CUSTOM_TEMPLATES)
 def test_custom_templates_match_transformers(default_model_dir, hf_smol, name):
@@ -137,6 +142,7 @@ def test_custom_templates_match_transformers(default_model_dir, hf_smol, name):
     assert ours.apply_chat_template(messages) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("step", [1, 3])
 def test_default_model_stream_is_utf8_safe_and_exact(smol, step):
@@ -147,6 +153,7 @@ def test_default_model_stream_is_utf8_safe_and_exact(smol, step):
         assert "".join(deltas) == smol.decode(ids) == text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_default_model_stream_after_prompt_and_specials(smol):
     prompt = smol.encode(smol.apply_chat_template([{"role": "user", "content": "Say hi"}]))
@@ -169,6 +176,7 @@ def record_window_sizes(monkeypatch, tokenizer: Tokenizer) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stream_decodes_a_bounded_window(smol, monkeypatch):
     ids = smol.encode(" ".join(SAMPLES) * 20)
@@ -180,6 +188,7 @@ def test_stream_decodes_a_bounded_window(smol, monkeypatch):
     assert max(sizes) <= 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stream_releases_invalid_utf8_after_a_bounded_hold(smol, monkeypatch):
     continuation_byte = smol._tokenizer.token_to_id("Ģ")  # byte 0x80 in the byte-level alphabet
@@ -359,6 +368,7 @@ FIRST_SYSTEM_ONLY = (  # messages[0] is the system prompt, and any other system 
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_which_templates_render_a_system_message_where_it_stands(smol, tmp_path):
     assert smol.template_renders_inline_system  # ChatML: a <|im_start|>system turn wherever it stands

@@ -4,7 +4,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_server import Server, start_server
+
+from tests.helpers.live_server import Server, start_server
 
 
 @pytest.fixture

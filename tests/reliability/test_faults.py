@@ -9,7 +9,17 @@ import time
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, assert_openai_error, completion_text, scrape, sse_payloads, wait_idle
+
+from tests.helpers.live_server import (
+    MODEL_NAME,
+    assert_openai_error,
+    completion_text,
+    scrape,
+    sse_payloads,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.slow
 
 SHORT = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0}
 
@@ -139,7 +149,6 @@ def test_malformed_bodies_get_4xx(spawn, tiny_llama_dir):
     assert post("/v1/completions", json=SHORT).status_code == 200
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_memory_from_request_200_to_1000(spawn, tiny_llama_dir):
     server = spawn(tiny_llama_dir)

@@ -9,16 +9,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from live_server import (
-    MODEL_NAME,
-    Server,
-    assert_anthropic_error,
-    assert_no_leak,
-    assert_openai_error,
-    named_sse_payloads,
-    sse_payloads,
-    start_server,
-)
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -30,6 +20,18 @@ from schemathesis.specs.openapi.checks import (
 from server.api.anthropic import protocol as mp
 from server.api.openai import protocol as p
 from server.api.openai import responses_protocol as rp
+from tests.helpers.live_server import (
+    MODEL_NAME,
+    Server,
+    assert_anthropic_error,
+    assert_no_leak,
+    assert_openai_error,
+    named_sse_payloads,
+    sse_payloads,
+    start_server,
+)
+
+pytestmark = pytest.mark.slow
 
 OPENAPI = Path(__file__).resolve().parents[2] / "openapi.yaml"
 schema = schemathesis.openapi.from_path(OPENAPI)
@@ -66,7 +68,6 @@ CHECKS = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @schema.parametrize()
 @settings(

@@ -6,7 +6,8 @@ import random
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, completion_text, sse_payloads, wait_idle
+
+from tests.helpers.live_server import MODEL_NAME, completion_text, sse_payloads, wait_idle
 
 NUM_REQUESTS = 400
 CONCURRENCY = 32

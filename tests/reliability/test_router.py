@@ -19,10 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, Server, free_port, scrape, start_server, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from model import cpu_tier
+from tests.helpers.live_server import MODEL_NAME, Server, free_port, scrape, start_server, wait_idle
+
+pytestmark = pytest.mark.slow
 
 # 350 blocks of 16 tokens (4 KiB a block for the tiny llama in bfloat16, 8 KiB in float32: the KV dtype of the
 # CPU's tier): the workload's 15 prefixes take ~570 blocks in all, so a replica holds about half of them

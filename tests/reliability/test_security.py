@@ -4,12 +4,12 @@ loopback."""
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, assert_anthropic_error, assert_openai_error
 
 from server import cli, commands
 from server.api.anthropic import protocol as mp
 from server.api.openai import protocol as p
 from server.api.openai import responses_protocol as rp
+from tests.helpers.live_server import MODEL_NAME, assert_anthropic_error, assert_openai_error
 
 KEY = "sk-kvserve-test-7c1f9e0a5b"
 ROUTES = [
@@ -26,6 +26,7 @@ ROUTES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
     server = spawn(tiny_llama_dir, "--api-key", KEY, "--log-level", "debug")
@@ -62,6 +63,7 @@ def test_api_key_on_every_route_and_never_in_the_logs(spawn, tiny_llama_dir):
     assert KEY not in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
     server = spawn(tiny_llama_dir)
@@ -97,6 +99,7 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
     assert not {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cors_only_for_allowed_origins(spawn, tiny_llama_dir):
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}

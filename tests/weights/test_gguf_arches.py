@@ -1,5 +1,5 @@
 """Every architecture the GGUF converter supports, round-tripped: a tiny random transformers model, written to GGUF
-as llama.cpp's converter writes it (conftest.write_llama_cpp_gguf), converted back by kvserve, then loaded by
+as llama.cpp's converter writes it (tests/helpers/gguf_writers.py), converted back by kvserve, then loaded by
 transformers to the same config, the same tensors and the same logits."""
 
 import json
@@ -12,6 +12,15 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
+from tests.helpers.gguf_writers import (
+    TINY_FAMILIES,
+    add_vocab,
+    llama3_rope_freqs,
+    prompt_ids,
+    tiny_hf_model,
+    write_llama_cpp_gguf,
+    write_tiny_gguf,
+)
 from weights.gguf_arch import FAMILIES, llama3_scaling, partial_rotary_factor
 from weights.gguf_convert import UnsupportedGGUFError, convert_gguf
 
@@ -24,13 +33,11 @@ UNCARRIED = {
 }  # fmt: skip
 
 
-def round_trip(tmp_path, arches, family, vocab, qtype=GGMLQuantizationType.F32, **writer_args):
+def round_trip(tmp_path, family, vocab, qtype=GGMLQuantizationType.F32, **writer_args):
     """(the original model, the GGUF tensors written from it, the converted folder)."""
-    model = arches.tiny_hf_model(family, len(vocab["tokens"]))
+    model = tiny_hf_model(family, len(vocab["tokens"]))
     model.save_pretrained(tmp_path / "hf")
-    written = arches.write_llama_cpp_gguf(
-        tmp_path / "hf", tmp_path / "tiny.gguf", vocab, qtype, **writer_args
-    )
+    written = write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", vocab, qtype, **writer_args)
     convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
     return model, written, tmp_path / "out"
 
@@ -75,33 +82,39 @@ def assert_same_model(model, out, family, prompt_ids):
     assert (got - expected).abs().max() < 1e-5
 
 
+def test_every_gguf_architecture_has_a_tiny_family():
+    """weights/gguf_arch.py's table read by the tests: a GGUF architecture added there without a tiny model
+    here would go untested."""
+    assert {family.arch for family in TINY_FAMILIES.values()} == set(FAMILIES)
+    assert all(TINY_FAMILIES[arch].arch == arch for arch in FAMILIES)  # each by its own name, as parametrized
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["llama", "llama_biased", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                    "phi3", "olmo2", "granite", "smollm3"])  # fmt: skip
-def test_family_round_trips_to_the_same_model(tmp_path, arches, byte_vocab, family):
-    model, _, out = round_trip(tmp_path, arches, family, byte_vocab)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_family_round_trips_to_the_same_model(tmp_path, byte_vocab, family):
+    model, _, out = round_trip(tmp_path, family, byte_vocab)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [FAMILIES[arches.TINY_FAMILIES[family].arch].architecture]
-    assert_same_model(model, out, family, arches.prompt_ids)
+    assert config["architectures"] == [FAMILIES[TINY_FAMILIES[family].arch].architecture]
+    assert_same_model(model, out, family, prompt_ids)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
-def test_fused_qkv_is_split_or_kept_as_the_family_needs(tmp_path, arches, byte_vocab, family):
+def test_fused_qkv_is_split_or_kept_as_the_family_needs(tmp_path, byte_vocab, family):
     """llama.cpp's --fuse-qkv stacks q, k, v (and their biases) into attn_qkv; Phi-3 keeps them fused in
     Hugging Face too."""
-    model, written, out = round_trip(tmp_path, arches, family, byte_vocab, fuse_qkv=True)
+    model, written, out = round_trip(tmp_path, family, byte_vocab, fuse_qkv=True)
     assert "blk.0.attn_qkv.weight" in written and "blk.0.attn_q.weight" not in written
     assert ("blk.0.attn_qkv.bias" in written) is (family == "qwen2")
-    assert_same_model(model, out, family, arches.prompt_ids)
+    assert_same_model(model, out, family, prompt_ids)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
-def test_quantized_family_gives_the_dequantized_weights(tmp_path, arches, byte_vocab, family):
+def test_quantized_family_gives_the_dequantized_weights(tmp_path, byte_vocab, family):
     """Q8_0: every matrix equals dequantize(quantize(its Hugging Face rows)) (blocks lie within a row, so quantizing
     commutes with llama.cpp's row order), kept as integers in the quantized file; norms stay exact."""
-    model, _, out = round_trip(tmp_path, arches, family, byte_vocab, GGMLQuantizationType.Q8_0)
+    model, _, out = round_trip(tmp_path, family, byte_vocab, GGMLQuantizationType.Q8_0)
     converted = load_file(out / "model.safetensors")
     kept = load_file(out / "quantized" / "model.safetensors")
     for name, original in model.state_dict().items():
@@ -121,12 +134,10 @@ def test_quantized_family_gives_the_dequantized_weights(tmp_path, arches, byte_v
 
 
 @pytest.mark.timeout(60)
-def test_k_quants_are_dequantized_and_logged(tmp_path, arches, byte_vocab, caplog):
+def test_k_quants_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
     """Types kvserve keeps no kernel for (Q4_K, Q6_K: blocks built by hand, as gguf cannot quantize to them) are
     dequantized into both files, and the log names the types and how many tensors."""
-    write_wide_llama(
-        GGUFWriter(tmp_path / "wide.gguf", "llama"), byte_vocab, np.random.default_rng(0), arches
-    )
+    write_wide_llama(GGUFWriter(tmp_path / "wide.gguf", "llama"), byte_vocab, np.random.default_rng(0))
     with caplog.at_level(logging.INFO, logger="weights.gguf_convert"):
         convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
     assert "Q4_K x2, Q6_K x1" in caplog.text
@@ -137,14 +148,14 @@ def test_k_quants_are_dequantized_and_logged(tmp_path, arches, byte_vocab, caplo
         assert torch.equal(quantized[name], dense[name]) and dense[name].abs().max() > 0, name
 
 
-def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator, arches) -> None:
+def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator) -> None:
     """A one-layer llama 256 wide, its MLP in hand-built Q4_K (gate, up) and Q6_K (down) blocks."""
     hidden, ffn, heads = 256, 256, 4
     for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", hidden),
                        ("feed_forward_length", ffn), ("attention.head_count", heads)]:  # fmt: skip
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    arches.add_vocab(writer, vocab)
+    add_vocab(writer, vocab)
 
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
@@ -184,14 +195,14 @@ LLAMA3_CASES = [  # (factor, low, high, orig, base, head_dim, whether two or mor
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("factor", "low", "high", "orig", "base", "dim", "fixed"), LLAMA3_CASES)
 @pytest.mark.parametrize("orig_in_file", [False, True])
-def test_rope_freqs_recover_a_llama3_scaling(arches, factor, low, high, orig, base, dim, fixed, orig_in_file):
+def test_rope_freqs_recover_a_llama3_scaling(factor, low, high, orig, base, dim, fixed, orig_in_file):
     """Whatever parameters come back, transformers' own llama3 frequencies from them equal llama.cpp's
     inv_freq / rope_freqs to float32 rounding; where the divisors fix the blend, they are the original ones, given
     the original context (from the file, or low_freq_factor 1)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import _compute_llama3_parameters
 
-    divisors = arches.llama3_rope_freqs(base, dim, factor, low, high, orig)
+    divisors = llama3_rope_freqs(base, dim, factor, low, high, orig)
     scaling = llama3_scaling(divisors, base, dim, orig if orig_in_file else None)
     assert scaling["factor"] == factor
     if fixed and (orig_in_file or low == 1.0):
@@ -222,15 +233,15 @@ def test_rope_freqs_recover_a_llama3_scaling(arches, factor, low, high, orig, ba
         ),  # not that blend
     ],
 )
-def test_rope_freqs_off_every_llama3_curve_are_refused(tmp_path, tiny_gguf, byte_vocab, divisors, message):
+def test_rope_freqs_off_every_llama3_curve_are_refused(tmp_path, byte_vocab, divisors, message):
     with pytest.raises(UnsupportedGGUFError, match=f"rope_freqs.weight {message}"):
-        tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, raw={"rope_freqs.weight": divisors})
+        write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, raw={"rope_freqs.weight": divisors})
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
 
 
 @pytest.mark.timeout(60)
-def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, tiny_gguf, byte_vocab):
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, arch="mamba")
+def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, byte_vocab):
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, arch="mamba")
     supported = ", ".join(sorted(FAMILIES))
     with pytest.raises(UnsupportedGGUFError, match=f"'mamba' is not supported \\(supported: {supported}\\)"):
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
@@ -245,9 +256,9 @@ def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, tiny_gg
         ({"llama.attention.value_length": 8}, "value heads of another size than the keys \\(16\\)"),
     ],
 )
-def test_metadata_the_converter_cannot_reproduce_is_refused(tmp_path, tiny_gguf, byte_vocab, keys, message):
+def test_metadata_the_converter_cannot_reproduce_is_refused(tmp_path, byte_vocab, keys, message):
     path = tmp_path / "tiny.gguf"
-    tiny_gguf(path, byte_vocab)
+    write_tiny_gguf(path, byte_vocab)
     patched = tmp_path / "patched.gguf"
     rewrite_with_keys(path, patched, keys)
     with pytest.raises(UnsupportedGGUFError, match=message):
@@ -286,10 +297,9 @@ def test_partial_rotary_factor_gives_back_the_rotary_width():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
-                                    "smollm3"])  # fmt: skip
+@pytest.mark.parametrize("family", sorted(FAMILIES))  # one tiny family per GGUF architecture
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
-def test_kvserve_serves_every_family_from_gguf(tmp_path, arches, byte_vocab, cpu_path, family, type_name):
+def test_kvserve_serves_every_family_from_gguf(tmp_path, byte_vocab, cpu_path, family, type_name):
     """kvserve's model on the converted folder against the original transformers model: float32 logits on a
     prompt longer than every window (F32), and with the GGUF's Q8_0 integers kept on kvserve's quantized GEMMs
     (their rounding of the activations apart) the same top token nearly everywhere."""
@@ -298,10 +308,10 @@ def test_kvserve_serves_every_family_from_gguf(tmp_path, arches, byte_vocab, cpu
     from model.linear import PlainLinear
     from model.quant import QuantizedLinear
 
-    model, _, out = round_trip(tmp_path, arches, family, byte_vocab, GGMLQuantizationType[type_name])
+    model, _, out = round_trip(tmp_path, family, byte_vocab, GGMLQuantizationType[type_name])
     linear = QuantizedLinear(cpu_kernels(), PlainLinear(), None) if type_name == "Q8_0" else PlainLinear()
     ours, config = cpu_path.load(out, linear=linear)
-    ids = arches.prompt_ids(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     got = cpu_path.run(
         ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids[0].tolist(), 0, list(range(16))
     )

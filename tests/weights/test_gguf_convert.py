@@ -10,6 +10,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from tests.helpers.gguf_writers import write_tiny_gguf
 from weights.gguf_convert import UnsupportedGGUFError, convert_gguf, faithful_dtype
 
 # Every type gguf.quants can both write and read back (the K-quants it only reads).
@@ -27,17 +28,17 @@ TEXTS = [
 ]
 
 
-def convert(tmp_path, tiny_gguf, vocab, **kwargs):
-    weights = tiny_gguf(tmp_path / "tiny.gguf", vocab, **kwargs)
+def convert(tmp_path, vocab, **kwargs):
+    weights = write_tiny_gguf(tmp_path / "tiny.gguf", vocab, **kwargs)
     convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
     return weights, tmp_path / "out"
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
-def test_tensors_equal_dequantized_source(tmp_path, tiny_gguf, byte_vocab, type_name):
+def test_tensors_equal_dequantized_source(tmp_path, byte_vocab, type_name):
     qtype = GGMLQuantizationType[type_name]
-    weights, out = convert(tmp_path, tiny_gguf, byte_vocab, qtype=qtype)
+    weights, out = convert(tmp_path, byte_vocab, qtype=qtype)
     converted = load_file(out / "model.safetensors")
     assert converted.keys() == weights.keys()
     for name, original in weights.items():
@@ -49,14 +50,14 @@ def test_tensors_equal_dequantized_source(tmp_path, tiny_gguf, byte_vocab, type_
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
-def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, tiny_gguf, byte_vocab, type_name):
+def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, type_name):
     """quantized/model.safetensors: Q4_0 / Q4_1 / Q8_0 weights as integers and float16 scales, which give back
     the dequantized values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)); other types dequantized."""
     from model.loader import Checkpoint
     from model.quant import QuantizedTensor
 
     qtype = GGMLQuantizationType[type_name]
-    weights, out = convert(tmp_path, tiny_gguf, byte_vocab, qtype=qtype)
+    weights, out = convert(tmp_path, byte_vocab, qtype=qtype)
     dense = load_file(out / "model.safetensors")
     ckpt = Checkpoint(out, quantized=True)
     kept = type_name in ("Q4_0", "Q4_1", "Q8_0")
@@ -72,10 +73,10 @@ def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, tiny_gguf, b
 
 
 @pytest.mark.timeout(60)
-def test_a_gguf_folder_for_serving_holds_no_dequantized_copy(tmp_path, tiny_gguf, byte_vocab):
+def test_a_gguf_folder_for_serving_holds_no_dequantized_copy(tmp_path, byte_vocab):
     from weights.fetch import ensure_gguf_folder
 
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["config.json", "generation_config.json", "quantized", "tokenizer.json",
@@ -86,8 +87,8 @@ def test_a_gguf_folder_for_serving_holds_no_dequantized_copy(tmp_path, tiny_gguf
 
 
 @pytest.mark.timeout(60)
-def test_q_k_permutation_round_trip(tmp_path, tiny_gguf, byte_vocab):
-    weights, out = convert(tmp_path, tiny_gguf, byte_vocab)
+def test_q_k_permutation_round_trip(tmp_path, byte_vocab):
+    weights, out = convert(tmp_path, byte_vocab)
     converted = load_file(out / "model.safetensors")
     stored = {t.name: np.array(t.data) for t in GGUFReader(tmp_path / "tiny.gguf").tensors}
     for layer in range(2):
@@ -103,8 +104,8 @@ def test_q_k_permutation_round_trip(tmp_path, tiny_gguf, byte_vocab):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tied", [False, True])
-def test_config_files(tmp_path, tiny_gguf, byte_vocab, tied):
-    _, out = convert(tmp_path, tiny_gguf, byte_vocab, tied=tied)
+def test_config_files(tmp_path, byte_vocab, tied):
+    _, out = convert(tmp_path, byte_vocab, tied=tied)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (64, 128, 2)
@@ -140,12 +141,12 @@ def test_faithful_dtype_is_narrowest_exact():
     ("vocab_name", "pre"),
     [("byte_vocab", "llama-bpe"), ("byte_vocab", "qwen2"), ("byte_vocab", "gpt2"), ("spm_vocab", None)],
 )
-def test_tokenizer_matches_transformers_gguf_loader(tmp_path, tiny_gguf, request, vocab_name, pre):
+def test_tokenizer_matches_transformers_gguf_loader(tmp_path, request, vocab_name, pre):
     from transformers import AutoTokenizer
 
     vocab = request.getfixturevalue(vocab_name)
     vocab = dict(vocab, pre=pre) if pre else vocab
-    _, out = convert(tmp_path, tiny_gguf, vocab)
+    _, out = convert(tmp_path, vocab)
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
     reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     from_folder = AutoTokenizer.from_pretrained(out)  # transformers reading what we wrote
@@ -160,10 +161,10 @@ def test_tokenizer_matches_transformers_gguf_loader(tmp_path, tiny_gguf, request
 
 
 @pytest.mark.timeout(120)
-def test_added_tokens_stay_whole(tmp_path, tiny_gguf, byte_vocab):
+def test_added_tokens_stay_whole(tmp_path, byte_vocab):
     from transformers import AutoTokenizer
 
-    _, out = convert(tmp_path, tiny_gguf, byte_vocab)
+    _, out = convert(tmp_path, byte_vocab)
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
     reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     text = "<|begin_of_text|>hi<|end_of_text|> there, call <tool> now"
@@ -177,10 +178,10 @@ def test_added_tokens_stay_whole(tmp_path, tiny_gguf, byte_vocab):
 
 
 @pytest.mark.timeout(60)
-def test_sentencepiece_spaces(tmp_path, tiny_gguf, spm_vocab):
+def test_sentencepiece_spaces(tmp_path, spm_vocab):
     """llama.cpp (like SentencePiece's dummy prefix) puts a space before the text and before the text after each
     special token, even when the text starts with a space."""
-    _, out = convert(tmp_path, tiny_gguf, spm_vocab)
+    _, out = convert(tmp_path, spm_vocab)
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
 
     def pieces(text: str) -> list[int]:
@@ -193,21 +194,21 @@ def test_sentencepiece_spaces(tmp_path, tiny_gguf, spm_vocab):
 
 
 @pytest.mark.timeout(60)
-def test_unknown_pre_tokenizer_is_named(tmp_path, tiny_gguf, byte_vocab):
+def test_unknown_pre_tokenizer_is_named(tmp_path, byte_vocab):
     with pytest.raises(UnsupportedGGUFError, match="made-up-pre"):
-        convert(tmp_path, tiny_gguf, dict(byte_vocab, pre="made-up-pre"))
+        convert(tmp_path, dict(byte_vocab, pre="made-up-pre"))
 
 
 @pytest.mark.timeout(60)
-def test_unknown_tokenizer_model_is_named(tmp_path, tiny_gguf, byte_vocab):
+def test_unknown_tokenizer_model_is_named(tmp_path, byte_vocab):
     with pytest.raises(UnsupportedGGUFError, match="'bert'"):
-        convert(tmp_path, tiny_gguf, dict(byte_vocab, model="bert"))
+        convert(tmp_path, dict(byte_vocab, model="bert"))
 
 
 @pytest.mark.timeout(60)
-def test_other_architecture_is_named(tmp_path, tiny_gguf, byte_vocab):
+def test_other_architecture_is_named(tmp_path, byte_vocab):
     with pytest.raises(UnsupportedGGUFError, match="'gemma2'"):
-        convert(tmp_path, tiny_gguf, byte_vocab, arch="gemma2")
+        convert(tmp_path, byte_vocab, arch="gemma2")
 
 
 @pytest.mark.timeout(60)
@@ -219,6 +220,6 @@ def test_other_architecture_is_named(tmp_path, tiny_gguf, byte_vocab):
         ({"rope_freqs.weight": np.ones(8, np.float32)}, "rope_freqs"),
     ],
 )
-def test_unsupported_tensors_are_named(tmp_path, tiny_gguf, byte_vocab, raw, message):
+def test_unsupported_tensors_are_named(tmp_path, byte_vocab, raw, message):
     with pytest.raises(UnsupportedGGUFError, match=message):
-        convert(tmp_path, tiny_gguf, byte_vocab, raw=raw)
+        convert(tmp_path, byte_vocab, raw=raw)

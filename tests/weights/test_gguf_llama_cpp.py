@@ -1,4 +1,4 @@
-"""The GGUF writer the other tests use (conftest.write_llama_cpp_gguf) against llama.cpp's own converter, and
+"""The GGUF writer the other tests use (tests/helpers/gguf_writers.py) against llama.cpp's own converter, and
 kvserve's conversion of the real converter's output.
 
 Runs llama.cpp's own Python converter (convert_hf_to_gguf.py, conversion/, gguf-py/) from a llama.cpp source
@@ -18,19 +18,18 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from tests.helpers.gguf_writers import TINY_FAMILIES, prompt_ids, tiny_hf_model, write_llama_cpp_gguf
 from weights.gguf_convert import convert_gguf
 
 SDIST = "llama-cpp-python==0.3.36"
-DRIVER = Path(__file__).with_name("llama_cpp_convert.py")
-FAMILIES = ["llama", "llama_biased", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
-            "smollm3"]  # fmt: skip
+DRIVER = Path(__file__).parents[1] / "helpers" / "llama_cpp_convert.py"  # run as a script, never imported
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tree() -> Path:
-    """A llama.cpp source tree holding its Python converter."""
+def llama_cpp_tree() -> Path:
+    """A llama.cpp source llama_cpp_tree holding its Python converter."""
     import tarfile
     import tempfile
 
@@ -68,18 +67,18 @@ def model_metadata(reader: GGUFReader) -> dict:
     }
 
 
-def convert_both_ways(tree, tmp_path, arches, vocab, family, outtype="f32"):
+def convert_both_ways(llama_cpp_tree, tmp_path, vocab, family, outtype="f32"):
     """(the model, our GGUF, llama.cpp's GGUF)"""
-    model = arches.tiny_hf_model(family, len(vocab["tokens"]))
+    model = tiny_hf_model(family, len(vocab["tokens"]))
     model.save_pretrained(tmp_path / "hf")
     # Gemma 3's converter trims the embedding to the tokenizer's vocabulary: give it one as large as the model's
     tokenizer = {"model": {"vocab": {t: i for i, t in enumerate(vocab["tokens"])}}, "added_tokens": []}
     (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     qtype = GGMLQuantizationType.F32 if outtype == "f32" else GGMLQuantizationType.Q8_0
-    arches.write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "ours.gguf", vocab, qtype)
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "ours.gguf", vocab, qtype)
     run = subprocess.run(
-        [sys.executable, DRIVER, tree, tmp_path / "hf", tmp_path / "theirs.gguf", tmp_path / "vocab.json", outtype],
+        [sys.executable, DRIVER, llama_cpp_tree, tmp_path / "hf", tmp_path / "theirs.gguf", tmp_path / "vocab.json", outtype],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -99,9 +98,9 @@ def assert_same_gguf(ours_path: Path, theirs_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_llama_cpp_converter_writes_what_the_test_writer_writes(tree, tmp_path, arches, byte_vocab, family):
-    model, ours, theirs = convert_both_ways(tree, tmp_path, arches, byte_vocab, family)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_llama_cpp_converter_writes_what_the_test_writer_writes(llama_cpp_tree, tmp_path, byte_vocab, family):
+    model, ours, theirs = convert_both_ways(llama_cpp_tree, tmp_path, byte_vocab, family)
     assert_same_gguf(ours, theirs)
 
     # and kvserve's conversion of llama.cpp's own file is the original model
@@ -109,12 +108,12 @@ def test_llama_cpp_converter_writes_what_the_test_writer_writes(tree, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    ids = arches.prompt_ids(model.config.vocab_size)
+    ids = prompt_ids(model.config.vocab_size)
     with torch.no_grad():
         assert (converted(ids).logits - model(ids).logits).abs().max() < 1e-5
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
-def test_llama_cpp_q8_0_matches_the_test_writer(tree, tmp_path, arches, byte_vocab, family):
-    assert_same_gguf(*convert_both_ways(tree, tmp_path, arches, byte_vocab, family, "q8_0")[1:])
+def test_llama_cpp_q8_0_matches_the_test_writer(llama_cpp_tree, tmp_path, byte_vocab, family):
+    assert_same_gguf(*convert_both_ways(llama_cpp_tree, tmp_path, byte_vocab, family, "q8_0")[1:])

@@ -9,6 +9,7 @@ import pytest
 from gguf import GGUFReader
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from tests.helpers.gguf_writers import write_tiny_gguf
 from weights import fetch
 from weights.gguf_tokenizer import BYTE_PRES, UnsupportedGGUFError, build_tokenizer
 
@@ -157,10 +158,10 @@ def test_every_supported_pre_is_checked():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pre", TRANSFORMERS_KNOWS)
-def test_byte_level_pre_matches_transformers(tmp_path, tiny_gguf, byte_vocab, pre):
+def test_byte_level_pre_matches_transformers(tmp_path, byte_vocab, pre):
     from transformers import AutoTokenizer
 
-    tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
+    write_tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
     ours, _ = build_tokenizer(gguf_meta(tmp_path / "tiny.gguf"))
     reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     for text in BYTE_TEXTS:
@@ -172,10 +173,10 @@ def test_byte_level_pre_matches_transformers(tmp_path, tiny_gguf, byte_vocab, pr
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pre", ["smollm", "refact"])
-def test_digit_splitting_pre_matches_its_tokenizer_json(tmp_path, tiny_gguf, byte_vocab, pre):
+def test_digit_splitting_pre_matches_its_tokenizer_json(tmp_path, byte_vocab, pre):
     """transformers' GGUF loader does not split digits for these, the models' own tokenizer.json and llama.cpp do:
     the reference is that tokenizer.json's pipeline, built by hand on the same vocabulary."""
-    tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
+    write_tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
     ours, _ = build_tokenizer(gguf_meta(tmp_path / "tiny.gguf"))
     vocab = {token: index for index, token in enumerate(byte_vocab["tokens"])}
     merges = [tuple(merge.split(" ")) for merge in byte_vocab["merges"]]
@@ -192,11 +193,11 @@ def test_digit_splitting_pre_matches_its_tokenizer_json(tmp_path, tiny_gguf, byt
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pre", ["tekken", "gpt-4o"])
-def test_letter_case_split_follows_llama_cpp(tmp_path, tiny_gguf, byte_vocab, pre):
+def test_letter_case_split_follows_llama_cpp(tmp_path, byte_vocab, pre):
     """llama.cpp's Tekken and GPT-4o regexes (as it runs them, checked with llama-tokenize) approximate the models'
     upper/lower letter runs: an upper run is letters other than a-z, a lower run letters other than A-Z, and
     combining marks are not letters. transformers keeps the models' own regex, so it splits these otherwise."""
-    tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
+    write_tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre=pre))
     ours, _ = build_tokenizer(gguf_meta(tmp_path / "tiny.gguf"))
     assert pieces(ours, "aÉb") == ["aÃīb"]  # the models' regex: "a", "Éb"
     assert pieces(ours, "ÉCOLE") == ["Ãī", "COLE"]  # the models' regex: "ÉCOLE"
@@ -204,25 +205,25 @@ def test_letter_case_split_follows_llama_cpp(tmp_path, tiny_gguf, byte_vocab, pr
     assert pieces(ours, "HTTPServer camelCase") == ["HTTPServer", "Ġcamel", "Case"]
 
 
-def test_contractions_match_ascii_case_only(tmp_path, tiny_gguf, byte_vocab):
+def test_contractions_match_ascii_case_only(tmp_path, byte_vocab):
     """llama.cpp matches "'s" and friends in ASCII upper or lower case; the models' (?i:'s) also takes "'ſ"."""
-    tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre="gpt-4o"))
+    write_tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre="gpt-4o"))
     ours, _ = build_tokenizer(gguf_meta(tmp_path / "tiny.gguf"))
     assert pieces(ours, "it'S it'ſ") == ["it'S", "Ġit", "'Å¿"]  # the models' regex: ..., "Ġit'Å¿"
 
 
-def test_bos_defaults_follow_llama_cpp(tmp_path, tiny_gguf, byte_vocab):
+def test_bos_defaults_follow_llama_cpp(tmp_path, byte_vocab):
     """Without tokenizer.ggml.add_bos_token, llama.cpp adds BOS for Llama 3 and Tekken vocabularies only."""
     vocab = {key: value for key, value in byte_vocab.items() if key != "add_bos"}
     for pre, adds_bos in [("llama-bpe", True), ("tekken", True), ("qwen2", False), ("smollm", False)]:
-        tiny_gguf(tmp_path / f"{pre}.gguf", dict(vocab, pre=pre))
+        write_tiny_gguf(tmp_path / f"{pre}.gguf", dict(vocab, pre=pre))
         ours, tokenizer_config = build_tokenizer(gguf_meta(tmp_path / f"{pre}.gguf"))
         assert tokenizer_config["add_bos_token"] is adds_bos, pre
         assert (ours.encode("hi").ids[0] == 0) is adds_bos, pre
 
 
-def test_unknown_pre_is_refused_by_name(tmp_path, tiny_gguf, byte_vocab):
-    tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre="olmo-7"))
+def test_unknown_pre_is_refused_by_name(tmp_path, byte_vocab):
+    write_tiny_gguf(tmp_path / "tiny.gguf", dict(byte_vocab, pre="olmo-7"))
     with pytest.raises(UnsupportedGGUFError, match="'olmo-7'"):
         build_tokenizer(gguf_meta(tmp_path / "tiny.gguf"))
 

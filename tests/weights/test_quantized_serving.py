@@ -9,6 +9,7 @@ from model.kernels import cpu_kernels
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
+from tests.helpers.gguf_writers import write_tiny_gguf
 from weights.fetch import ensure_gguf_folder
 
 
@@ -18,13 +19,11 @@ def engine_for(folder, **config) -> Engine:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(
-    tmp_path, tiny_gguf, byte_vocab, type_name
-):
+def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(tmp_path, byte_vocab, type_name):
     from model.linear import Linear
 
     qtype = GGMLQuantizationType[type_name]
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=qtype, tied=True)
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=qtype, tied=True)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     dequantized = engine_for(folder, quantization="none", dtype="float32")
     ids = list(range(3, 60))
@@ -45,8 +44,8 @@ def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable()])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab, tier, dtype):
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+def test_quantized_requests_are_batch_invariant(tmp_path, byte_vocab, tier, dtype):
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     engine = engine_for(ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False),
                         max_num_batched_tokens=24, dtype=dtype, cpu_tier=tier)  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -68,8 +67,8 @@ def test_quantized_requests_are_batch_invariant(tmp_path, tiny_gguf, byte_vocab,
 
 
 @pytest.mark.timeout(120)
-def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, tiny_gguf, byte_vocab):
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, byte_vocab):
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     with pytest.raises(ValueError, match="float32 or bfloat16 activations, not float16"):
         engine_for(folder, quantization="int4", dtype="float16")
@@ -81,13 +80,13 @@ def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, tiny_gguf, by
 
 
 @pytest.mark.timeout(60)
-def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, tiny_gguf, byte_vocab, caplog):
+def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
     """The quantized GEMMs are CPU kernels: on CUDA the same folder is served dense (bfloat16 at load), with a
     warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
     reaches the device, so it is checked here without one."""
     from server.engine.setup import WeightFormat, select_quantization
 
-    tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):

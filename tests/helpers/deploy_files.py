@@ -1,5 +1,4 @@
 """What the deployment tests share: the repository's paths, a small Dockerfile reader and the venv's tools.
-Test modules import it by name (pytest puts this folder on sys.path, there being no __init__.py).
 
 No Docker engine runs here, so the Dockerfiles are read as text: continuation lines joined, comments dropped,
 one (INSTRUCTION, arguments) pair per instruction.
