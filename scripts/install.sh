@@ -62,7 +62,14 @@ EOF
     "${pip[@]}" "${requirements[@]}"
     echo "kvserve's dependencies installed into $("$python" -c 'import sys; print(sys.prefix)')"
 else
-    "${pip[@]}" -e ".$extras"
+    # pip resolving an unchanged install takes ~8 s: skip it while pyproject.toml (and the extras asked for) are
+    # what the last install of this venv saw
+    stamp="$("$python" -c 'import sys; print(sys.prefix)')/.kvserve-installed"
+    wanted="$(sha256sum pyproject.toml | cut -c1-16)$extras"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] && [ "$(cat "$stamp" 2>/dev/null)" != "$wanted[test]" ]; then
+        "${pip[@]}" -e ".$extras"
+        echo "$wanted" >"$stamp"
+    fi
     # The C++ CPU kernels (model/csrc) are compiled here, for every tier this CPU runs (~1-2 min a tier on 2
     # cores; an edit recompiles only what it touched), into this install's own folder: a server start never
     # compiles. KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
