@@ -62,13 +62,14 @@ EOF
     "${pip[@]}" "${requirements[@]}"
     echo "kvserve's dependencies installed into $("$python" -c 'import sys; print(sys.prefix)')"
 else
-    # pip resolving an unchanged install takes ~8 s: skip it while pyproject.toml (and the extras asked for) are
-    # what the last install of this venv saw
-    stamp="$("$python" -c 'import sys; print(sys.prefix)')/.kvserve-installed"
+    # pip resolving an unchanged install takes ~8 s: in the checkout's own venv, skip it while pyproject.toml
+    # (and the extras asked for) are what that venv's last install saw
+    stamp="${venv:+$venv/.kvserve-installed}"
     wanted="$(sha256sum pyproject.toml | cut -c1-16)$extras"
-    if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] && [ "$(cat "$stamp" 2>/dev/null)" != "$wanted[test]" ]; then
+    installed="$(cat "$stamp" 2>/dev/null || true)"
+    if [ -z "$stamp" ] || { [ "$installed" != "$wanted" ] && [ "$installed" != "$wanted[test]" ]; }; then
         "${pip[@]}" -e ".$extras"
-        echo "$wanted" >"$stamp"
+        [ -z "$stamp" ] || echo "$wanted" >"$stamp"
     fi
     # The C++ CPU kernels (model/csrc) are compiled here, for every tier this CPU runs (~1-2 min a tier on 2
     # cores; an edit recompiles only what it touched), into this install's own folder: a server start never
