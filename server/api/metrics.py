@@ -122,6 +122,9 @@ def _vllm_families(model_name: str, s: EngineStats):
         ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
         ("gpu_prefix_cache_queries", "Prefix cache queries, in tokens (older name).", s.prefix_cache_queries),
         ("gpu_prefix_cache_hits", "Prefix cache hits, in tokens (older name).", s.prefix_cache_hits),
+        ("spec_decode_num_drafts", "Decodes verified with speculative drafts.", s.num_drafts),
+        ("spec_decode_num_draft_tokens", "Speculative draft tokens verified.", s.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Speculative draft tokens kept.", s.num_accepted_tokens),
     ]
     for name, doc, value in gauges:
         family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
@@ -131,6 +134,14 @@ def _vllm_families(model_name: str, s: EngineStats):
         family = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
         family.add_metric(values, value)
         yield family
+    per_position = CounterMetricFamily(
+        VLLM_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Speculative draft tokens kept, by their position among a decode's drafts (0 = the first).",
+        labels=[*labels, "position"],
+    )
+    for position, count in sorted(s.accepted_per_position.items()):
+        per_position.add_metric([*values, str(position)], count)
+    yield per_position
     info = GaugeMetricFamily(
         VLLM_PREFIX + "cache_config_info",
         "The KV cache's configuration, in the labels (value 1).",

@@ -153,6 +153,7 @@ def sampling_params(body: p.Sampling, max_tokens: int, logprobs: int | None) -> 
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         logit_bias=body.logit_bias or {},
+        speculative=body.speculative,
     )
 
 

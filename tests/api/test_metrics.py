@@ -7,6 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model import cpu_tier
+from server.engine.config import SpeculativeConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,3 +176,28 @@ def test_responses_and_messages_are_counted_like_the_others(tiny_engine, start_s
     assert moved("kvserve:generation_tokens_total") == r["usage"]["output_tokens"] + 4 == 7
     assert moved("kvserve:time_to_first_token_seconds_count") == 2
     assert moved("kvserve:inter_token_latency_seconds_count") == (3 - 1) + (4 - 1)
+
+
+def test_speculative_decoding_is_counted_in_vllms_names(tiny_llama_dir, new_engine, start_server, scrape):
+    """Drafts, draft tokens and kept drafts (also by position) under vLLM's spec_decode names; a request that
+    opts out drafts nothing."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    url, _ = start_server(new_engine(tiny_llama_dir, kv_cache_memory=64 << 20, speculative=spec))
+    body = {"prompt": "a b a b a b a b", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json={**body, "speculative": False}).status_code == 200
+    quiet = scrape(url, idle=True)
+    assert quiet["vllm:spec_decode_num_drafts_total{0}"] == 0
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "speculative": False}).json()
+    drafted = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+    samples = scrape(url, idle=True)
+    drafts = samples["vllm:spec_decode_num_drafts_total{0}"]
+    tokens = samples["vllm:spec_decode_num_draft_tokens_total{0}"]
+    accepted = samples["vllm:spec_decode_num_accepted_tokens_total{0}"]
+    per_position = [
+        samples.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{0,{i}}}", 0) for i in range(3)
+    ]
+    assert 0 < drafts <= tokens <= 3 * drafts and 0 < accepted <= tokens
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+    # kept drafts are generated tokens like any other: 40 for each request
+    assert samples["vllm:generation_tokens_total{0}"] - quiet["vllm:generation_tokens_total{0}"] == 80
