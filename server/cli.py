@@ -20,6 +20,7 @@ from server.commands import (
     cmd_bench_offline,
     cmd_bench_profile,
     cmd_bench_quality,
+    cmd_bench_spec,
     cmd_bench_structured,
     cmd_chat,
     cmd_convert_gguf,
@@ -201,6 +202,11 @@ BENCH_STRUCTURED_FLAGS = (
     Flag("--rounds", 3, int, help="free and constrained runs, alternated"),
     Flag("--schema", help="a JSON schema file (default: records that never end before --output-len)"),
 )
+BENCH_SPEC_FLAGS = (
+    Flag("--concurrency", [1, 32], int, nargs="+", help="requests at once (1: one after another)"),
+    Flag("--rounds", 3, int, help="on and off runs, alternated, after one warm-up round"),
+    Flag("--max-tokens", 256, int),
+)
 BENCH_STEPS_FLAGS = (  # bench-invariance and bench-kernels: two engines' decode steps interleaved
     Flag("--batch-sizes", [1, 32], int, nargs="+"),
     Flag("--input-len", 128, int),
@@ -275,6 +281,12 @@ def commands() -> dict[str, Command]:
             cmd_bench_structured,
             "throughput with every request constrained by a JSON schema, against free, alternated",
             (model, ("benchmark", BENCH_STRUCTURED_FLAGS)),
+        ),
+        "bench-spec": Command(
+            cmd_bench_spec,
+            "speculative decoding on against off (--speculative-config, or n-gram defaults), alternated, on "
+            "copy-heavy and open workloads",
+            (model, ("benchmark", BENCH_SPEC_FLAGS)),
         ),
         "bench-invariance": Command(
             cmd_bench_invariance,

@@ -238,6 +238,17 @@ def cmd_bench_structured(args) -> int:
     return 0
 
 
+def cmd_bench_spec(args) -> int:
+    from server.bench import print_json
+    from server.bench_spec import bench_spec
+    from server.engine.config import SpeculativeConfig
+
+    spec = speculative_config(args.speculative_config) or SpeculativeConfig()
+    engine = build_engine(args, speculative=None)
+    print_json(bench_spec(engine, spec, args.concurrency, args.rounds, args.max_tokens))
+    return 0
+
+
 def cmd_bench_model(args) -> int:
     from server.bench import bench_model, print_json
 
