@@ -28,6 +28,7 @@ from server.commands import (
     cmd_generate,
     cmd_openapi,
     cmd_serve,
+    cmd_soak,
 )
 from server.engine.config import EngineConfig
 
@@ -189,6 +190,17 @@ BENCH_HTTP_FLAGS = (
     Flag("--output-len", 128, int),
     Flag("--seed", 0, int),
 )
+SOAK_FLAGS = (
+    Flag("--duration", 1200.0, float, help="seconds of load"),
+    Flag("--concurrency", 64, int, help="requests in flight"),
+    Flag("--disconnect-fraction", 0.2, float, help="share of streams the client closes after a few events"),
+    Flag("--pid", None, int, help="the server's process id, to follow its resident memory (/proc)"),
+    Flag("--rss-interval", 10.0, float, help="seconds between memory readings"),
+    Flag("--max-tokens", 64, int),
+    Flag("--request-timeout", 300.0, float),
+    Flag("--record", help="write every inter-token latency and memory reading, timed, to this JSON file"),
+    Flag("--seed", 0, int),
+)
 BENCH_OFFLINE_FLAGS = (
     Flag("--num-requests", 64, int),
     Flag("--input-len", 128, int),
@@ -256,6 +268,11 @@ def commands() -> dict[str, Command]:
             cmd_bench,
             "serving benchmark against an OpenAI-compatible server",
             (("", CLIENT_FLAGS + BENCH_HTTP_FLAGS),),
+        ),
+        "soak": Command(
+            cmd_soak,
+            "hold a kvserve on this machine under mixed load and report what drifts (5xx, memory, latency, KV)",
+            (("", CLIENT_FLAGS + SOAK_FLAGS),),
         ),
         "generate": Command(
             cmd_generate,

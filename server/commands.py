@@ -217,6 +217,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_soak(args) -> int:
+    from client.soak import cmd_soak as soak
+
+    return soak(args)
+
+
 def cmd_bench_offline(args) -> int:
     from server.bench import bench_offline, print_json
 
