@@ -113,6 +113,18 @@ def _payloads_of(line: str):
     return json.loads(line[len("data: ") :])
 
 
+def _carries_tokens(payload: dict) -> bool:
+    """An event with generated text: ITL is measured between these, never from the events a stream opens with
+    (role, response.created, message_start), which come before the prefill and would count queueing as ITL."""
+    kind = payload.get("type", "")
+    if kind.endswith(".delta") or kind == "content_block_delta":  # Responses, Messages
+        return True
+    return any(
+        c.get("text") or (c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls")
+        for c in payload.get("choices") or ()
+    )
+
+
 def _is_error(payload: dict) -> bool:
     return "error" in payload or payload.get("type") in ("error", "response.failed")
 
@@ -136,6 +148,8 @@ async def _one(client: httpx.AsyncClient, url: str, route: Route, body: dict, le
                 if _is_error(payload):
                     rec.stream_errors[route.name] += 1
                     return
+                if not _carries_tokens(payload):
+                    continue
                 now = rec.now()
                 if last is not None:
                     rec.itl.append((now, now - last))
