@@ -49,9 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, log_path: Path, *flags: str, ready_timeout: float = 240) -> Server:
-    """Start `kvserve serve` with the given flags and wait until /health says 200."""
-    port = free_port()
+def start_server(
+    model_dir, log_path: Path, *flags: str, ready_timeout: float = 240, port: int | None = None
+) -> Server:
+    """Start `kvserve serve` with the given flags (on `port`, or a free one) and wait until /health says 200."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", MODEL_NAME, "--kv-cache-memory", "64MiB", *flags]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}

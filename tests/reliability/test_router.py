@@ -36,7 +36,7 @@ ROUNDS = 5
 
 
 class Router:
-    def __init__(self, policy: str, workers: list[str], log_path: Path):
+    def __init__(self, policy: str, workers: list[str], log_path: Path, *flags: str):
         self.url_port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.url_port}"
         self.workers = workers
@@ -50,7 +50,7 @@ class Router:
                # a request the draining replica refuses (503) or can no longer take (it has exited) is
                # retried; cache_aware would pick the same replica again until its circuit breaker opens
                "--cb-failure-threshold", "2",
-               "--log-level", "warn"]  # fmt: skip
+               "--log-level", "warn", *flags]  # fmt: skip
         self.log_path = log_path
         with open(log_path, "w") as out:
             self.proc = subprocess.Popen(
@@ -103,8 +103,9 @@ def fleet(tmp_path, long_tiny_model) -> Iterator:
         for i in range(2):
             servers.append(start_server(long_tiny_model, with_logs / f"replica{i}.log", *REPLICA_FLAGS))
 
-        def router(policy: str) -> Router:
-            routers.append(Router(policy, [s.url for s in servers], with_logs / f"router-{policy}.log"))
+        def router(policy: str, *flags: str) -> Router:
+            log = with_logs / f"router-{policy}-{len(routers)}.log"
+            routers.append(Router(policy, [s.url for s in servers], log, *flags))
             return routers[-1]
 
         return servers, router
@@ -228,3 +229,88 @@ def test_prefix_aware_routing_beats_round_robin_and_a_drained_replica_loses_no_r
     after = {**long_body, "prompt": "after", "max_tokens": 8}
     assert httpx.post(f"{cache_aware.url}/v1/completions", json=after, timeout=60).status_code == 200
     assert scrape(b.url)["kvserve:request_success_total{length}"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_killed_under_load_fails_only_its_own_requests_and_is_taken_back(fleet, tmp_path):
+    """SIGKILL (no drain) one replica under load through the router: at most the requests it held fail, the
+    other replica answers everything after, and the killed one, started again on its port, gets work again."""
+    servers, make_router = fleet()
+    # a circuit opened by A's failures closes again after 2 s, not the default 60 s, so that A comes back
+    router = make_router("round_robin", "--cb-timeout-duration-secs", "2")
+    a, b = servers
+    body = {"model": MODEL_NAME, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    prompts = shared_prefix_workload(4)
+    log: list[tuple[float, float, int | str]] = []  # (sent, answered, status or transport error)
+
+    async def load(stop: asyncio.Event) -> None:
+        async def worker(client: httpx.AsyncClient, i: int) -> None:
+            n = 0
+            while not stop.is_set() and n < 10_000:
+                n += 1
+                sent = time.monotonic()
+                try:
+                    r = await client.post(
+                        f"{router.url}/v1/completions",
+                        json={**body, "prompt": prompts[(i * 7 + n) % len(prompts)]},
+                    )
+                    status: int | str = r.status_code
+                except httpx.TransportError as e:
+                    status = type(e).__name__
+                log.append((sent, time.monotonic(), status))
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(worker(client, i) for i in range(6)))
+
+    async def scenario() -> dict:
+        stop = asyncio.Event()
+        task = asyncio.create_task(load(stop))
+        deadline = time.monotonic() + 60
+        while scrape(a.url)["kvserve:num_requests_running"] < 2:  # A holds work
+            assert time.monotonic() < deadline, "replica A never got work"
+            await asyncio.sleep(0.05)
+        m = scrape(a.url)
+        held = m["kvserve:num_requests_running"] + m["kvserve:num_requests_waiting"]
+        killed_at = time.monotonic()
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        while a.url in router.healthy():
+            assert time.monotonic() < deadline + 30, "the router still counts the killed replica healthy"
+            await asyncio.sleep(0.1)
+        unhealthy_at = time.monotonic()
+        await asyncio.sleep(5)  # load on B alone
+        # A again, on the same port: the router's health check finds it and sends it work
+        servers[0] = start_server(a_model, tmp_path / "replica0-again.log", *REPLICA_FLAGS, port=a_port)
+        deadline = time.monotonic() + 60
+        while servers[0].url not in router.healthy():
+            assert time.monotonic() < deadline, (
+                f"the router never took A back:\n{router.log_path.read_text()[-2000:]}"
+            )
+            await asyncio.sleep(0.2)
+        back_at = time.monotonic()
+        while answered_by(servers[0]) < 3:
+            assert time.monotonic() < back_at + 60, "the router took A back but sends it nothing"
+            await asyncio.sleep(0.2)
+        stop.set()
+        await task
+        return {"held": held, "killed_at": killed_at, "unhealthy_at": unhealthy_at, "back_at": back_at}
+
+    a_model, a_port = a.proc.args[a.proc.args.index("--model") + 1], int(a.url.rsplit(":", 1)[1])
+    t = asyncio.run(scenario())
+    failed = [entry for entry in log if entry[2] != 200]
+    after_unhealthy = [s for sent, _, s in log if sent > t["unhealthy_at"]]
+    print(
+        f"kill under load: {len(log)} requests, A held {t['held']:.0f} when killed, {len(failed)} failed "
+        f"({[s for *_, s in failed]}), {len(after_unhealthy)} sent after the router saw A down; "
+        f"A back after {t['back_at'] - t['unhealthy_at']:.1f} s, {answered_by(servers[0]):.0f} answered by it"
+    )
+    # only what was in flight when A died may fail (the router retries some of those on B)
+    assert len(failed) <= t["held"], failed
+    assert all(sent <= t["unhealthy_at"] for sent, _, _ in failed), failed
+    assert after_unhealthy and set(after_unhealthy) == {200}, after_unhealthy
+    assert answered_by(b) > 0
+
+
+def answered_by(server: Server) -> float:
+    """Requests the replica finished at max_tokens (the counter appears with its first request)."""
+    return scrape(server.url).get("kvserve:request_success_total{length}", 0.0)
