@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from server.engine.engine import Engine
-from server.engine.grammar import CompiledGrammar
+from server.engine.grammar import COMPILE_SECONDS, CompiledGrammar
 from server.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams
 from server.engine.stats import EngineStats
 
@@ -79,8 +79,17 @@ class AsyncEngine:
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """The grammar for SamplingParams.grammar, compiled on a worker thread (cached by spec). Raises
-        ValueError with the grammar library's message when the spec is not a usable grammar."""
-        return await asyncio.to_thread(self._engine.grammars.compile, spec)
+        ValueError with the grammar library's message when the spec is not a usable grammar, or when it takes
+        more than COMPILE_SECONDS: a request is refused in time whatever it asks for. The compile itself cannot
+        be stopped (llguidance's own limits bound it); it ends in its thread and is cached, so asking again
+        finds it ready."""
+        compiling = asyncio.to_thread(self._engine.grammars.compile, spec)
+        try:
+            return await asyncio.wait_for(compiling, COMPILE_SECONDS)
+        except TimeoutError:
+            raise ValueError(
+                f"the grammar took more than {COMPILE_SECONDS:g} s to compile: make it smaller"
+            ) from None
 
     def generate(
         self,

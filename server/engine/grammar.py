@@ -31,7 +31,9 @@ from server.engine.request import GrammarSpec
 # and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, by request
-GBNF_SECONDS = 2.0  # a GBNF grammar's conversion to Lark, at most
+COMPILE_SECONDS = 1.5  # a request waits this long for its grammar at most (AsyncEngine.compile_grammar): with
+# the request's parsing around it, a refusal comes within 2 s
+GBNF_SECONDS = 1.2  # a GBNF grammar's conversion to Lark, at most: inside the compile's budget
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
 _GBNF_TO_LARK = """import sys
 from llguidance.gbnf_to_lark import gbnf_to_lark

@@ -1,7 +1,7 @@
 """Hostile grammars against a server that is generating for someone else: each is refused with a 400 naming the
 field, or compiles, within GRAMMAR_SECONDS, and the running stream's tokens keep coming meanwhile (grammars
-compile off the event loop and off the stepping thread; GBNF conversion runs in a child process with a time
-limit: server/engine/grammar.py)."""
+compile off the event loop and off the stepping thread, within a time budget, and GBNF conversion runs in a child
+process with a time limit: server/engine/grammar.py)."""
 
 import contextlib
 import json
@@ -20,13 +20,6 @@ GRAMMAR_SECONDS = 2.0  # the issue's budget for a refusal or a compile, measured
 MAX_ITL_SECONDS = (
     1.5  # the running stream's largest gap while the hostile requests come (generous: 2 shared cores)
 )
-# Over the 2 s budget today (measured on 2 shared cores: 3.7 s, 7.8 s, 2.2 s), though the running stream never
-# stalls: a 2 MB enum is parsed and converted before llguidance refuses its size; a 5,000-way anyOf compiles
-# (llguidance's default limits, LLParserLimits, are sized in fuel and grammar size, not time); the GBNF
-# converter's 2 s child limit leaves no room for the rest of the request. Held to KNOWN_SLOW_SECONDS until a
-# time budget lands in server/engine/grammar.py.
-KNOWN_SLOW = {"enum of 200,000", "anyOf of 5,000 objects", "GBNF chain of 10,000 rules"}
-KNOWN_SLOW_SECONDS = 15.0
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
@@ -153,7 +146,7 @@ def test_hostile_grammars_answer_in_time_and_never_stall_a_running_stream(spawn,
     slow = {
         name: round(r[0], 2)
         for name, r in results.items()
-        if r[0] > (KNOWN_SLOW_SECONDS if name in KNOWN_SLOW else GRAMMAR_SECONDS)
+        if r[0] > GRAMMAR_SECONDS
     }
     assert not slow, slow
     assert max(during) < MAX_ITL_SECONDS, (max(during), results)
