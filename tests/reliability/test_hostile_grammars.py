@@ -143,11 +143,7 @@ def test_hostile_grammars_answer_in_time_and_never_stall_a_running_stream(spawn,
         f"during p99 {p99(during):.3f} s max {max(during):.3f} s ({len(during)})"
     )
     assert all(named), results
-    slow = {
-        name: round(r[0], 2)
-        for name, r in results.items()
-        if r[0] > GRAMMAR_SECONDS
-    }
+    slow = {name: round(r[0], 2) for name, r in results.items() if r[0] > GRAMMAR_SECONDS}
     assert not slow, slow
     assert max(during) < MAX_ITL_SECONDS, (max(during), results)
     assert "Traceback" not in server.log()
