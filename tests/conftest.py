@@ -46,19 +46,24 @@ def not_slow(what: str, nodeid: str) -> str:
     )
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    """Fail an unmarked test that asks for a heavy fixture before that fixture is set up."""
-    if item.get_closest_marker("slow") is None:
-        heavy = [what for name, what in HEAVY_FIXTURES.items() if name in item.fixturenames]
-        if heavy:
-            pytest.fail(not_slow(" and ".join(heavy), item.nodeid), pytrace=False)
+    """Fail an unmarked test that asks for a heavy fixture before that fixture is set up; guard the rest of its
+    setup (guard_heavy_starts)."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    heavy = [what for name, what in HEAVY_FIXTURES.items() if name in item.fixturenames]
+    if heavy:
+        pytest.fail(not_slow(" and ".join(heavy), item.nodeid), pytrace=False)
+    with guard_heavy_starts(item.nodeid):
+        return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """While an unmarked test runs (its fixtures' setup and teardown included), the real models cannot be fetched
-    in this process and no heavy process can start."""
+def pytest_runtest_call(item):
+    """While an unmarked test runs, the real models cannot be fetched in this process and no heavy process can
+    start. Teardown is not guarded: a module's or session's fixtures of slow tests end in the teardown of
+    whichever test comes last, marked or not (an image test's container engine cleaned up after hadolint's)."""
     if item.get_closest_marker("slow") is not None:
         return (yield)
     with guard_heavy_starts(item.nodeid):

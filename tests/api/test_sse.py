@@ -203,3 +203,21 @@ def test_emoji_and_cjk_arrive_whole(default_server, sse_events):
     assert any(ord(ch) > 0x2E7F for ch in full), full  # the model did answer in CJK or emoji
     # Only a length cut inside the last character may leave a replacement character, at the very end.
     assert "\ufffd" not in full.rstrip("\ufffd") and not any("\ufffd" in p for p in pieces[:-1])
+
+
+def test_an_event_is_one_line_for_readers_that_split_like_str_splitlines():
+    """A model may write U+0085, U+2028 or U+2029, which JSON leaves raw but str.splitlines() (httpx's
+    aiter_lines()) ends a line at: escaped, the event stays one line and means the same."""
+    from pydantic import BaseModel
+
+    from server.api.serving import Event
+
+    class Delta(BaseModel):
+        text: str
+
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf\r\ng é 🙂"
+    wire = Event(Delta(text=text), "content_block_delta").sse()
+    event, data, blank, end = wire.split("\n")
+    assert (event, blank, end) == ("event: content_block_delta", "", "")
+    assert data.splitlines() == [data]
+    assert json.loads(data.removeprefix("data: "))["text"] == text
