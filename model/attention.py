@@ -110,7 +110,8 @@ class TorchAttentionMetadata:
                 return o.reshape(q.shape)
             if out is None:
                 out = torch.empty_like(q)
-            out[g.out_index] = o.view(B * Q, *q.shape[1:])[g.valid]
+            # reshape: without grouped heads (as many KV heads as query heads) o is not contiguous
+            out[g.out_index] = o.reshape(B * Q, *q.shape[1:])[g.valid]
         return out
 
 

@@ -73,10 +73,12 @@ class Drafter:
                 self._record(c.request, c.drafts, kept.get(c.request.request_id, []))
         for request_id in finished:
             self.forget(request_id)
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        decoding = {r.request_id for r in running if r.num_tokens - r.num_computed_tokens == 1}
         allowed = len(decoding) <= self.config.max_batch_size
         for request in running:
-            request.draft_token_ids = self._propose(request) if allowed and request in decoding else []
+            request.draft_token_ids = (
+                self._propose(request) if allowed and request.request_id in decoding else []
+            )
 
     def _record(self, request: Request, drafts: list[int], kept: list[int]) -> None:
         num_accepted = accepted_drafts(drafts, kept)

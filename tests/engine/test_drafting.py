@@ -7,8 +7,8 @@ from server.engine.request_state import Request, RequestStatus
 from server.engine.scheduler import ScheduledChunk
 
 
-def decoding(prompt: list[int], output: list[int] = (), **params) -> Request:
-    r = Request("r", list(prompt), SamplingParams(**{"max_tokens": 100, **params}))
+def decoding(prompt: list[int], output: list[int] = (), request_id: str = "r", **params) -> Request:
+    r = Request(request_id, list(prompt), SamplingParams(**{"max_tokens": 100, **params}))
     r.output_token_ids = list(output)
     r.num_computed_tokens = r.num_tokens - 1  # its last token is next to compute
     r.status = RequestStatus.RUNNING
@@ -45,7 +45,7 @@ def test_drafts_stop_at_max_tokens_and_in_large_batches():
     d = Drafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     r = decoding([1, 2, 3, 4, 5, 6], [1], max_tokens=3)
     assert propose(d, r) == [2]  # the output may grow by 2: one draft and the draw after it
-    crowd = [decoding([1, 2, 3, 1, 2]) for _ in range(3)]
+    crowd = [decoding([1, 2, 3, 1, 2], request_id=f"r{i}") for i in range(3)]
     small = Drafter(SpeculativeConfig(prompt_lookup_min=2, max_batch_size=2))
     small.after_step([], {}, {}, crowd)
     assert all(r.draft_token_ids == [] for r in crowd)
