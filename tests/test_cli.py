@@ -24,6 +24,7 @@ def test_generate_is_deterministic_at_temperature_0(default_model_dir):
     assert first.stdout == second.stdout
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 def test_generate_streams_with_a_system_prompt_and_sampling(tiny_llama_dir):
     out = kvserve("generate", "--model", str(tiny_llama_dir), "--prompt", "hello", "--system", "Be brief.",
@@ -32,6 +33,7 @@ def test_generate_streams_with_a_system_prompt_and_sampling(tiny_llama_dir):
     assert out.stdout.endswith("\n")
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_device_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir):
@@ -41,6 +43,7 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(60)
 def test_unknown_architecture_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "vocab_size": 10}')
@@ -80,6 +83,7 @@ def test_bench_model_measures_the_dtype_asked_for(tiny_llama_dir):
         ("bench-kernels", "cpp", "torch", lambda a, b: round(a / b, 2)),
     ],
 )
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 def test_interleaved_benches_report_both_engines_per_batch_size(tiny_llama_dir, command, a, b, summary):
     import json
 
@@ -94,6 +98,7 @@ def test_interleaved_benches_report_both_engines_per_batch_size(tiny_llama_dir, 
         assert summary(x, y) in (r.get("cost_percent"), r.get("speedup"))
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
     import json

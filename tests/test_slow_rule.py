@@ -65,6 +65,7 @@ def default_model_dir():
 """
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 def test_unmarked_heavy_tests_fail_with_the_reason(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)

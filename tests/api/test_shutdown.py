@@ -108,6 +108,7 @@ def test_requests_past_the_shutdown_timeout_end_with_abort(tiny_model_factory):
             proc.kill()
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 def test_openapi_command_prints_the_checked_in_file():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -148,6 +148,7 @@ def test_build_context_has_the_source_and_no_weights(name):
     assert size < 20 << 20, f"build context is {size >> 20} MiB: weights or caches are getting in"
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(120)
 def test_fetch_step_runs_against_a_weights_dir(name, tmp_path):
     """The build-time fetch, run here on a folder that already holds a (stub) model: the code it calls exists

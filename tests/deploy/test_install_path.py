@@ -94,6 +94,7 @@ def project_requirements(extra: bool) -> list[str]:
     return project["dependencies"] + (project["optional-dependencies"]["test"] if extra else [])
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(60)
 def test_install_script_modes(tmp_path):
     def packages(pip_args: list[str]) -> list[str]:

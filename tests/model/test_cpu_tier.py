@@ -78,6 +78,7 @@ def empty_install(tmp_path, monkeypatch):
     kernels.load.cache_clear()
 
 
+@pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(30)
 def test_a_start_never_compiles_and_names_the_install_command(empty_install, monkeypatch):
     import torch.utils.cpp_extension
