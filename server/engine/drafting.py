@@ -136,10 +136,10 @@ class Drafter:
             window = request.token_slice(max(end - hi, 0), end)
             for n in range(lo, min(hi, len(window)) + 1):
                 state.index[tuple(window[-n:])] = end
-        state.num_indexed = max(state.num_indexed, length)
+        state.num_indexed = length
         suffix = request.token_slice(max(length - hi, 0), length)
         for n in range(min(hi, len(suffix)), lo - 1, -1):
-            after = state.index.get(tuple(suffix[-n:]))
-            if after is not None and after < length:
+            after = state.index.get(tuple(suffix[-n:]))  # < length: only n-grams before the suffix are indexed
+            if after is not None:
                 return request.token_slice(after, min(after + k, length))
         return []
