@@ -247,7 +247,8 @@ async def events(
 async def run(
     state: ServingState, choices: list[Choice], log_id: str, until: Awaitable | None = None
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """Run the choices concurrently; yield each delta with its choice. Raises ApiError(500) on an engine failure."""
+    """Run the choices concurrently; yield each delta with its choice. Raises ApiError on a request the engine
+    ended early: 400 when its own grammar failed midway, 500 when the engine did."""
     streams = [c.outputs for c in choices]
     try:
         async with contextlib.aclosing(merge(streams, until)) as outputs:
@@ -261,6 +262,8 @@ async def run(
                 c.last_output_time = now
                 c.num_output_tokens = out.num_output_tokens
                 c.num_cached_tokens = out.num_cached_tokens
+                if out.error is not None and out.error.by_request:  # its grammar failed midway
+                    raise ApiError(400, out.error.message)
                 if out.error is not None:
                     raise ApiError(500, "internal error while generating", type="internal_error")
                 if out.finished:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from server.engine.engine import Engine
 from server.engine.grammar import COMPILE_SECONDS, CompiledGrammar
-from server.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams
+from server.engine.request import FinishReason, GrammarSpec, RequestError, RequestOutput, SamplingParams
 from server.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the running requests")
                 outputs = self._engine.abort_all()
                 for output in outputs:
-                    output.error = "internal error while generating"
+                    output.error = RequestError("internal error while generating")
             for output in outputs:
                 self._deliver(output)
             self._stats = self._engine.stats()
@@ -211,7 +211,9 @@ class AsyncEngine:
                 Exception
             ) as e:  # validated before queueing; a duplicate id (a race) or a bug: this one fails
                 log.exception("could not add request %s", message.request_id)
-                error = RequestOutput(message.request_id, [], "", True, FinishReason.ABORT, error=str(e))
+                error = RequestOutput(
+                    message.request_id, [], "", True, FinishReason.ABORT, error=RequestError(str(e))
+                )
                 self._deliver(error)
         else:
             output = self._engine.abort(message.request_id)

@@ -139,7 +139,8 @@ class Drafter:
         state.num_indexed = length
         suffix = request.token_slice(max(length - hi, 0), length)
         for n in range(min(hi, len(suffix)), lo - 1, -1):
-            after = state.index.get(tuple(suffix[-n:]))  # < length: only n-grams before the suffix are indexed
+            # < length: only n-grams before the suffix are indexed
+            after = state.index.get(tuple(suffix[-n:]))
             if after is not None:
                 return request.token_slice(after, min(after + k, length))
         return []

@@ -68,8 +68,9 @@ class GrammarState:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def accept(self, token_id: int) -> bool:
-        """Advance by the drawn token; False if the grammar does not allow it (then the state is broken)."""
-        return self.matcher.consume_token(token_id)
+        """Advance by the drawn token; False if the grammar does not allow it or fails on it (then the state is
+        broken)."""
+        return self.matcher.consume_token(token_id) and not self.matcher.is_error()
 
     def forced_tokens(self) -> list[int]:
         """The tokens that must come next whatever the model says (a JSON key, a tool call's fixed fields)."""
@@ -81,18 +82,21 @@ class GrammarState:
 
     def masks_along(self, token_ids: list[int], rows: torch.Tensor) -> None:
         """Fill rows[j] with the allowed tokens after token_ids[:j], for each j in 0..len(token_ids) (rows
-        [len + 1, ceil(V / 32)]); the state ends where it began. token_ids must be a valid prefix."""
+        [len + 1, ceil(V / 32)]); the state ends where it began. token_ids were a valid prefix when drafted; if
+        the grammar fails on one now (its per-token budget ran out), the rows from there get the failed state's
+        mask (the end only) and the state stays failed: the output stage ends the request with the error."""
+        consumed = 0
         for j, row in enumerate(rows):
             self.fill_bitmask(row)
-            if j < len(token_ids) and not self.matcher.consume_token(token_ids[j]):
-                raise ValueError(f"token {token_ids[j]} is not allowed here: {self.error}")
-        if token_ids:
-            self.matcher.rollback(len(token_ids))
+            if j < len(token_ids) and not self.is_broken:
+                consumed += self.matcher.consume_token(token_ids[j])
+        if consumed and not self.is_broken:
+            self.matcher.rollback(consumed)
 
     @property
     def is_complete(self) -> bool:
-        """Nothing more may follow: the output ends here."""
-        return self.matcher.is_stopped()
+        """Nothing more may follow: the output ends here (llguidance's "stopped" includes a failed state)."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def is_broken(self) -> bool:
@@ -125,7 +129,14 @@ def fill_bitmasks(
 class GrammarCompiler:
     """Compiles GrammarSpecs against one tokenizer, with a cache; safe to call from any thread."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        limits: llguidance.LLParserLimits | None = None,
+    ):
+        self._limits = limits  # llguidance's (None: its defaults); tests make them tight
         self._source = tokenizer  # read at the first grammar: a server that never gets one pays nothing
         self._vocab_size = vocab_size  # the model's: the bitmask covers every logit, even padding ids
         self._eos_token_ids = sorted(eos_token_ids)
@@ -145,10 +156,13 @@ class GrammarCompiler:
                 )
             tokenizer = self._tokenizer
         # Outside the lock: a large grammar takes a while, and llguidance lets go of the GIL meanwhile.
-        matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0, limits=self._limits)
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
-        if not matcher.is_accepting() and not fill_bitmasks([GrammarState(matcher)], self._vocab_size).any():
+        first = fill_bitmasks([GrammarState(matcher)], self._vocab_size)
+        if matcher.is_error():  # the first token's mask already needs more than the per-token budget
+            raise ValueError(_short(matcher.get_error()))
+        if not matcher.is_accepting() and not first.any():
             raise ValueError("the grammar matches no text (no token can start it)")
         compiled = CompiledGrammar(spec, matcher)
         with self._lock:
@@ -236,6 +250,7 @@ def gbnf_to_lark(source: str) -> str:
 
 
 def _short(message: str) -> str:
-    # llguidance's messages can quote the whole grammar with a caret line; the first lines say what is wrong.
-    lines = [line for line in message.strip().splitlines() if line.strip()][:3]
+    # llguidance's messages can quote the whole grammar with a caret line, or dump its parser's state after a
+    # "<state>" line; the first lines say what is wrong.
+    lines = [line for line in message.strip().split("\n<state>")[0].splitlines() if line.strip()][:3]
     return " ".join(line.strip() for line in lines)[:300]

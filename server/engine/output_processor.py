@@ -4,21 +4,18 @@ Per request it keeps the text so far (an incremental detokenizer, plus text held
 stop string), the prompt logprobs not yet sent and when the first token came. Whether a token ends the output
 is stopping.py's answer; a stop string in the text wins over it (the text is here). The scheduler frees the
 finished requests' blocks from what this stage says. A request under a grammar has its grammar state advanced
-here, by the token drawn.
+here, by the token drawn; a grammar that fails midway ends its request with an error for the client.
 """
 
-import logging
 import time
 from dataclasses import dataclass
 
 from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.engine.model_runner import ModelOutput, SampledToken
-from server.engine.request import FinishReason, RequestOutput, RequestTimes, TokenLogprob
+from server.engine.request import FinishReason, RequestError, RequestOutput, RequestTimes, TokenLogprob
 from server.engine.request_state import Request
 from server.engine.scheduler import SchedulerOutput
 from server.engine.stopping import finish_reason
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -48,6 +45,15 @@ class RequestState:
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         taken, self.prompt_logprobs = self.prompt_logprobs, None
         return taken
+
+
+def grammar_failure(request: Request, num_output_tokens: int) -> RequestError:
+    why = request.grammar.error.strip().splitlines()[0][:300]  # llguidance's parser state follows
+    return RequestError(
+        f"the output's grammar failed after {num_output_tokens} tokens: {why} (a simpler JSON schema or "
+        "grammar needs less work per token)",
+        by_request=True,
+    )
 
 
 class OutputProcessor:
@@ -95,10 +101,12 @@ class OutputProcessor:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=len(request.output_token_ids) + len(kept),  # update() appends them
                 num_cached_tokens=request.num_cached_tokens,
-                logprobs=[s.logprob for s in kept] if kept[0].logprob is not None else None,
+                logprobs=[s.logprob for s in kept] if request.params.logprobs is not None else None,
                 prompt_logprobs=state.take_prompt_logprobs(),
                 stop_string=stop_string,
             )
+            if reason is FinishReason.ABORT:
+                output.error = grammar_failure(request, output.num_output_tokens)
             if reason is not None:
                 finished[request.request_id] = reason
                 output.times = self._times(request, state, now)
@@ -112,16 +120,18 @@ class OutputProcessor:
         """The drawn tokens the output keeps, in order, as the plain path would have drawn them one per step:
         each draw after a confirmed draft is what that step would have drawn, so keep draws while each equals
         the draft it follows, and stop at the first that ends the output. Returns (kept, their text, why the
-        output ended or None, the stop string that ended it or None)."""
+        output ended or None, the stop string that ended it or None). A token the grammar refuses is not kept and
+        ends the output with ABORT: the mask allows only what the grammar takes, so the grammar itself failed
+        (llguidance's per-token budget ran out while masking or advancing; then its mask allows only the end)."""
         kept: list[SampledToken] = []
         texts: list[str] = []
         reason = stop_string = None
         for j, drawn in enumerate(sampled):
             token_id = drawn.token_id
-            kept.append(drawn)
             if request.grammar is not None and not request.grammar.accept(token_id):
-                log.error("request %s: grammar refused token %d: %s", request.request_id, token_id,
-                          request.grammar.error)  # fmt: skip
+                reason = FinishReason.ABORT
+                break
+            kept.append(drawn)
             num_output = len(request.output_token_ids) + len(kept)
             reason = finish_reason(request, token_id, num_output, self.max_model_len)
             new_text = state.detokenizer.add([token_id])

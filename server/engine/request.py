@@ -140,6 +140,15 @@ class RequestTimes:
 
 
 @dataclass(slots=True)
+class RequestError:
+    """Why the engine ended a request before it finished: the request's own input failed (its grammar ran out
+    of llguidance's per-token budget midway: the client's to fix) or the engine did (a bug, out of memory)."""
+
+    message: str
+    by_request: bool = False
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One delta for one request: what is new since the previous output."""
 
@@ -153,6 +162,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first output only; the first is None
-    error: str | None = None  # set when the engine had to abort the request on an internal error
+    error: RequestError | None = None  # with finish_reason ABORT: the engine ended the request early
     times: RequestTimes | None = None  # on the final output only
     stop_string: str | None = None  # the stop string that ended the output, on the final output

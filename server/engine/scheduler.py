@@ -240,11 +240,10 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if c.drafts:
                 self.block_manager.trim(request, request.num_tokens)
-            if not kept:
-                continue
-            assert request.num_computed_tokens == request.num_tokens - 1, "sampled a request mid-prefill"
-            self.num_generation_tokens += len(kept)
-            reason = finished.get(request.request_id)
+            if kept:
+                assert request.num_computed_tokens == request.num_tokens - 1, "sampled a request mid-prefill"
+                self.num_generation_tokens += len(kept)
+            reason = finished.get(request.request_id)  # no token kept: its grammar failed on the draw
             if reason is not None:
                 self.finish_request(request, reason)
 

@@ -29,11 +29,10 @@ def finish_reason(
     request: Request, token_id: int, num_output_tokens: int, max_model_len: int
 ) -> FinishReason | None:
     """Why the output ends with `token_id`, its num_output_tokens-th token (None if it goes on). A complete
-    grammar and a stop token win over the length limit reached by the same token: the output is whole. A grammar
-    that refused the token (the mask allowed only what it takes: a fault, which the output stage logs) ends it
-    too: nothing after could be checked."""
+    grammar and a stop token win over the length limit reached by the same token: the output is whole. (A token
+    the grammar refused never gets here: the output stage ends that output with an error.)"""
     params = request.params
-    if request.grammar is not None and (request.grammar.is_complete or request.grammar.is_broken):
+    if request.grammar is not None and request.grammar.is_complete:
         return FinishReason.STOP
     if num_output_tokens >= params.min_tokens:
         if token_id in params.stop_token_ids:

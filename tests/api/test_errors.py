@@ -5,12 +5,17 @@ import json
 import logging
 
 import httpx
+import llguidance
 import pytest
 
 from server.api import fleet, routes, ui
 from server.api.anthropic import routes as anthropic_routes
 from server.api.app import begin_drain, drain, set_engine
 from server.api.openai import routes as openai_routes
+from server.engine.async_engine import AsyncEngine
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.grammar import GrammarCompiler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -397,3 +402,56 @@ def test_drain_timeout_ends_the_new_routes_streams_with_a_failure(
         assert events[-1]["type"] == "response.failed"
         assert events[-1]["response"]["error"]["code"] == "server_error"
     wait_for(lambda: long_engine.stats().kv_cache_usage == 0, timeout=2, what="blocks freed")
+
+
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "x",
+        "schema": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tight_grammar_engine(tiny_llama_dir):
+    """The tiny model whose grammars get llguidance's per-token lexer fuel cut to almost nothing: an ordinary
+    schema compiles (its first mask fits) and fails a few tokens into the output."""
+
+    def build() -> Engine:
+        engine = Engine(str(tiny_llama_dir), EngineConfig(kv_cache_memory=64 << 20))
+        limits = llguidance.LLParserLimits(step_lexer_fuel=5)
+        engine.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, limits)
+        return engine
+
+    engine = AsyncEngine(build)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_grammar_failing_midway_is_a_400_or_an_error_event_naming_the_grammar(
+    tight_grammar_engine, start_server, sse_events, named_sse_events
+):
+    url, _ = start_server(tight_grammar_engine)
+    chat = {**MESSAGE, "max_tokens": 40, "temperature": 0, "response_format": SCHEMA_FORMAT}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        error = assert_error(
+            client.post("/v1/chat/completions", json=chat), 400, None, "grammar failed after"
+        )
+        assert error["type"] == "invalid_request_error" and "<state>" not in error["message"]
+        events = sse_events(client.post("/v1/chat/completions", json={**chat, "stream": True}).content)
+        assert events[-1]["error"]["type"] == "invalid_request_error"
+        assert "grammar failed after" in events[-1]["error"]["message"]
+        schema = SCHEMA_FORMAT["json_schema"]["schema"]
+        messages = {
+            **MESSAGE,
+            "max_tokens": 40,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        }
+        r = client.post("/v1/messages", json=messages)
+        assert_anthropic_error(r, 400, "invalid_request_error", "grammar failed after")
+        events = named_sse_events(client.post("/v1/messages", json={**messages, "stream": True}).content)
+        assert events[-1]["type"] == "error" and "grammar failed after" in events[-1]["error"]["message"]
+        # the server goes on: a free-text request after them is answered
+        assert client.post("/v1/chat/completions", json=MESSAGE).status_code == 200
+    assert tight_grammar_engine.stats().kv_cache_usage == 0

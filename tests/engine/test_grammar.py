@@ -7,13 +7,14 @@ import json
 import re
 import weakref
 
+import llguidance
 import pytest
 import torch
 
 from model.sampling import apply_token_bitmask
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
-from server.engine.grammar import bitmask_words
+from server.engine.grammar import GrammarCompiler, bitmask_words
 from server.engine.request import FinishReason, GrammarSpec, SamplingParams
 from tests.helpers.engine_runs import alone, assert_all_blocks_free, random_prompts, run
 
@@ -164,3 +165,54 @@ def test_compiling_checks_and_caches(engine_factory):
         with pytest.raises(ValueError) as e:
             engine.grammars.compile(spec)
         assert str(e.value) and len(str(e.value)) <= 300, spec
+
+
+def tight_compiler(engine: Engine, **limits) -> GrammarCompiler:
+    """A compiler whose grammars get llguidance's per-token budget cut to `limits` (a server's defaults are
+    far above what any sane grammar needs; these make an ordinary schema run out midway)."""
+    return GrammarCompiler(
+        engine.tokenizer, engine.vocab_size, engine.eos_token_ids, limits=llguidance.LLParserLimits(**limits)
+    )
+
+
+# Both compile (the first token's mask fits) and then fail: the lexer's per-token fuel runs out a few tokens in;
+# the parser's items run out on the first draw (no token kept at all).
+# With speculation the forced tokens ride as drafts, whose masks are computed along them before the draw.
+@pytest.mark.parametrize("limits", [{"step_lexer_fuel": 5}, {"step_max_items": 3}])
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig()], ids=["plain", "speculative"])
+def test_a_grammar_that_runs_out_of_budget_midway_ends_its_request_with_an_error(
+    engine_factory, limits, speculative
+):
+    engine = engine_factory(speculative=speculative)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    hostile = SamplingParams(
+        max_tokens=40, temperature=0.0, grammar=tight_compiler(engine, **limits).compile(spec)
+    )
+    bystander = constrained(engine, spec)
+    prompts = {"hostile": [5, 6, 7, 8], "bystander": [9, 10, 11, 12]}
+    expected = alone(engine, {"bystander": prompts["bystander"]}, bystander)
+    outputs: dict[str, list] = {rid: [] for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, hostile if rid == "hostile" else bystander)
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    last = outputs["hostile"][-1]
+    assert last.finished and last.finish_reason is FinishReason.ABORT
+    assert last.error is not None and last.error.by_request
+    assert "grammar failed after" in last.error.message and "oo many" in last.error.message, last.error
+    assert "<state>" not in last.error.message  # llguidance's parser dump stays out of the client's message
+    assert sum(len(o.new_token_ids) for o in outputs["hostile"]) == last.num_output_tokens < 40
+    got = outputs["bystander"]
+    assert all(o.error is None for o in got)
+    assert (sum((o.new_token_ids for o in got), []), "".join(o.text for o in got), got[-1].finish_reason) == (
+        expected["bystander"]
+    )
+    assert_all_blocks_free(engine)
+
+
+def test_a_grammar_whose_first_mask_is_over_budget_is_refused_at_compile(engine_factory):
+    engine = engine_factory()
+    with pytest.raises(ValueError, match="too many expressions") as refused:
+        tight_compiler(engine, step_lexer_fuel=1).compile(GrammarSpec("regex", "[a-z]+[0-9]"))
+    assert "<state>" not in str(refused.value)

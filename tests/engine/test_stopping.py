@@ -12,8 +12,8 @@ def request(prompt_len: int = 4, **params) -> Request:
 
 
 class FakeGrammar:
-    def __init__(self, complete: bool = False, broken: bool = False):
-        self.is_complete, self.is_broken = complete, broken
+    def __init__(self, complete: bool = False):
+        self.is_complete = complete
 
 
 def test_stop_tokens_are_banned_until_min_tokens_exist():
@@ -39,11 +39,9 @@ def test_a_token_ends_the_output_by_stop_token_then_length():
     assert finish_reason(request(max_tokens=100), OTHER, 6, 10) is FinishReason.LENGTH
 
 
-def test_a_complete_or_broken_grammar_ends_the_output():
+def test_a_complete_grammar_ends_the_output():
     r = request(max_tokens=4)
     r.grammar = FakeGrammar()
     assert finish_reason(r, OTHER, 1, 100) is None
     r.grammar = FakeGrammar(complete=True)
     assert finish_reason(r, OTHER, 4, 100) is FinishReason.STOP  # whole, though the length was reached too
-    r.grammar = FakeGrammar(broken=True)
-    assert finish_reason(r, OTHER, 1, 100) is FinishReason.STOP
