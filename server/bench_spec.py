@@ -9,7 +9,6 @@ import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
 
 from server.engine.config import SpeculativeConfig
 from server.engine.engine import Engine
@@ -23,6 +22,38 @@ PASSAGE = (
     "and logged every ship that passed in a ledger now held by the county museum. In 1994 the tower was listed "
     "as a historic site, and since 2003 it has been open to visitors on summer weekends."
 )
+# A file to return with one change: fixed here, so that the workload does not drift with kvserve's own sources.
+SOURCE = """import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Order:
+    order_id: str
+    customer: str
+    items: list[str]
+    total_cents: int
+
+
+def load_orders(path: Path) -> list[Order]:
+    orders = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        orders.append(Order(record["id"], record["customer"], record["items"], record["total"]))
+    return orders
+
+
+def total_by_customer(orders: list[Order]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for order in orders:
+        totals[order.customer] = totals.get(order.customer, 0) + order.total_cents
+    return totals
+
+
+def largest_order(orders: list[Order]) -> Order | None:
+    return max(orders, key=lambda order: order.total_cents, default=None)
+"""
 CHAT = [
     "Write a short poem about the sea.",
     "Give me three ideas for a birthday party for a ten-year-old.",
@@ -49,18 +80,17 @@ def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int]
     def chat(text: str) -> list[int]:
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], True, None))
 
-    source = (Path(__file__).parent / "engine" / "stopping.py").read_text()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     person = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
     return {
         "edit": [
             (
                 chat(
-                    f"Return this file with `{old}` renamed to `{new}`, and nothing else changed:\n\n{source}"
+                    f"Return this file with `{old}` renamed to `{new}`, and nothing else changed:\n\n{SOURCE}"
                 ),
                 greedy,
             )
-            for old, new in [("banned_token_ids", "banned_tokens"), ("finish_reason", "end_reason")]
+            for old, new in [("total_cents", "amount_cents"), ("load_orders", "read_orders")]
         ],
         "quote": [
             (chat(f"{PASSAGE}\n\nQuoting the text above, {question}"), greedy)
