@@ -1,4 +1,6 @@
-"""`kvserve bench`: a serving benchmark against any OpenAI-compatible server (streamed completions at a concurrency)."""
+"""`kvserve bench`: a serving benchmark against any OpenAI-compatible server: streamed requests at a concurrency, of
+random words (completions, a fixed output length) or of one of client/workloads.py's chat workloads (edit, quote,
+chat, json: what speculative decoding is for, or not)."""
 
 import asyncio
 import json
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from client.http import first_model, headers, sse_events
+from client.workloads import PERSON, user_messages
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -31,12 +34,18 @@ class Result:
     error: str = ""
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+def _text(event: dict) -> str:
+    """The text an event of a streamed completion or chat completion carries."""
+    choice = event["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: dict) -> Result:
     start = time.perf_counter()
     last = None
     result = Result(ok=False)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{url}{route}", json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -45,7 +54,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Resul
                     result.error = str(event["error"])[:200]
                     return result
                 now = time.perf_counter()
-                if event.get("choices") and event["choices"][0].get("text"):
+                if event.get("choices") and _text(event):
                     if last is None:
                         result.ttft = now - start
                     else:
@@ -91,16 +100,28 @@ async def bench_http(args) -> dict:
     results: list[Result] = []
     deadline = time.perf_counter() + args.duration if args.duration else None
 
+    def request(i: int) -> tuple[str, dict]:
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        if args.workload == "random":
+            prompt = rng.choice(prefixes) + " ".join(rng.choice(WORDS) for _ in range(args.input_len))
+            body = {"prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True}
+            return "/v1/completions", {"model": model, **body, "temperature": 0.0, **stream}
+        # a chat workload's messages in turn, greedy, each to its natural end (at most --output-len tokens)
+        messages = user_messages(args.workload)
+        body = {
+            "messages": [{"role": "user", "content": messages[i % len(messages)]}],
+            "max_tokens": args.output_len,
+        }
+        if args.workload == "json":
+            schema = {"name": "person", "schema": PERSON}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return "/v1/chat/completions", {"model": model, **body, "temperature": 0.0, **stream}
+
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal sent
         while (limit is None or sent < limit) and (deadline is None or time.perf_counter() < deadline):
             sent += 1
-            prompt = rng.choice(prefixes) + " ".join(rng.choice(WORDS) for _ in range(args.input_len))
-            body = {
-                "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            }  # fmt: skip
-            results.append(await _one_request(client, url, body))
+            results.append(await _one_request(client, url, *request(sent - 1)))
 
     limits = httpx.Limits(max_connections=args.concurrency)
     start = time.perf_counter()
@@ -114,6 +135,7 @@ async def bench_http(args) -> dict:
     summary = {
         "url": url,
         "model": model,
+        "workload": args.workload,
         "concurrency": args.concurrency,
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),

@@ -10,71 +10,15 @@ import json
 import statistics
 import time
 
+from client.workloads import PERSON, user_messages
 from server.engine.config import SpeculativeConfig
 from server.engine.engine import Engine
 from server.engine.request import GrammarSpec, SamplingParams
 
-# A passage a question is answered from, by quoting it.
-PASSAGE = (
-    "The lighthouse at Cape Morrow was built in 1871 from granite quarried two miles inland. Its lamp burned "
-    "whale oil until 1889, then kerosene until 1923, when the keepers' cottage was wired for electricity. The "
-    "last keeper, Edith Lund, left in 1961, after the light was automated; she had kept it for twenty-two years "
-    "and logged every ship that passed in a ledger now held by the county museum. In 1994 the tower was listed "
-    "as a historic site, and since 2003 it has been open to visitors on summer weekends."
-)
-# A file to return with one change: fixed here, so that the workload does not drift with kvserve's own sources.
-SOURCE = """import json
-from dataclasses import dataclass
-from pathlib import Path
-
-
-@dataclass
-class Order:
-    order_id: str
-    customer: str
-    items: list[str]
-    total_cents: int
-
-
-def load_orders(path: Path) -> list[Order]:
-    orders = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        orders.append(Order(record["id"], record["customer"], record["items"], record["total"]))
-    return orders
-
-
-def total_by_customer(orders: list[Order]) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for order in orders:
-        totals[order.customer] = totals.get(order.customer, 0) + order.total_cents
-    return totals
-
-
-def largest_order(orders: list[Order]) -> Order | None:
-    return max(orders, key=lambda order: order.total_cents, default=None)
-"""
-CHAT = [
-    "Write a short poem about the sea.",
-    "Give me three ideas for a birthday party for a ten-year-old.",
-    "Why is the sky blue? Answer in a paragraph.",
-    "Describe your ideal weekend.",
-]
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "city": {"type": "string"},
-        "hobbies": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["name", "age", "city", "hobbies"],
-}
-
 
 def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int], SamplingParams]]]:
-    """name -> its requests (prompt ids, params): edit (return a file with one change), quote (answer by quoting
-    a passage), chat (open questions: nothing to copy), json (records under a JSON schema)."""
+    """name -> its requests (prompt ids, params): client/workloads.py's edit, quote, chat and json (the last
+    under its JSON schema), greedy."""
     tok = engine.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -82,28 +26,10 @@ def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int]
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     person = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
+    params = {"json": dataclasses.replace(greedy, grammar=person)}
     return {
-        "edit": [
-            (
-                chat(
-                    f"Return this file with `{old}` renamed to `{new}`, and nothing else changed:\n\n{SOURCE}"
-                ),
-                greedy,
-            )
-            for old, new in [("total_cents", "amount_cents"), ("load_orders", "read_orders")]
-        ],
-        "quote": [
-            (chat(f"{PASSAGE}\n\nQuoting the text above, {question}"), greedy)
-            for question in ["when was the lighthouse automated and who left?", "what did the lamp burn?"]
-        ],
-        "chat": [(chat(text), greedy) for text in CHAT],
-        "json": [
-            (
-                chat(f"Make up a person who lives in {city}, as JSON."),
-                dataclasses.replace(greedy, grammar=person),
-            )
-            for city in ["Lisbon", "Osaka"]
-        ],
+        name: [(chat(text), params.get(name, greedy)) for text in user_messages(name)]
+        for name in ("edit", "quote", "chat", "json")
     }
 
 

@@ -176,6 +176,14 @@ CHAT_FLAGS = (
     Flag("--temperature", 0.7, float),
 )
 BENCH_HTTP_FLAGS = (
+    Flag(
+        "--workload",
+        "random",
+        choices=("random", "edit", "quote", "chat", "json"),
+        help="random: prompts of random words, --output-len tokens each; edit, quote, chat, json: chat requests "
+        "that copy much of their prompt (edit, quote), nothing (chat) or follow a JSON schema, greedy, each to its "
+        "end (at most --output-len)",
+    ),
     Flag("--concurrency", 8, int),
     Flag("--num-requests", None, int, help="requests to send (default: 64, or no limit with --duration)"),
     Flag("--duration", None, float, help="send requests for this many seconds"),

@@ -69,6 +69,21 @@ def test_bench_shared_prefix_is_found_in_the_servers_prefix_cache(start_server, 
     assert shared["cached_prompt_share"] > 0.4
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workload", ["chat", "json"])
+def test_bench_chat_workloads_stream_chat_completions(start_server, tiny_engine, workload):
+    """The chat workloads (here the two whose prompts fit the tiny model's 256 tokens) go through
+    /v1/chat/completions, each request to its end: the summary counts the tokens usage reports."""
+    url, _ = start_server(tiny_engine)
+    summary = run_bench(
+        url, "--workload", workload, "--concurrency", "2", "--num-requests", "4", "--output-len", "8"
+    )
+    assert summary["workload"] == workload
+    assert summary["requests_ok"] == 4 and summary["requests_failed"] == 0
+    assert summary["output_tokens_per_s"] > 0 and summary["ttft_s"]["p50"] is not None
+
+
 def test_bench_shared_prefixes_start_every_prompt():
     import random
 
