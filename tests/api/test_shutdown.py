@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,11 +11,7 @@ import time
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.live_server import free_port
 
 
 def start_server(model_dir, *flags) -> tuple[subprocess.Popen, str]:

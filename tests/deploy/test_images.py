@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.deploy_files import DOCKER, REPO, venv_tool
+from tests.helpers.live_server import free_port
 
 SCRIPT = REPO / "scripts/image.sh"
 MODEL = "smollm2-135m-instruct"  # the default model, fetched into the image's /models at build time
@@ -68,14 +69,6 @@ def cpu_image(oci_engine) -> Iterator[str]:
     assert inspected.returncode == 0
     yield tag
     subprocess.run([*oci_engine, "rmi", tag], capture_output=True, timeout=120)  # the tag; kvserve:cpu stays
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inspect(engine: list[str], container: str, template: str) -> str:

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,14 +21,9 @@ import pytest
 import yaml
 
 from tests.helpers.deploy_files import DOCKER, DOCKERFILES, REPO, parse_dockerfile
+from tests.helpers.live_server import free_port
 
 SHUTDOWN_TIMEOUT = 30  # kvserve serve's default drain; the server must exit within it on SIGTERM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: Path, n: int = 3000) -> str:
