@@ -1,10 +1,17 @@
-"""Load a Hugging Face safetensors checkpoint (single file or sharded) into the Transformer.
+"""Load a model into the Transformer: a Hugging Face safetensors folder (single file or sharded), or a model
+source its caller opened (a GGUF file read in place: weights/gguf_source.py's GGUFSource).
+
+A source is any object with `name`, `config` and `generation_config` (config.json's and generation_config.json's
+contents), `quantized` (whether it stores quantized weights), `tokenizer` and `tokenizer_config` (a `tokenizers`
+Tokenizer and tokenizer_config.json's contents) and the two methods of a Checkpoint, `resolve(name)` and
+`get(name)`. get() gives a tensor, or a GGUF weight's raw blocks as a record (type name, uint8 blocks [N, bytes
+per row], shape [N, K]) that model/quant.py reads.
 
 The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
-time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. A folder
-may also hold quantized weights (quantized/model.safetensors, from a GGUF: model/quant.py): a linear layer whose
-method keeps them quantized gets them as they are; anything else gets them dequantized. Then each linear
-layer's method prepares its weight (packs, quantizes, measures its batch-invariance padding: model/linear.py).
+time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. A linear
+layer whose method keeps quantized weights gets them as they are; anything else gets them dequantized. Each
+linear layer's method prepares its weight (packs, quantizes, measures its batch-invariance padding:
+model/linear.py) as soon as the layer is loaded, so only the prepared form of the weights accumulates.
 """
 
 import json
@@ -18,7 +25,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.linear import Linear
-from model.quant import QUANTIZED_FILE, QuantizedTensor
+from model.quant import QUANTIZED_FILE, QuantizedTensor, gguf_weight
 from model.transformer import Norm, Ops, Transformer
 
 log = logging.getLogger(__name__)
@@ -30,7 +37,8 @@ class WeightLoadError(ValueError):
 
 class Checkpoint:
     """Lazy access to the tensors of one or more safetensors files, by name: the dense files, or with
-    quantized=True the quantized file where there is one (then a quantized weight reads as a QuantizedTensor)."""
+    quantized=True the quantized file where there is one (then a quantized weight reads as its raw GGUF blocks,
+    or, from a folder converted before kvserve kept those, as a QuantizedTensor)."""
 
     def __init__(self, path: Path, quantized: bool = False):
         index = path / "model.safetensors.index.json"
@@ -46,9 +54,11 @@ class Checkpoint:
         if not files:
             raise WeightLoadError(f"no *.safetensors files in {path}")
         self.files = {}
+        self.ggml: dict[str, list] = {}  # name -> [GGML type name, N, K] of the raw quantized weights
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 self.files.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
+                self.ggml |= json.loads((sf.metadata() or {}).get("ggml", "{}"))
         self._open: dict[Path, object] = {}
 
     def resolve(self, name: str) -> str | None:
@@ -58,7 +68,10 @@ class Checkpoint:
                 return candidate
         return None
 
-    def get(self, name: str) -> torch.Tensor | QuantizedTensor:
+    def get(self, name: str) -> torch.Tensor | QuantizedTensor | tuple:
+        if name in self.ggml:
+            type_name, *shape = self.ggml[name]
+            return type_name, self._read(name), tuple(shape)
         if name in self.files:
             return self._read(name)
         parts = ("q4", "q8", "scale", "min")
@@ -82,21 +95,45 @@ def _source_names(name_map: dict, param: str) -> tuple[list[str], str] | None:
     return [n.replace("{i}", m.group(1)) if m else n for n in names], transform
 
 
+def model_name(model) -> str:
+    """The model (a folder's path, or a source) as logs name it."""
+    return str(model) if isinstance(model, str | Path) else model.name
+
+
+def stores_quantized(model) -> bool:
+    """Whether the model (a folder's path, or a source) stores quantized weights."""
+    if isinstance(model, str | Path):
+        return (Path(model) / QUANTIZED_FILE).is_file()
+    return model.quantized
+
+
 def load_model(
-    path: str | Path,
+    model,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: Ops | None = None,
 ) -> tuple[Transformer, ModelConfig]:
-    """The checkpoint in `path` as a Transformer whose ops run as `ops` says (default: PyTorch ops)."""
-    path = Path(path)
-    config = ModelConfig.from_dir(path)
+    """The model (a Hugging Face folder's path, or a source: see above) as a Transformer whose ops run as `ops`
+    says (default: PyTorch ops)."""
+    if isinstance(model, str | Path):
+        path = Path(model)
+        config = ModelConfig.from_dir(path)
+    else:
+        path = model.name
+        config = ModelConfig.from_dict(model.config, model.generation_config)
     with torch.device("meta"):
-        model = Transformer(config, ops)
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    ckpt = Checkpoint(path, quantized=any(m.method.keeps_quantized for m in linears.values()))
+        transformer = Transformer(config, ops)
+    linears = {name: m for name, m in transformer.named_modules() if isinstance(m, Linear)}
+    keeps_quantized = any(m.method.keeps_quantized for m in linears.values())
+    ckpt = Checkpoint(path, quantized=keeps_quantized) if isinstance(model, str | Path) else model
     name_map = config.family.weights
-    for param_name, param in list(model.named_parameters()):
+    params = list(transformer.named_parameters())
+    # each linear layer is prepared once its last parameter is loaded
+    last_of = {name.rpartition(".")[0]: name for name, _ in params}
+    # GGML type -> [weights, bytes stored, bytes in float32] of the weights no kernel keeps quantized
+    dequantized: dict[str, list[int]] = {}
+    # every parameter is filled (or, quantized, given to its layer) in this loop, or the load fails naming it
+    for param_name, param in params:
         # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
         key = "embed.weight" if param_name == "lm_head.weight" and config.tie_word_embeddings else param_name
         sources = _source_names(name_map, key)
@@ -110,8 +147,9 @@ def load_model(
                 raise WeightLoadError(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
-            parts.append(ckpt.get(stored))
-        layer = linears.get(param_name.removesuffix(".weight"))
+            parts.append(_read(ckpt, stored, dequantized))
+        module_name = param_name.rpartition(".")[0]
+        layer = linears.get(module_name)
         if (
             layer is not None
             and layer.method.keeps_quantized
@@ -122,31 +160,50 @@ def load_model(
                 raise WeightLoadError(f"shape mismatch for {param_name}: expected {tuple(param.shape)}, "
                                       f"the checkpoint's quantized weights make {quantized.shape}")  # fmt: skip
             layer.quantized = quantized  # packed by its method's prepare(), below
-            continue
-        parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
-        parts = [t.t() if transform == "t" else t for t in parts]
-        tensor = torch.cat(parts) if transform == "cat" else parts[0]
-        if config.norm_offset and isinstance(model.get_submodule(param_name.rpartition(".")[0]), Norm):
-            # Gemma's norms multiply by 1 + w, computed in float32 as the reference does
-            tensor = tensor.float() + config.norm_offset
-        if tensor.shape != param.shape:
-            shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts, strict=True))
-            raise WeightLoadError(
-                f"shape mismatch for {param_name}: expected {tuple(param.shape)}, checkpoint has {shapes}"
-            )
-        _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
-        del parts, tensor
-    model.rope_tables_to(device)
-    quantized = {f"{name}.weight" for name, m in linears.items() if m.quantized is not None}
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
-    if still_meta:
-        raise WeightLoadError(f"parameters not loaded: {', '.join(still_meta)}")
-    model.eval().requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.method.prepare(module)
-    model.weights_ready()
-    return model, config
+        else:
+            parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
+            parts = [t.t() if transform == "t" else t for t in parts]
+            tensor = torch.cat(parts) if transform == "cat" else parts[0]
+            if config.norm_offset and isinstance(transformer.get_submodule(module_name), Norm):
+                # Gemma's norms multiply by 1 + w, computed in float32 as the reference does
+                tensor = tensor.float() + config.norm_offset
+            if tensor.shape != param.shape:
+                shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(names, parts, strict=True))
+                raise WeightLoadError(
+                    f"shape mismatch for {param_name}: expected {tuple(param.shape)}, checkpoint has {shapes}"
+                )
+            _set_param(transformer, param_name, tensor.to(device=device, dtype=dtype))
+            del tensor
+        del parts
+        if layer is not None and last_of[module_name] == param_name:
+            layer.method.prepare(layer)  # its weight in the form it runs in; what was read is let go
+    if dequantized:
+        log.info(
+            "dequantized at load (no kernel keeps these types quantized): %s",
+            ", ".join(
+                f"{kind} x {n} ({stored / 2**20:.1f} MiB stored, {dense / 2**20:.1f} MiB in float32)"
+                for kind, (n, stored, dense) in sorted(dequantized.items())
+            ),
+        )
+    transformer.rope_tables_to(device)
+    transformer.eval().requires_grad_(False)
+    transformer.weights_ready()
+    return transformer, config
+
+
+def _read(ckpt, name: str, dequantized: dict[str, list[int]]) -> torch.Tensor | QuantizedTensor:
+    """The stored tensor; a GGUF weight's raw blocks as its QuantizedTensor, or dequantized (and counted in
+    `dequantized`) where no kernel keeps its type."""
+    value = ckpt.get(name)
+    if isinstance(value, torch.Tensor | QuantizedTensor):
+        return value
+    type_name, blocks, shape = value
+    weight = gguf_weight(type_name, blocks, shape)
+    if isinstance(weight, torch.Tensor):
+        counts = dequantized.setdefault(type_name, [0, 0, 0])
+        for i, n in enumerate((1, blocks.numel(), weight.numel() * 4)):
+            counts[i] += n
+    return weight
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

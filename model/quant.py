@@ -2,10 +2,11 @@
 and multiplied by kvserve's C++ kernel (model/csrc/quant_gemm.cpp).
 
 A QuantizedTensor holds a weight's exact integers and per-group scales, in a plain [N, K] form that the loader
-can fuse (q/k/v, gate/up) and quantize into. It is read from quantized/model.safetensors, which kvserve's GGUF
-converter writes (weights/gguf_convert.py: the GGUF's blocks as they are, under Hugging Face names and row
-order). QuantizedLinear, the weight format of model/linear.py's seam, packs it into the kernel's layout once,
-at load. Weights in any other format (dequantized by the converter) run through the dense method it is given.
+can fuse (q/k/v, gate/up) and quantize into. It is made from a GGUF tensor's raw block rows, however they come:
+read in place from the GGUF file (weights/gguf_source.py) or from quantized/model.safetensors, where
+`kvserve convert-gguf` keeps them (weights/gguf_convert.py); from_gguf_blocks() is the one place that reads a
+block format. QuantizedLinear, the weight format of model/linear.py's seam, packs it into the kernel's layout
+once, at load. Any other GGML type is dequantized at load (gguf_weight) and runs through the dense method.
 """
 
 from dataclasses import dataclass
@@ -15,9 +16,10 @@ from torch import nn
 
 GROUP = 32  # weights per scale, along K
 TILE = 16  # output rows per tile of the packed layout
-# The file and its parts, as weights/gguf_convert.py writes them: for a weight W [N, K], "W.q4" uint8
-# [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32]
-# a sub-folder: tools that read every top-level *.safetensors skip it
+# a sub-folder: tools that read every top-level *.safetensors skip it. weights/gguf_convert.py writes it: each
+# quantized weight W [N, K] as its raw GGML block rows "W" (uint8 [N, bytes per row]), its type and shape in the
+# metadata; folders converted before (format kvserve-quantized-1) hold "W.q4" uint8 [N, K / 2] (q[2i] |
+# q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32] (from_parts)
 QUANTIZED_FILE = "quantized/model.safetensors"
 
 
@@ -87,6 +89,20 @@ class QuantizedTensor:
         q = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
         return QuantizedTensor(4, q, parts["scale"], parts["min"])
 
+    @staticmethod
+    def from_gguf_blocks(
+        type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
+    ) -> "QuantizedTensor | None":
+        """A GGUF weight [N, K] from its raw block rows (uint8 [N, bytes per row], blocks running along K, as
+        ggml-common.h lays them out), exact: no value is recomputed. None for a type no kernel keeps."""
+        if type_name not in GGUF_BLOCKS:
+            return None
+        weights, size, read = GGUF_BLOCKS[type_name]
+        N, K = shape
+        if K % weights or tuple(blocks.shape) != (N, K // weights * size):
+            raise ValueError(f"{type_name} blocks of shape {tuple(blocks.shape)} for a [{N}, {K}] weight")
+        return read(blocks.view(N, K // weights, size), N, K)
+
     def pack(self) -> dict[str, torch.Tensor]:
         """The kernel's layout (model/csrc/quant_gemm.cpp): rows in tiles of 16, padded with zero rows."""
         N, K = self.shape
@@ -107,6 +123,52 @@ class QuantizedTensor:
         # chunk c, byte 2j + i: lane j's q[2c + i]
         packed = tiles(self.q).view(T, TILE, G, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         return {"packed": packed.view(torch.uint8).view(T, G, 512), "scales": per_group(self.scale)}
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:  # [N, G, 2] bytes -> [N, G] float16 (GGUF is little-endian)
+    return b.contiguous().view(torch.float16)[..., 0]
+
+
+def _q8_0(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, int8 q[32]; w = d q
+    return QuantizedTensor(8, b[..., 2:34].contiguous().view(torch.int8).reshape(N, K), _half(b[..., 0:2]))
+
+
+def _nibbles(qs: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    # a block's 16 bytes hold its values 0..15 in their low nibbles and 16..31 in their high nibbles
+    return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)
+
+
+def _q4_1(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, m, 16 bytes; w = d q + m
+    return QuantizedTensor(4, _nibbles(b[..., 4:20], N, K), _half(b[..., 0:2]), _half(b[..., 2:4]))
+
+
+def _q4_0(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, 16 bytes; w = d (q - 8)
+    # = d q + (-8 d), and -8 d is exact in float16 unless it overflows
+    scale = _half(b[..., 0:2])
+    return QuantizedTensor(4, _nibbles(b[..., 2:18], N, K), scale, (-8 * scale.float()).half())
+
+
+# The GGML types kept quantized: name -> (weights per block, bytes per block, the reader of a weight's blocks
+# viewed as [N, K / weights per block, bytes per block])
+GGUF_BLOCKS = {"Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q8_0": (32, 34, _q8_0)}
+
+
+def gguf_weight(
+    type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
+) -> "QuantizedTensor | torch.Tensor":
+    """A GGUF weight as a QuantizedTensor where a kernel keeps its type, else dequantized to float32 [N, K] by
+    the gguf package (the caller logs what that cost)."""
+    quantized = QuantizedTensor.from_gguf_blocks(type_name, blocks, shape)
+    if quantized is not None:
+        return quantized
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(blocks.numpy(), GGMLQuantizationType[type_name])
+    except (KeyError, NotImplementedError):
+        raise ValueError(f"GGML type {type_name} can be neither kept quantized nor dequantized") from None
+    return torch.from_numpy(values.astype("float32", copy=False)).reshape(shape)
 
 
 class QuantizedLinear:

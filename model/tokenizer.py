@@ -51,12 +51,31 @@ class Tokenizer:
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
     @classmethod
+    def load(cls, model, chat_template: str | None = None) -> Self:
+        """The tokenizer of a model as model/loader.py takes it: a Hugging Face folder's path, or a source that
+        holds its tokenizer in memory (a GGUF file's: `tokenizer` and `tokenizer_config`)."""
+        if isinstance(model, str | Path):
+            return cls.from_dir(model, chat_template)
+        return cls.from_config(
+            HFTokenizer.from_str(model.tokenizer.to_str()), model.tokenizer_config, chat_template
+        )
+
+    @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Self:
         """Read a Hugging Face folder; `chat_template` (a template or a file holding one) overrides the folder's."""
         path = Path(path)
         tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        jinja_file = path / "chat_template.jinja"
+        # transformers 5 saves the template as chat_template.jinja, which wins over tokenizer_config.json's.
+        if jinja_file.exists():
+            config = config | {"chat_template": jinja_file.read_text(encoding="utf-8")}
+        return cls.from_config(tokenizer, config, chat_template)
+
+    @classmethod
+    def from_config(cls, tokenizer: HFTokenizer, config: dict, chat_template: str | None = None) -> Self:
+        """A `tokenizers` Tokenizer with tokenizer_config.json's contents; `chat_template` overrides theirs."""
         special_tokens = {}
         for name in SPECIAL_TOKENS:
             value = config.get(name)
@@ -67,7 +86,7 @@ class Tokenizer:
         if "add_bos_token" in config or "add_eos_token" in config:
             _set_special_token_flags(tokenizer, special_tokens, config)
         if chat_template is None:
-            chat_template = _folder_chat_template(path, config)
+            chat_template = _config_chat_template(config)
         else:
             chat_template = _read_template_arg(chat_template)
         return cls(tokenizer, special_tokens, chat_template)
@@ -173,11 +192,7 @@ def _set_special_token_flags(tokenizer: HFTokenizer, special_tokens: dict[str, s
     )
 
 
-def _folder_chat_template(path: Path, config: dict) -> str | None:
-    # transformers 5 saves the template as chat_template.jinja, which wins over tokenizer_config.json's.
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
+def _config_chat_template(config: dict) -> str | None:
     template = config.get("chat_template")
     # Several named templates are stored as [{"name": "default", "template": ...}, {"name": "tool_use", ...}].
     if isinstance(template, list):

@@ -289,7 +289,7 @@ def commands() -> dict[str, Command]:
         ),
         "fetch": Command(
             cmd_fetch,
-            "download and convert the embedded default model (idempotent)",
+            "download the embedded default model's GGUF, which serve reads in place (idempotent)",
             (("", (Flag("--weights-dir", env=True), log_level("info", from_env=True))),),
         ),
         "convert-gguf": Command(

@@ -27,17 +27,20 @@ def parse_size(text: str | int) -> int:
     return int(float(num) * units[unit])
 
 
-def resolve_model(args) -> str:
-    """The model folder to load: --model's folder, a folder converted from --model's GGUF file, or the
-    embedded default (fetched and converted first when absent)."""
-    from weights.fetch import ensure_default_model, ensure_gguf_folder
+def resolve_model(args):
+    """The model to load: --model's folder, --model's GGUF file read in place, or the embedded default's GGUF
+    (fetched first when absent), as the engine takes it (a path, or a source: model/loader.py)."""
+    from weights.fetch import FetchError, default_gguf
+    from weights.gguf_source import GGUFSource
     from weights.store import weights_dir
 
     if args.model and args.model.endswith(".gguf"):
-        return str(ensure_gguf_folder(Path(args.model), weights_dir(args.weights_dir)))
+        if not Path(args.model).is_file():
+            raise FetchError(f"no such GGUF file: {args.model}")
+        return GGUFSource(args.model)
     if args.model:
         return args.model
-    return str(ensure_default_model(weights_dir(args.weights_dir)))
+    return GGUFSource(default_gguf(weights_dir(args.weights_dir)))
 
 
 def engine_config(args, **overrides):
@@ -178,10 +181,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from weights.fetch import ensure_default_model
+    from weights.fetch import default_gguf
     from weights.store import weights_dir
 
-    print(ensure_default_model(weights_dir(args.weights_dir)))
+    print(default_gguf(weights_dir(args.weights_dir)))
     return 0
 
 

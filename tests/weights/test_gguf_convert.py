@@ -51,39 +51,31 @@ def test_tensors_equal_dequantized_source(tmp_path, byte_vocab, type_name):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, type_name):
-    """quantized/model.safetensors: Q4_0 / Q4_1 / Q8_0 weights as integers and float16 scales, which give back
-    the dequantized values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)); other types dequantized."""
+    """quantized/model.safetensors: every quantized weight as the GGUF's raw block rows (in Hugging Face's row
+    order), which the loader reads as Q4_0 / Q4_1 / Q8_0 integers and float16 scales giving back the dequantized
+    values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)), and dequantizes the other types."""
     from model.loader import Checkpoint
-    from model.quant import QuantizedTensor
+    from model.quant import QuantizedTensor, gguf_weight
 
     qtype = GGMLQuantizationType[type_name]
     weights, out = convert(tmp_path, byte_vocab, qtype=qtype)
     dense = load_file(out / "model.safetensors")
     ckpt = Checkpoint(out, quantized=True)
-    kept = type_name in ("Q4_0", "Q4_1", "Q8_0")
     for name, original in weights.items():
         got = ckpt.get(ckpt.resolve(name))
-        if original.ndim == 2 and kept:
-            assert isinstance(got, QuantizedTensor) and got.bits == (8 if type_name == "Q8_0" else 4), name
-            assert got.scale.dtype == torch.float16
-            got = got.dequantize()
+        if original.ndim == 2 and type_name not in ("F32", "F16", "BF16"):
+            type_got, blocks, shape = got
+            assert (type_got, shape) == (type_name, original.shape), name
+            assert np.array_equal(blocks.numpy(), quantize(original, qtype)), name
+            got = gguf_weight(type_got, blocks, shape)
+            kept = type_name in ("Q4_0", "Q4_1", "Q8_0")
+            assert isinstance(got, QuantizedTensor) is kept, name
+            if kept:
+                assert got.bits == (8 if type_name == "Q8_0" else 4) and got.scale.dtype == torch.float16
+                got = got.dequantize()
         assert isinstance(got, torch.Tensor), name
         tol = 2**-20 * dense[name].abs().max().item() if type_name == "Q4_0" else 0
         torch.testing.assert_close(got.float(), dense[name].float(), rtol=0, atol=tol)
-
-
-@pytest.mark.timeout(60)
-def test_a_gguf_folder_for_serving_holds_no_dequantized_copy(tmp_path, byte_vocab):
-    from weights.fetch import ensure_gguf_folder
-
-    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
-    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
-    files = sorted(p.name for p in folder.iterdir())
-    assert files == ["config.json", "generation_config.json", "quantized", "tokenizer.json",
-                     "tokenizer_config.json"]  # fmt: skip
-    assert (
-        ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False) == folder
-    )  # found again
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,5 @@
-"""A GGUF served with its own quantized weights: loaded as they are, computing what their dequantized values do."""
+"""A GGUF served in place with its own quantized weights: loaded as they are, computing what their dequantized
+values do."""
 
 import pytest
 import torch
@@ -10,11 +11,11 @@ from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
 from tests.helpers.gguf_writers import write_tiny_gguf
-from weights.fetch import ensure_gguf_folder
+from weights.gguf_source import GGUFSource
 
 
-def engine_for(folder, **config) -> Engine:
-    return Engine(str(folder), EngineConfig(kv_cache_memory=8 << 20, block_size=4, **config))
+def engine_for(gguf, **config) -> Engine:
+    return Engine(GGUFSource(gguf), EngineConfig(kv_cache_memory=8 << 20, block_size=4, **config))
 
 
 @pytest.mark.timeout(180)
@@ -24,14 +25,14 @@ def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(tmp_path, byt
 
     qtype = GGMLQuantizationType[type_name]
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=qtype, tied=True)
-    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
-    dequantized = engine_for(folder, quantization="none", dtype="float32")
+    gguf = tmp_path / "tiny.gguf"
+    dequantized = engine_for(gguf, quantization="none", dtype="float32")
     ids = list(range(3, 60))
     reference = dequantized.score(ids)
     # each tier's activations: float32 ones as they are, or (AVX2) rounded to int16 per group of 32
     float32 = 1e-3 if cpu_kernels().gemm_float32_as == "int16" else 1e-4
     for dtype, tolerance in (("float32", float32), ("bfloat16", 0.05)):
-        quantized = engine_for(folder, dtype=dtype)
+        quantized = engine_for(gguf, dtype=dtype)
         bits = {m.bits for m in quantized.runner.model.modules() if isinstance(m, Linear)}
         assert bits == {8 if type_name == "Q8_0" else 4}  # every matrix of the tiny GGUF is in type_name
         assert all(m.weight.is_meta for m in quantized.runner.model.modules() if isinstance(m, Linear))
@@ -46,8 +47,7 @@ def test_a_quantized_gguf_computes_what_its_dequantized_weights_do(tmp_path, byt
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantized_requests_are_batch_invariant(tmp_path, byte_vocab, tier, dtype):
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
-    engine = engine_for(ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False),
-                        max_num_batched_tokens=24, dtype=dtype, cpu_tier=tier)  # fmt: skip
+    engine = engine_for(tmp_path / "tiny.gguf", max_num_batched_tokens=24, dtype=dtype, cpu_tier=tier)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = {f"p{i}": list(range(5 + i, 40 + 3 * i)) for i in range(6)}
 
@@ -69,40 +69,40 @@ def test_quantized_requests_are_batch_invariant(tmp_path, byte_vocab, tier, dtyp
 @pytest.mark.timeout(120)
 def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, byte_vocab):
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
-    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    gguf = tmp_path / "tiny.gguf"
     with pytest.raises(ValueError, match="float32 or bfloat16 activations, not float16"):
-        engine_for(folder, quantization="int4", dtype="float16")
+        engine_for(gguf, quantization="int4", dtype="float16")
     with pytest.raises(ValueError, match="unknown --quantization"):
-        engine_for(folder, quantization="int3")
+        engine_for(gguf, quantization="int3")
     # auto with float16 serves the same file dequantized (and says so in the log)
-    model = engine_for(folder, dtype="float16").runner.model
+    model = engine_for(gguf, dtype="float16").runner.model
     assert model.lm_head.weight.dtype == torch.float16 and not model.lm_head.weight.is_meta
 
 
 @pytest.mark.timeout(60)
 def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
-    """The quantized GEMMs are CPU kernels: on CUDA the same folder is served dense (bfloat16 at load), with a
+    """The quantized GEMMs are CPU kernels: on CUDA the same GGUF is served dense (bfloat16 at load), with a
     warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
     reaches the device, so it is checked here without one."""
     from server.engine.setup import WeightFormat, select_quantization
 
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
-    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    source = GGUFSource(tmp_path / "tiny.gguf")
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):
-        assert select_quantization(EngineConfig(), cuda, None, folder, torch.bfloat16) == WeightFormat.DENSE
+        assert select_quantization(EngineConfig(), cuda, None, source, torch.bfloat16) == WeightFormat.DENSE
     assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
     with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
-        select_quantization(EngineConfig(quantization="int4"), cuda, None, folder, torch.bfloat16)
+        select_quantization(EngineConfig(quantization="int4"), cuda, None, source, torch.bfloat16)
     cpu = torch.device("cpu")
-    assert select_quantization(EngineConfig(), cpu, object(), folder, torch.float32) == WeightFormat.STORED
+    assert select_quantization(EngineConfig(), cpu, object(), source, torch.float32) == WeightFormat.STORED
     assert (
         select_quantization(
-            EngineConfig(quantization="int4"), cpu, object(), folder, torch.float32
+            EngineConfig(quantization="int4"), cpu, object(), source, torch.float32
         ).quantize_to
         == 4
     )
     assert (
-        select_quantization(EngineConfig(quantization="none"), cpu, object(), folder, torch.float32)
+        select_quantization(EngineConfig(quantization="none"), cpu, object(), source, torch.float32)
         == WeightFormat.DENSE
     )

@@ -1,0 +1,332 @@
+"""A GGUF file read in place, as the model it holds in Hugging Face terms: what `kvserve serve --model FILE.gguf`
+(and the embedded default model) serves, with no converted copy on disk; weights/gguf_convert.py writes the same
+thing out as a Hugging Face folder.
+
+GGUFSource memory-maps the file (gguf's GGUFReader: np.memmap) and builds, from its metadata alone, config.json's
+and generation_config.json's contents (weights/gguf_arch.py) and the tokenizer (weights/gguf_tokenizer.py). Its
+tensors are planned once (plan_tensors: which rows of which GGUF tensors make each Hugging Face tensor, with
+llama.cpp's conversion undone: q/k rows, Gemma's +1 on norms, fused or split q/k/v, RoPE tensors into config)
+and read on demand, by Hugging Face name, from the map:
+- get(name): a 2-D weight made of one quantized type, with no arithmetic to undo, as a GGMLBlocks record (its
+  block rows as they are: selecting and reordering rows is exact, since GGUF blocks run along K); anything else
+  as a float32 tensor (F32 as stored, F16/BF16 widened, other types dequantized by gguf).
+- dense(name): the tensor in float32, whatever its type.
+Nothing here knows kvserve's kernels: model/quant.py turns a GGMLBlocks record into its quantized weight.
+"""
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from weights.gguf_arch import (
+    COMMON_KEYS,
+    GLOBAL_TENSORS,
+    Family,
+    attention_rows,
+    family_for,
+    read_keys,
+    rope_config,
+    tensor_shapes,
+)
+from weights.gguf_tokenizer import UnsupportedGGUFError, build_tokenizer
+
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+QKV = ("attn_q", "attn_k", "attn_v")  # the order llama.cpp stacks a fused attn_qkv in, as Hugging Face does
+
+
+class GGMLBlocks(NamedTuple):
+    """A quantized weight [N, K] as the GGUF stores it, rows in Hugging Face's order."""
+
+    type_name: str  # the GGML type, e.g. "Q4_1"
+    blocks: torch.Tensor  # uint8 [N, bytes per row]: each row's blocks, running along K
+    shape: tuple[int, int]  # [N, K]
+
+
+class MappedReader(GGUFReader):
+    """gguf's GGUFReader parsing a plain ndarray view of its map (`map` keeps the np.memmap): slicing numpy's
+    memmap subclass costs ~3 us more per slice, and a tokenizer's 100k strings are ~1M slices: SmolLM2's header
+    parsed in 1.1 s instead of 3.2 s (measured)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.memmap) -> None:  # GGUFReader.__init__ sets it to the map
+        self.map = value
+        self._plain = np.asarray(value)
+
+
+class GGUFSource:
+    """The model in a GGUF file, read from a memory map. Each tensor read is copied out of the map, and the map's
+    pages it touched are let go (madvise): a loader that turns each weight into its own form as it goes holds
+    that form only, never the file's pages besides."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.name = str(self.path)
+        reader = MappedReader(self.path)  # maps the file; the tensors' data are views of the map
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+        arch = meta.get("general.architecture")
+        self.family = family_for(arch)
+        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
+        try:
+            self.config = model_config(self.family, meta, self.tensors)
+            self.tokenizer, self.tokenizer_config = build_tokenizer(meta)
+            self.tokenizer_config["model_max_length"] = self.config["max_position_embeddings"]
+            self.shapes = expected_shapes(self.family, self.config)
+            self.plan = checked_plan(self.family, self.tensors, self.config, self.shapes)
+        except UnsupportedGGUFError as error:
+            raise UnsupportedGGUFError(f"{self.path.name} ({arch!r}): {error}") from None
+        keys = ("bos_token_id", "eos_token_id")
+        self.generation_config = {k: self.config[k] for k in keys if self.config[k] is not None}
+        # whether any weight is stored quantized (the engine then keeps it so where its kernels can)
+        self.quantized = any(t.tensor_type not in FLOAT_TYPES for t in self.tensors.values())
+        self._map = getattr(reader.map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap here
+        # one GGUF tensor can feed three Hugging Face ones (a fused attn_qkv), read one after another: the last
+        # one dequantized is kept
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def resolve(self, name: str) -> str | None:
+        return name if name in self.plan else None
+
+    def get(self, name: str) -> "torch.Tensor | GGMLBlocks":
+        """The Hugging Face tensor `name`: its raw blocks where it is a quantized weight that needs no arithmetic,
+        else float32."""
+        pieces, shape = self.plan[name], self.shapes[name]
+        types = {self.tensors[p.source].tensor_type for p in pieces}
+        (kind,) = types if len(types) == 1 else (None,)
+        if kind is None or kind in FLOAT_TYPES or len(shape) != 2 or any(p.shift for p in pieces):
+            return self.dense(name)
+        blocks = np.concatenate([order(p, self.tensors[p.source].data) for p in pieces])  # a copy
+        self._release(pieces)
+        return GGMLBlocks(kind.name, torch.from_numpy(blocks), shape)
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The Hugging Face tensor `name` in float32 (exact for every type)."""
+        pieces, shape = self.plan[name], self.shapes[name]
+        # Gemma's norms: stored - 1 is exact for stored in [0.5, 2] (1 + w gives back stored), else rounded
+        parts = [order(p, self._dequantized(p.source)) for p in pieces]
+        parts = [
+            part - np.float32(p.shift) if p.shift else part for p, part in zip(pieces, parts, strict=True)
+        ]
+        values = np.concatenate(parts)  # a copy, also of an F32 tensor (a view of the map)
+        if values.shape != shape:
+            raise UnsupportedGGUFError(f"{name}: pieces give shape {values.shape}, expected {shape}")
+        self._release(pieces)
+        return torch.from_numpy(values)
+
+    def _dequantized(self, gguf_name: str) -> np.ndarray:
+        if self._last is None or self._last[0] != gguf_name:
+            self._last = (gguf_name, dequantize_tensor(self.tensors[gguf_name]))
+        return self._last[1]
+
+    def _release(self, pieces: list["Piece"]) -> None:
+        """Let the map's pages under these pieces' GGUF tensors go. Harmless if read again: a read-only map's
+        pages come back from the file (the page cache)."""
+        if self._map is None:
+            return
+        page = mmap.PAGESIZE
+        for source in {p.source for p in pieces}:
+            tensor = self.tensors[source]
+            start = tensor.data_offset // page * page
+            self._map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+
+
+def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """config.json in the dialect transformers 4.x and 5.x both read: top-level rope_theta and rope_scaling (5.x
+    folds them into rope_parameters on load, per layer type for Gemma 3)."""
+    config = {"architectures": [family.architecture], "model_type": family.model_type}
+    config |= read_keys(meta, COMMON_KEYS)
+    hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
+    config |= read_keys(meta, {
+        "num_key_value_heads": ("attention.head_count_kv", num_heads),
+        "head_dim": ("attention.key_length", hidden // num_heads),  # explicit where it is not hidden / heads
+        "value_head_dim": ("attention.value_length", None),
+    })  # fmt: skip
+    if config.pop("value_head_dim") not in (None, config["head_dim"]):
+        raise UnsupportedGGUFError(f"value heads of another size than the keys ({config['head_dim']})")
+    config |= {
+        # GGUF shapes list the row length first: token_embd is [hidden, vocab].
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else 0,
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    config |= read_keys(meta, family.keys) | family.constants
+    config |= bias_switches(family, tensors, config["num_hidden_layers"])
+    if family.extra:
+        config |= family.extra(meta, config)
+    rope = {}
+    for name in family.rope_tensors:
+        if f"{name}.weight" in tensors:
+            rope[name] = dequantize_tensor(tensors[f"{name}.weight"])
+    config |= rope_config(family, meta, config, rope)
+    # null where the GGUF has none, rather than the Hugging Face class's default (Phi-3's pad 32000, Gemma's eos 1)
+    for name, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        config[name] = meta.get(f"tokenizer.ggml.{key}_token_id")
+    return config
+
+
+def bias_switches(family: Family, tensors: dict[str, ReaderTensor], num_layers: int) -> dict[str, bool]:
+    """Each bias group's config switch: on where the GGUF has the group's biases, in every layer, else refused."""
+    switches = {}
+    for group in family.biases:
+        wanted = [(layer, name) for layer in range(num_layers) for name in group.tensors]
+        # a fused attn_qkv.bias holds the q, k and v biases
+        have = [
+            f"blk.{layer}.{name}.bias"
+            for layer, name in wanted
+            if f"blk.{layer}.{name}.bias" in tensors
+            or (name in QKV and f"blk.{layer}.attn_qkv.bias" in tensors)
+        ]
+        if (have and len(have) < len(wanted)) or (not have and group.switch is None):
+            missing = sorted({f"blk.{layer}.{name}.bias" for layer, name in wanted} - set(have))
+            raise UnsupportedGGUFError(
+                f"{have[0] if have else family.model_type}: Hugging Face's {family.architecture} has biases on "
+                f"{', '.join(group.tensors)} in every layer or none; this GGUF lacks {len(missing)} "
+                f"(e.g. {missing[0]})"
+            )
+        if group.switch is not None:
+            switches[group.switch] = bool(have)
+    return switches
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one GGUF tensor that become rows of one Hugging Face tensor."""
+
+    source: str  # GGUF tensor name
+    part: int  # place among the pieces of its Hugging Face tensor (q, k, v of a fused qkv_proj)
+    rows: slice
+    heads: int = 0  # > 0: undo llama.cpp's q/k row order over this many heads
+    shift: float = 0.0  # what llama.cpp's converter added (Gemma's norms)
+
+
+def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor of the model and its shape, in the order they are written."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    per_layer = tensor_shapes(family, config)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    biases = [name for group in family.biases if config.get(group.switch, True) for name in group.tensors]
+    for layer in range(config["num_hidden_layers"]):
+        for name, module in family.layer_tensors.items():
+            shapes[f"model.layers.{layer}.{module}.weight"] = per_layer[name]
+        for name in biases:
+            shapes[f"model.layers.{layer}.{family.layer_tensors[name]}.bias"] = per_layer[name][:1]
+    return shapes
+
+
+def checked_plan(
+    family: Family,
+    gguf_tensors: dict[str, ReaderTensor],
+    config: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, list[Piece]]:
+    """plan_tensors, each Hugging Face tensor's pieces in order, refused unless it makes exactly `shapes`."""
+    plan = plan_tensors(family, gguf_tensors, config)
+    if missing := [name for name in shapes if name not in plan]:
+        raise UnsupportedGGUFError(f"GGUF lacks tensors for {missing[:5]} ({len(missing)} missing)")
+    if extra := sorted(plan.keys() - shapes.keys()):
+        sources = sorted({piece.source for name in extra for piece in plan[name]})
+        raise UnsupportedGGUFError(f"GGUF tensors {sources[:5]} have no place in {family.architecture}")
+    for name, pieces in plan.items():
+        pieces.sort(key=lambda piece: piece.part)
+        if [piece.part for piece in pieces] != list(range(len(pieces))):
+            raise UnsupportedGGUFError(
+                f"{name} is made of {[p.source for p in pieces]}: parts missing or repeated"
+            )
+    return {name: plan[name] for name in shapes}
+
+
+def plan_tensors(
+    family: Family, gguf_tensors: dict[str, ReaderTensor], config: dict[str, Any]
+) -> dict[str, list[Piece]]:
+    """Hugging Face tensor name -> the GGUF rows it is made of; refuses a GGUF tensor that has no place."""
+    plan: dict[str, list[Piece]] = {}
+    for tensor in gguf_tensors.values():
+        base, _, kind = tensor.name.rpartition(".")
+        if kind == "weight" and base in family.rope_tensors:
+            continue  # read into config.json's rope_scaling
+        expected, pieces = tensor_pieces(family, config, tensor.name)
+        if (shape := tuple(int(n) for n in reversed(tensor.shape))) != expected:
+            raise UnsupportedGGUFError(f"tensor {tensor.name}: shape {shape}, expected {expected}")
+        for name, piece in pieces:
+            plan.setdefault(name, []).append(piece)
+    return plan
+
+
+def tensor_pieces(
+    family: Family, config: dict[str, Any], gguf_name: str
+) -> tuple[tuple[int, ...], list[tuple[str, Piece]]]:
+    """(the GGUF tensor's expected shape, the Hugging Face tensors its rows go to)."""
+    hidden = config["hidden_size"]
+    base, _, kind = gguf_name.rpartition(".")
+    if kind == "weight" and base in GLOBAL_TENSORS:
+        expected = (hidden,) if base == "output_norm" else (config["vocab_size"], hidden)
+        shift = family.norm_shift if base == "output_norm" else 0.0
+        return expected, [(f"{GLOBAL_TENSORS[base]}.weight", Piece(gguf_name, 0, slice(None), shift=shift))]
+    layer, _, short = base.removeprefix("blk.").partition(".")
+    per_layer = tensor_shapes(family, config)
+    known = base.startswith("blk.") and layer.isdigit() and int(layer) < config["num_hidden_layers"]
+    if not known or kind not in ("weight", "bias") or short not in per_layer:
+        raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
+    if short == "attn_qkv" and short not in family.layer_tensors:
+        # llama.cpp's --fuse-qkv stacked Hugging Face's q_proj, k_proj, v_proj
+        rows = attention_rows(config)
+        starts = np.cumsum([0] + [rows[name] for name in QKV]).tolist()
+        targets = [
+            (name, 0, slice(start, start + rows[name])) for name, start in zip(QKV, starts, strict=False)
+        ]
+    elif short in QKV and "attn_qkv" in family.layer_tensors:
+        targets = [("attn_qkv", QKV.index(short), slice(None))]  # Phi-3 stored with q, k, v apart
+    elif short in family.layer_tensors:
+        targets = [(short, 0, slice(None))]
+    else:
+        raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    pieces = []
+    for target, part, rows_slice in targets:
+        name = f"model.layers.{layer}.{family.layer_tensors[target]}.{kind}"
+        unpermute = heads.get(target, 0) if family.permute_qk else 0
+        shift = family.norm_shift if kind == "weight" and target.endswith("norm") else 0.0
+        pieces.append((name, Piece(gguf_name, part, rows_slice, unpermute, shift)))
+    return (per_layer[short] if kind == "weight" else per_layer[short][:1]), pieces
+
+
+def order(piece: Piece, values: np.ndarray) -> np.ndarray:
+    """The piece's rows of a GGUF tensor (dequantized, or its raw block rows) in Hugging Face's order."""
+    values = values[piece.rows]
+    return unpermute_rows(values, piece.heads) if piece.heads else values
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor in float32, shaped as numpy lists dimensions (an F32 tensor: a read-only view of the map)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        return tensor.data.reshape(shape)
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedGGUFError(
+            f"tensor {tensor.name}: type {tensor.tensor_type.name} cannot be dequantized"
+        ) from None
+    return np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]).reshape(shape)
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order, giving back Hugging Face's.
+
+    Hugging Face's rotary code pairs row r of a head with row r + head_dim/2 (rotate_half); llama.cpp pairs adjacent
+    rows, so its converter stores, per head, rows 0, d/2, 1, d/2+1, ... Viewing each head as (d/2, 2) and swapping
+    the two axes restores 0, 1, ..., d/2-1, d/2, ...
+    """
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(weight.shape)
