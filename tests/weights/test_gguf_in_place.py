@@ -1,0 +1,113 @@
+"""A GGUF file served in place (weights/gguf_source.py): the same model, bit for bit, as the folder
+`kvserve convert-gguf` makes of it, with no file written anywhere."""
+
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from model.kernels import cpu_kernels
+from model.kv_cache import KVCache
+from model.linear import Linear, PlainLinear
+from model.quant import QuantizedLinear
+from tests.helpers.gguf_writers import prompt_ids, tiny_hf_model, write_llama_cpp_gguf, write_tiny_gguf
+from tests.helpers.tiny_models import CpuPath
+from weights.gguf_convert import convert_gguf
+from weights.gguf_source import GGMLBlocks, GGUFSource
+
+KERNELS = CpuPath(kernels=True)
+
+
+def files_under(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def logits(model, quantized: bool) -> tuple[torch.Tensor, list]:
+    """The float32 logits of a fixed prompt, and the bits of each linear layer (None: dense)."""
+    linear = QuantizedLinear(cpu_kernels(), PlainLinear()) if quantized else PlainLinear()
+    ours, config = KERNELS.load(model, linear=linear)
+    ids = prompt_ids(config.vocab_size)[0].tolist()
+    out = KERNELS.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
+
+
+def assert_in_place_is_the_folder(gguf: Path, folder: Path) -> None:
+    """Quantized weights kept (where the GGUF has them) and dequantized: in place == the converted folder."""
+    convert_gguf(gguf, folder, progress=False)
+    for quantized in (True, False):
+        in_place, bits = logits(GGUFSource(gguf), quantized)
+        converted, folder_bits = logits(folder, quantized)
+        assert bits == folder_bits
+        assert torch.equal(in_place, converted), quantized
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_in_place_gives_the_converted_folders_logits(tmp_path, byte_vocab, type_name):
+    """A llama (q/k rows permuted as llama.cpp stores them) in each type: in place, its quantized rows are
+    unpermuted as raw blocks, and give the bits the folder's do."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType[type_name])
+    assert_in_place_is_the_folder(tmp_path / "tiny.gguf", tmp_path / "converted")
+    if type_name != "F16":
+        source = GGUFSource(tmp_path / "tiny.gguf")
+        q = source.get("model.layers.0.self_attn.q_proj.weight")
+        assert isinstance(q, GGMLBlocks) and q.type_name == type_name and q.blocks.dtype == torch.uint8
+        assert isinstance(source.get("model.norm.weight"), torch.Tensor)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "family,fuse_qkv",
+    [("llama", True), ("gemma3", False), ("phi3", False)],
+    ids=["fused-attn_qkv-split", "gemma-norm-offset", "phi3-qkv-fused"],
+)
+def test_llama_cpp_conversions_are_undone_in_place(tmp_path, byte_vocab, family, fuse_qkv):
+    """Q8_0 files as llama.cpp's converter writes them: a fused attn_qkv split by rows (of raw blocks), Gemma's
+    +1 taken off its norms, Phi-3's q/k/v kept fused: in place as in the folder."""
+    tiny_hf_model(family, len(byte_vocab["tokens"])).save_pretrained(tmp_path / "hf")
+    gguf = tmp_path / "tiny.gguf"
+    written = write_llama_cpp_gguf(tmp_path / "hf", gguf, byte_vocab, GGMLQuantizationType.Q8_0, fuse_qkv)
+    assert ("blk.0.attn_qkv.weight" in written) is (fuse_qkv or family == "phi3")
+    assert_in_place_is_the_folder(gguf, tmp_path / "converted")
+
+
+@pytest.mark.timeout(60)
+def test_serve_reads_the_file_in_place_and_writes_nothing(tmp_path, byte_vocab, monkeypatch):
+    """`--model FILE.gguf` as the CLI resolves it: a GGUFSource the engine loads, quantized weights kept; nothing
+    appears next to the file or in the weights folder."""
+    from server.commands import resolve_model
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    (tmp_path / "models").mkdir()
+    gguf = tmp_path / "models" / "tiny.gguf"
+    write_tiny_gguf(gguf, byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    (tmp_path / "weights").mkdir()
+    monkeypatch.setenv("KVSERVE_WEIGHTS_DIR", str(tmp_path / "weights"))
+    before = files_under(tmp_path)
+    source = resolve_model(Namespace(model=str(gguf), weights_dir=None))
+    assert isinstance(source, GGUFSource)
+    engine = Engine(source, EngineConfig(kv_cache_memory=8 << 20, block_size=4))
+    assert {m.bits for m in engine.runner.model.modules() if isinstance(m, Linear)} == {4}
+    assert engine.tokenizer.has_chat_template  # from the GGUF's metadata
+    engine.add_request("r", engine.tokenizer.encode("hello"), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.timeout(30)
+def test_the_map_is_let_go_once_read(tmp_path, byte_vocab):
+    """Each tensor read is a copy: nothing read keeps the file's pages, and reading it again (the map's pages
+    let go) gives the same values."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q8_0)
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        first, again = source.get(name), source.get(name)
+        first, again = (x.blocks if isinstance(x, GGMLBlocks) else x for x in (first, again))
+        assert torch.equal(first, again) and first.data_ptr() != again.data_ptr(), name
+        assert not np.shares_memory(first.numpy(), source.tensors["token_embd.weight"].data)
