@@ -2,7 +2,7 @@
 (and the embedded default model) serves, with no converted copy on disk; weights/gguf_convert.py writes the same
 thing out as a Hugging Face folder.
 
-GGUFSource memory-maps the file (gguf's GGUFReader: np.memmap) and builds, from its metadata alone, config.json's
+GGUFSource memory-maps the file (read_gguf: its header read as gguf's GGUFReader reads it, faster) and builds, from its metadata alone, config.json's
 and generation_config.json's contents (weights/gguf_arch.py) and the tokenizer (weights/gguf_tokenizer.py). Its
 tensors are planned once (plan_tensors: which rows of which GGUF tensors make each Hugging Face tensor, with
 llama.cpp's conversion undone: q/k rows, Gemma's +1 on norms, fused or split q/k/v, RoPE tensors into config)
@@ -15,13 +15,14 @@ Nothing here knows kvserve's kernels: model/quant.py turns a GGMLBlocks record i
 """
 
 import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from weights.gguf_arch import (
@@ -48,19 +49,102 @@ class GGMLBlocks(NamedTuple):
     shape: tuple[int, int]  # [N, K]
 
 
-class MappedReader(GGUFReader):
-    """gguf's GGUFReader parsing a plain ndarray view of its map (`map` keeps the np.memmap): slicing numpy's
-    memmap subclass costs ~3 us more per slice, and a tokenizer's 100k strings are ~1M slices: SmolLM2's header
-    parsed in 1.1 s instead of 3.2 s (measured)."""
+# GGUF value type -> (struct format, numpy dtype) of its scalars (gguf's GGUFValueType numbering)
+SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}  # fmt: skip
+# tensor types numpy holds as numbers; every other type's rows are uint8 block bytes
+NUMPY_TYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}  # fmt: skip
 
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain
 
-    @data.setter
-    def data(self, value: np.memmap) -> None:  # GGUFReader.__init__ sets it to the map
-        self.map = value
-        self._plain = np.asarray(value)
+class GGUFTensor(NamedTuple):
+    """A tensor of the file, as gguf's GGUFTensor describes one."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the row length first
+    data_offset: int  # in the file
+    n_bytes: int
+    data: (
+        np.ndarray
+    )  # a view of the map, numpy's shape (rows first); block types as uint8 [..., bytes per row]
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor], mmap.mmap]:
+    """(the metadata as gguf's ReaderField.contents() gives it, the tensors, the map they view).
+
+    gguf's GGUFReader keeps a numpy view per value of the header: a tokenizer's 100k strings make ~1M of them, and
+    SmolLM2's header took 1.1-3.2 s and ~110 MiB to parse (measured). This reads the same header (GGUF v2/v3,
+    little-endian) into plain Python values in ~0.1 s; the tensors' data are views of the map, as there."""
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    data = np.frombuffer(mapped, dtype=np.uint8)
+    view = memoryview(mapped)
+    offset = 0
+
+    def unpack(fmt: str):
+        nonlocal offset
+        (value,) = struct.unpack_from(fmt, view, offset)
+        offset += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal offset
+        size = unpack("<Q")
+        offset += size
+        return str(view[offset - size : offset], "utf-8")
+
+    def value(kind: GGUFValueType):
+        nonlocal offset
+        if kind == GGUFValueType.STRING:
+            return string()
+        if kind != GGUFValueType.ARRAY:
+            return unpack(SCALARS[kind])
+        item, count = GGUFValueType(unpack("<I")), unpack("<Q")
+        if item in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            return [value(item) for _ in range(count)]
+        values = np.frombuffer(mapped, np.dtype(SCALARS[item]), count, offset)
+        offset += values.nbytes
+        return values.tolist()
+
+    if bytes(view[:4]) != b"GGUF":
+        raise UnsupportedGGUFError(f"{path.name} is not a GGUF file")
+    offset = 4
+    version = unpack("<I")
+    if version not in (2, 3):
+        raise UnsupportedGGUFError(
+            f"{path.name}: GGUF version {version} (big-endian, or unknown) is not supported"
+        )
+    num_tensors, num_keys = unpack("<Q"), unpack("<Q")
+    meta = {}
+    for _ in range(num_keys):
+        key = string()
+        meta[key] = value(GGUFValueType(unpack("<I")))
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        dims = tuple(unpack("<Q") for _ in range(unpack("<I")))
+        infos.append((name, dims, GGMLQuantizationType(unpack("<I")), unpack("<Q")))
+    alignment = meta.get("general.alignment", 32)
+    start = -(-offset // alignment) * alignment
+    tensors = {}
+    for name, dims, kind, tensor_offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        shape = tuple(reversed(dims))
+        n_bytes = int(np.prod(dims)) * size // block
+        at = start + tensor_offset
+        if kind in NUMPY_TYPES:
+            array = data[at : at + n_bytes].view(NUMPY_TYPES[kind]).reshape(shape)
+        else:
+            array = data[at : at + n_bytes].reshape(*shape[:-1], shape[-1] // block * size)
+        tensors[name] = GGUFTensor(name, kind, dims, at, n_bytes, array)
+    return meta, tensors, mapped
 
 
 class GGUFSource:
@@ -71,11 +155,9 @@ class GGUFSource:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.name = str(self.path)
-        reader = MappedReader(self.path)  # maps the file; the tensors' data are views of the map
-        meta = {name: field.contents() for name, field in reader.fields.items()}
+        meta, self.tensors, self._map = read_gguf(self.path)  # the tensors' data are views of the map
         arch = meta.get("general.architecture")
         self.family = family_for(arch)
-        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
         try:
             self.config = model_config(self.family, meta, self.tensors)
             self.tokenizer, self.tokenizer_config = build_tokenizer(meta)
@@ -88,7 +170,6 @@ class GGUFSource:
         self.generation_config = {k: self.config[k] for k in keys if self.config[k] is not None}
         # whether any weight is stored quantized (the engine then keeps it so where its kernels can)
         self.quantized = any(t.tensor_type not in FLOAT_TYPES for t in self.tensors.values())
-        self._map = getattr(reader.map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap here
         # one GGUF tensor can feed three Hugging Face ones (a fused attn_qkv), read one after another: the last
         # one dequantized is kept
         self._last: tuple[str, np.ndarray] | None = None
@@ -130,8 +211,6 @@ class GGUFSource:
     def _release(self, pieces: list["Piece"]) -> None:
         """Let the map's pages under these pieces' GGUF tensors go. Harmless if read again: a read-only map's
         pages come back from the file (the page cache)."""
-        if self._map is None:
-            return
         page = mmap.PAGESIZE
         for source in {p.source for p in pieces}:
             tensor = self.tensors[source]
@@ -139,7 +218,7 @@ class GGUFSource:
             self._map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
-def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
     """config.json in the dialect transformers 4.x and 5.x both read: top-level rope_theta and rope_scaling (5.x
     folds them into rope_parameters on load, per layer type for Gemma 3)."""
     config = {"architectures": [family.architecture], "model_type": family.model_type}
@@ -172,7 +251,7 @@ def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, Reader
     return config
 
 
-def bias_switches(family: Family, tensors: dict[str, ReaderTensor], num_layers: int) -> dict[str, bool]:
+def bias_switches(family: Family, tensors: dict[str, GGUFTensor], num_layers: int) -> dict[str, bool]:
     """Each bias group's config switch: on where the GGUF has the group's biases, in every layer, else refused."""
     switches = {}
     for group in family.biases:
@@ -225,7 +304,7 @@ def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[i
 
 def checked_plan(
     family: Family,
-    gguf_tensors: dict[str, ReaderTensor],
+    gguf_tensors: dict[str, GGUFTensor],
     config: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
 ) -> dict[str, list[Piece]]:
@@ -246,7 +325,7 @@ def checked_plan(
 
 
 def plan_tensors(
-    family: Family, gguf_tensors: dict[str, ReaderTensor], config: dict[str, Any]
+    family: Family, gguf_tensors: dict[str, GGUFTensor], config: dict[str, Any]
 ) -> dict[str, list[Piece]]:
     """Hugging Face tensor name -> the GGUF rows it is made of; refuses a GGUF tensor that has no place."""
     plan: dict[str, list[Piece]] = {}
@@ -306,7 +385,7 @@ def order(piece: Piece, values: np.ndarray) -> np.ndarray:
     return unpermute_rows(values, piece.heads) if piece.heads else values
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """The tensor in float32, shaped as numpy lists dimensions (an F32 tensor: a read-only view of the map)."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
     if tensor.tensor_type == GGMLQuantizationType.F32:

@@ -111,3 +111,26 @@ def test_the_map_is_let_go_once_read(tmp_path, byte_vocab):
         first, again = (x.blocks if isinstance(x, GGMLBlocks) else x for x in (first, again))
         assert torch.equal(first, again) and first.data_ptr() != again.data_ptr(), name
         assert not np.shares_memory(first.numpy(), source.tensors["token_embd.weight"].data)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("type_name", ["F32", "BF16", "Q4_1"])
+def test_the_header_reads_as_ggufs_reader_reads_it(tmp_path, byte_vocab, type_name):
+    """read_gguf's metadata (strings, numbers, arrays of both) and tensors are gguf's GGUFReader's."""
+    from gguf import GGUFReader
+
+    from weights.gguf_source import read_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, byte_vocab, qtype=GGMLQuantizationType[type_name])
+    meta, tensors, _ = read_gguf(gguf)
+    reader = GGUFReader(gguf)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta == expected and [type(v) for v in meta.values()] == [type(v) for v in expected.values()]
+    assert list(tensors) == [t.name for t in reader.tensors]
+    for theirs in reader.tensors:
+        ours = tensors[theirs.name]
+        assert (ours.tensor_type, ours.shape, ours.data_offset, ours.n_bytes) == (
+            theirs.tensor_type, tuple(theirs.shape), theirs.data_offset, theirs.n_bytes
+        )  # fmt: skip
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), theirs.name
