@@ -126,3 +126,30 @@ def test_transformers_reads_the_folder_and_answers(default_model_dir):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1] :]) == "The capital of France is Paris.<|im_end|>"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_served_in_place_it_is_the_converted_folder(default_model_dir, default_gguf):
+    """`kvserve serve` reads the default GGUF in place: the same config, tokenizer and weights (packed quantized
+    and dense, bit for bit) as the folder converted from it."""
+    from model.kernels import cpu_kernels
+    from model.linear import PlainLinear
+    from model.loader import load_model
+    from model.quant import QuantizedLinear
+    from model.tokenizer import Tokenizer as OurTokenizer
+    from model.transformer import Ops
+    from weights.gguf_source import GGUFSource
+
+    kernels = cpu_kernels()
+    loaded = {}
+    for where, model in (("in place", GGUFSource(default_gguf)), ("folder", default_model_dir)):
+        ops = Ops.with_kernels(QuantizedLinear(kernels, PlainLinear()), kernels)
+        transformer, config = load_model(model, torch.float32, "cpu", ops)
+        tokenizer = OurTokenizer.load(model)
+        state = {n: t for n, t in transformer.state_dict(keep_vars=True).items() if not t.is_meta}
+        state |= dict(transformer.named_buffers())
+        loaded[where] = config, state, [tokenizer.encode(text) for text in TEXTS], tokenizer.chat_template
+    (config, state, ids, template), (config2, state2, ids2, template2) = loaded.values()
+    assert config == config2 and ids == ids2 and template == template2
+    assert state.keys() == state2.keys() and all(torch.equal(state[n], state2[n]) for n in state)
