@@ -97,6 +97,7 @@ def guard_heavy_starts(nodeid: str) -> Iterator[None]:
         patch.setattr(
             fetch, "ensure_default_model", refuse_real(fetch.ensure_default_model, "the real default model")
         )
+        patch.setattr(fetch, "default_gguf", refuse_real(fetch.default_gguf, "the real default model"))
         patch.setattr(
             fetch, "gemma3_270m_gguf", refuse_real(fetch.gemma3_270m_gguf, "the real Gemma 3 270M GGUF")
         )
