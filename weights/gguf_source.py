@@ -2,8 +2,9 @@
 (and the embedded default model) serves, with no converted copy on disk; weights/gguf_convert.py writes the same
 thing out as a Hugging Face folder.
 
-GGUFSource memory-maps the file (read_gguf: its header read as gguf's GGUFReader reads it, faster) and builds, from its metadata alone, config.json's
-and generation_config.json's contents (weights/gguf_arch.py) and the tokenizer (weights/gguf_tokenizer.py). Its
+GGUFSource memory-maps the file (read_gguf: its header read as gguf's GGUFReader reads it, faster) and builds,
+from its metadata alone, config.json's and generation_config.json's contents (weights/gguf_arch.py) and the
+tokenizer (weights/gguf_tokenizer.py). Its
 tensors are planned once (plan_tensors: which rows of which GGUF tensors make each Hugging Face tensor, with
 llama.cpp's conversion undone: q/k rows, Gemma's +1 on norms, fused or split q/k/v, RoPE tensors into config)
 and read on demand, by Hugging Face name, from the map:
@@ -16,6 +17,7 @@ Nothing here knows kvserve's kernels: model/quant.py turns a GGMLBlocks record i
 
 import mmap
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -171,7 +173,9 @@ class GGUFSource:
         # whether any weight is stored quantized (the engine then keeps it so where its kernels can)
         self.quantized = any(t.tensor_type not in FLOAT_TYPES for t in self.tensors.values())
         # one GGUF tensor can feed three Hugging Face ones (a fused attn_qkv), read one after another: the last
-        # one dequantized is kept
+        # such one dequantized is kept
+        uses = Counter(piece.source for pieces in self.plan.values() for piece in pieces)
+        self._shared = {source for source, n in uses.items() if n > 1}
         self._last: tuple[str, np.ndarray] | None = None
 
     def resolve(self, name: str) -> str | None:
@@ -204,9 +208,11 @@ class GGUFSource:
         return torch.from_numpy(values)
 
     def _dequantized(self, gguf_name: str) -> np.ndarray:
-        if self._last is None or self._last[0] != gguf_name:
-            self._last = (gguf_name, dequantize_tensor(self.tensors[gguf_name]))
-        return self._last[1]
+        if self._last is not None and self._last[0] == gguf_name:
+            return self._last[1]
+        values = dequantize_tensor(self.tensors[gguf_name])
+        self._last = (gguf_name, values) if gguf_name in self._shared else None
+        return values
 
     def _release(self, pieces: list["Piece"]) -> None:
         """Let the map's pages under these pieces' GGUF tensors go. Harmless if read again: a read-only map's
