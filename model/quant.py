@@ -82,7 +82,8 @@ class QuantizedTensor:
 
     @staticmethod
     def from_parts(parts: dict[str, torch.Tensor]) -> "QuantizedTensor":
-        """From the file's parts of one weight (keys q4 or q8, scale, min)."""
+        """From the parts of one weight in a folder converted before kvserve kept raw blocks (format
+        kvserve-quantized-1: keys q4 or q8, scale, min)."""
         if "q8" in parts:
             return QuantizedTensor(8, parts["q8"], parts["scale"])
         packed = parts["q4"]  # two 4-bit values per byte, the first in the low nibble
