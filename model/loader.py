@@ -17,8 +17,9 @@ from safetensors import safe_open
 from torch import nn
 
 from model.config import ModelConfig
+from model.gguf_blocks import BLOCKS, from_gguf_blocks
 from model.linear import Linear
-from model.quant import QUANTIZED_FILE, QuantizedTensor
+from model.quant import GGUF_PART, QUANTIZED_FILE, QuantizedTensor
 from model.transformer import Norm, Ops, Transformer
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,19 @@ class Checkpoint:
         for candidate in (name, "transformer." + name):
             if any(c in self.files for c in (candidate, candidate + ".q4", candidate + ".q8")):
                 return candidate
+            if any(f"{candidate}.{GGUF_PART}{t}" in self.files for t in BLOCKS):
+                return candidate
         return None
 
     def get(self, name: str) -> torch.Tensor | QuantizedTensor:
         if name in self.files:
             return self._read(name)
+        for type_name, (size, nbytes) in BLOCKS.items():  # a GGUF type's blocks as the file holds them
+            if (part := f"{name}.{GGUF_PART}{type_name}") in self.files:
+                blocks = self._read(part)
+                return from_gguf_blocks(
+                    type_name, blocks, (blocks.shape[0], blocks.shape[1] // nbytes * size)
+                )
         parts = ("q4", "q8", "scale", "min")
         return QuantizedTensor.from_parts(
             {p: self._read(f"{name}.{p}") for p in parts if f"{name}.{p}" in self.files}
@@ -117,11 +126,13 @@ def load_model(
             and layer.method.keeps_quantized
             and all(isinstance(t, QuantizedTensor) for t in parts)
         ):
-            quantized = QuantizedTensor.cat(parts)
-            if quantized.shape != tuple(param.shape):
+            # one tensor, or one per format where a fused layer's parts differ (Q4_K q/k, Q6_K v)
+            segments = QuantizedTensor.segments(parts)
+            shape = (sum(s.shape[0] for s in segments), segments[0].shape[1])
+            if shape != tuple(param.shape) or any(s.shape[1] != shape[1] for s in segments):
                 raise WeightLoadError(f"shape mismatch for {param_name}: expected {tuple(param.shape)}, "
-                                      f"the checkpoint's quantized weights make {quantized.shape}")  # fmt: skip
-            layer.quantized = quantized  # packed by its method's prepare(), below
+                                      f"the checkpoint's quantized weights make {[s.shape for s in segments]}")  # fmt: skip
+            layer.quantized = segments[0] if len(segments) == 1 else segments  # packed by prepare(), below
             continue
         parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
         parts = [t.t() if transform == "t" else t for t in parts]

@@ -13,49 +13,100 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GROUP = 32  # weights per scale, along K
+GROUP = 32  # weights per scale, along K (16 for Q6_K)
+SUPER = 256  # weights per super-block (K-quants, IQ4_XS), along K
 TILE = 16  # output rows per tile of the packed layout
 # The file and its parts, as weights/gguf_convert.py writes them: for a weight W [N, K], "W.q4" uint8
-# [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32]
+# [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32];
+# or a GGUF type's blocks as the file holds them, "W.gguf_<type>" uint8 [N, bytes per row] (model/gguf_blocks.py)
 # a sub-folder: tools that read every top-level *.safetensors skip it
 QUANTIZED_FILE = "quantized/model.safetensors"
+GGUF_PART = "gguf_"
 
 
 @dataclass
 class QuantizedTensor:
-    """[N, K] weights in groups of 32 along K: bits 4, w = scale * q + min (q in 0..15); bits 8, w = scale * q
-    (q in -127..127). Scales and minimums are float16, as GGUF stores them."""
+    """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0..15 (bits 4,
+    with a minimum) or -128..127 (bits 8). d and m are float16 per group (`scale`, `min`), or, where `supers` is
+    set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a float16 scale and minimum per
+    super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose products are exact in float32.
+
+    Resident bits per weight once packed (q, the group's two bytes or one, the super-block's four or two):
+    Q4_0, Q4_1 5.0 (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q8_0, Q5_0, IQ4_NL 8.5; Q5_1
+    9.0; Q5_K 8.625; Q6_K 8.5625 (its 6-bit integers in a byte, q - 32; 8 + 8 / 16 + 16 / 256); IQ4_XS 8.3125.
+    `kind` names the file's type (for the logs)."""
 
     bits: int
     q: torch.Tensor  # [N, K] uint8 (4 bits) or int8
-    scale: torch.Tensor  # [N, K / 32] float16
-    min: torch.Tensor | None = None  # [N, K / 32] float16, 4 bits only
+    scale: torch.Tensor  # [N, K / group] float16, or int8 sub-scales (with supers)
+    min: torch.Tensor | None = (
+        None  # [N, K / group] float16, or int8 sub-minimums (with supers); 4 bits always
+    )
+    supers: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's d
+    super_mins: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's minimum scale (-dmin)
+    group: int = GROUP
+    kind: str = ""
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def format(self) -> tuple:
+        """What the kernel must know to multiply it: tensors of one format can be fused by rows."""
+        return (self.bits, self.group, self.min is not None, self.supers is not None)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 d and m per group, [N, K / group] each (m None without a minimum): exact."""
+        d = self.scale.float()
+        m = None if self.min is None else self.min.float()
+        if self.supers is not None:
+            per = SUPER // self.group
+            d = d * self.supers.float().repeat_interleave(per, dim=1)
+            if m is not None:
+                m = m * self.super_mins.float().repeat_interleave(per, dim=1)
+        return d, m
+
     def dequantize(self) -> torch.Tensor:
-        """The exact weights, float32 [N, K] (scale * q, then + min: two roundings, as the kernel's rows)."""
+        """The exact weights, float32 [N, K] (d * q, then + m: two roundings, as the kernel's rows)."""
         N, K = self.shape
-        w = self.q.view(N, K // GROUP, GROUP).float() * self.scale.float()[..., None]
-        if self.min is not None:
-            w = w + self.min.float()[..., None]
+        d, m = self.scales()
+        w = self.q.view(N, K // self.group, self.group).float() * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
         return w.view(N, K)
 
+    def _per_row(self) -> dict[str, torch.Tensor | None]:
+        return {"q": self.q, "scale": self.scale, "min": self.min, "supers": self.supers,
+                "super_mins": self.super_mins}  # fmt: skip
+
     def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
-        m = self.min[index] if self.min is not None else None
-        return QuantizedTensor(self.bits, self.q[index], self.scale[index], m)
+        rows = {k: None if v is None else v[index] for k, v in self._per_row().items()}
+        return QuantizedTensor(self.bits, **rows, group=self.group, kind=self.kind)
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
-        """Rows of several weights one after the other (fused q/k/v, gate/up)."""
-        if len({p.bits for p in parts}) != 1:
+        """Rows of several weights of one format one after the other (fused q/k/v, gate/up)."""
+        if len({p.format for p in parts}) != 1:
             raise ValueError("cannot fuse weights of different formats")
-        mins = None if parts[0].min is None else torch.cat([p.min for p in parts])
-        return QuantizedTensor(
-            parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), mins
-        )
+        rows = {
+            k: None if v is None else torch.cat([p._per_row()[k] for p in parts])
+            for k, v in parts[0]._per_row().items()
+        }
+        kind = "+".join(dict.fromkeys(p.kind for p in parts))
+        return QuantizedTensor(parts[0].bits, **rows, group=parts[0].group, kind=kind)
+
+    @staticmethod
+    def segments(parts: list["QuantizedTensor"]) -> list["QuantizedTensor"]:
+        """Parts fused by rows: one tensor per run of parts of one format (a Q4_K_M file's attn_v is Q6_K on
+        some layers, its q and k Q4_K), each kept in its own format."""
+        runs: list[list[QuantizedTensor]] = []
+        for p in parts:
+            if runs and runs[-1][-1].format == p.format:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return [QuantizedTensor.cat(run) for run in runs]
 
     @staticmethod
     def quantize(weight: torch.Tensor, bits: int) -> "QuantizedTensor":
@@ -69,50 +120,51 @@ class QuantizedTensor:
             scale = (w.abs().amax(-1) / 127).half()
             step = torch.where(scale > 0, scale.float(), 1)[..., None]
             q = torch.round(w / step).clamp(-127, 127).to(torch.int8)
-            return QuantizedTensor(8, q.view(N, K), scale)
+            return QuantizedTensor(8, q.view(N, K), scale, kind="int8")
         if bits == 4:
             lo = w.amin(-1).half()
             scale = ((w.amax(-1) - lo.float()) / 15).half()
             step = torch.where(scale > 0, scale.float(), 1)[..., None]
             q = torch.round((w - lo.float()[..., None]) / step).clamp(0, 15)
-            return QuantizedTensor(4, q.to(torch.uint8).view(N, K), scale, lo)
+            return QuantizedTensor(4, q.to(torch.uint8).view(N, K), scale, lo, kind="int4")
         raise ValueError(f"cannot quantize to {bits} bits: 4 or 8")
 
     @staticmethod
     def from_parts(parts: dict[str, torch.Tensor]) -> "QuantizedTensor":
         """From the file's parts of one weight (keys q4 or q8, scale, min)."""
         if "q8" in parts:
-            return QuantizedTensor(8, parts["q8"], parts["scale"])
+            return QuantizedTensor(8, parts["q8"], parts["scale"], kind="Q8_0")
         packed = parts["q4"]  # two 4-bit values per byte, the first in the low nibble
         q = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
-        return QuantizedTensor(4, q, parts["scale"], parts["min"])
+        return QuantizedTensor(4, q, parts["scale"], parts["min"], kind="Q4_0/Q4_1")
 
-    def pack(self) -> dict[str, torch.Tensor]:
+    def pack(self) -> dict[str, torch.Tensor | None]:
         """The kernel's layout (model/csrc/quant_gemm.cpp): rows in tiles of 16, padded with zero rows."""
         N, K = self.shape
         pad = -N % TILE
-        T, G = (N + pad) // TILE, K // GROUP
+        T, G = (N + pad) // TILE, K // self.group
 
         def tiles(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [T, 16, ...], zero rows added
             return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)).view(T, TILE, *x.shape[1:])
 
-        def per_group(x: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, 16]
-            return tiles(x).permute(0, 2, 1).contiguous()
+        def per_group(x: torch.Tensor | None) -> torch.Tensor | None:  # [N, G] -> [T, G, 16]
+            return None if x is None else tiles(x).permute(0, 2, 1).contiguous()
 
         if self.bits == 4:  # chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
             q = tiles(self.q).view(T, TILE, G, 8, 4)
-            packed = (q[..., 0:2] | (q[..., 2:4] << 4)).permute(0, 2, 3, 1, 4)
-            return {"packed": packed.contiguous().view(T, G, 256), "scales": per_group(self.scale),
-                    "mins": per_group(self.min)}  # fmt: skip
-        # chunk c, byte 2j + i: lane j's q[2c + i]
-        packed = tiles(self.q).view(T, TILE, G, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        return {"packed": packed.view(torch.uint8).view(T, G, 512), "scales": per_group(self.scale)}
+            packed = (q[..., 0:2] | (q[..., 2:4] << 4)).permute(0, 2, 3, 1, 4).contiguous().view(T, G, 256)
+        else:  # chunk c, byte 2j + i: lane j's q[2c + i]
+            packed = tiles(self.q).view(T, TILE, G, self.group // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+            packed = packed.view(torch.uint8).view(T, G, 16 * self.group)
+        return {"packed": packed, "scales": per_group(self.scale), "mins": per_group(self.min),
+                "supers": per_group(self.supers), "super_mins": per_group(self.super_mins)}  # fmt: skip
 
 
 class QuantizedLinear:
-    """The LinearMethod for quantized weights. A layer whose checkpoint weight is quantized (layer.quantized)
-    keeps it so; with `bits` set, dense weights are quantized at load to that many bits (the LM head and
-    embedding to 8). Any other dense weight runs through `dense`, the method it would have had.
+    """The LinearMethod for quantized weights. A layer whose checkpoint weight is quantized (layer.quantized: one
+    QuantizedTensor, or a fused layer's segments, one per format) keeps it so; with `bits` set, dense weights are
+    quantized at load to that many bits (the LM head and embedding to 8). Any other dense weight runs through
+    `dense`, the method it would have had.
 
     The kernel takes bfloat16 activations and accumulates in float32; each row's sums run in a fixed order,
     so a token's result is the same in any batch without padding."""
@@ -129,38 +181,39 @@ class QuantizedLinear:
         if source is None and self.bits is not None:
             bits = 8 if layer.reads_rows else self.bits  # the [vocab, hidden] matrix stays finer
             source = QuantizedTensor.quantize(layer.weight, bits)
-        layer.bits = None if source is None else source.bits
         if source is None:
+            layer.bits = None
             return self.dense.prepare(layer)
-        packed = source.pack()
-        for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
-            layer.register_buffer(name, tensor, persistent=False)
+        segments = source if isinstance(source, list) else [source]
+        layer.bits = segments[0].bits if len(segments) == 1 else "mixed"
+        layer.kinds = [s.kind for s in segments]
+        gemms = []
+        for i, segment in enumerate(segments):
+            packed = segment.pack()
+            for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
+                if tensor is not None:
+                    layer.register_buffer(name if i == 0 else f"{name}_{i}", tensor, persistent=False)
+            gemms.append(self.kernels.QuantSegment(**packed, bits=segment.bits, group=segment.group,
+                                                   n=segment.shape[0]))  # fmt: skip
         bias = layer.bias.float() if layer.bias is not None else None
-        # The kernel's arguments after x, as one plain tuple: read once per GEMM, where the buffers above (and
-        # a missing attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
-        layer.gemm_args = (*packed.values(), bias, layer.out_features)
+        # The kernel's argument after x, one object read once per GEMM: the buffers above (and a missing
+        # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
+        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
         layer.quantized = None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
             return self.dense.apply(layer, x)
-        return self._gemm(layer, x, float_out=False)
+        return self.kernels.quant_gemm(x, layer.gemm, False)
 
     def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
             return self.dense.rows(layer, ids)
-        K = layer.in_features
-        if layer.bits == 4:
-            return self.kernels.q4_rows(layer.packed, layer.scales, layer.mins, ids, K)
-        return self.kernels.q8_rows(layer.packed, layer.scales, ids, K)
+        return self.kernels.quant_rows(layer.gemm, ids, layer.in_features)
 
     def logits(self, layer, x: torch.Tensor) -> torch.Tensor:
         """float32 outputs of the exact weights: no near-tie recompute is needed."""
         if layer.bits is None:
             return self.dense.logits(layer, x)
-        return self._gemm(layer, x, float_out=True)
-
-    def _gemm(self, layer, x: torch.Tensor, float_out: bool) -> torch.Tensor:
-        gemm = self.kernels.q4_gemm if layer.bits == 4 else self.kernels.q8_gemm
-        return gemm(x, *layer.gemm_args, float_out)  # (packed, scales[, mins], bias, N)
+        return self.kernels.quant_gemm(x, layer.gemm, True)

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -15,11 +16,9 @@
 #endif
 
 constexpr int TILE = 16;        // output rows per tile of the packed layout
-constexpr int GROUP = 32;       // weights per scale, along K
+constexpr int GROUP = 32;       // activations per step (int16 path) and per sum of x (the minimum's term)
+constexpr int SUPER = 256;      // weights per super-block (K-quants, IQ4_XS) along K
 constexpr int NV = TILE / VL;   // vectors per tile: 1 (AVX-512), 2 (AVX2), 4 (baseline)
-
-// Packed bytes of one group of a tile: 16 lanes x 32 weights, 4 or 8 bits each
-constexpr int64_t group_bytes(bool q4) { return q4 ? 256 : 512; }
 
 // VL float16 -> float32
 inline vfloat load_halves(const at::Half* p) {
@@ -34,21 +33,68 @@ inline vfloat load_halves(const at::Half* p) {
 #endif
 }
 
-// One GEMM's weights, as model/quant.py packs them
-struct Packed {
-  bool q4;
-  int64_t K, N;
-  const uint8_t* w;       // [tiles, groups, group bytes]
-  const at::Half* scale;  // [tiles, groups, 16]
-  const at::Half* min;    // [tiles, groups, 16], 4-bit only
-  const float* bias;      // [N] or null
+typedef int8_t vsbyte __attribute__((vector_size(VL)));
 
-  int64_t groups() const { return K / GROUP; }
+// VL int8 -> float32 (exact)
+inline vfloat load_bytes(const int8_t* p) {
+  vsbyte b;
+  __builtin_memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vfloat);
+}
+
+// One GEMM's weights (or one run of a fused layer's rows), as model/quant.py packs them: integers q of `bits`
+// (4: 0..15; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K, w = d q + m per group, where d and m
+// are either float16 per group (`scale`, `min`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) or a super-block's
+// float16 d (and m: the file's dmin, negated) per 256 times the group's int8 sub-scale (and sub-minimum):
+// the K-quants and IQ4_XS. Those products (11 by at most 8 significant bits) are exact in float32.
+struct Packed {
+  int bits, group;
+  bool has_min;            // w = d q + m, else d q
+  int64_t K, N;
+  const uint8_t* w;        // [tiles, groups, group bytes]
+  const at::Half* scale;   // [tiles, groups, 16] (float16 form)
+  const at::Half* min;     // [tiles, groups, 16] (float16 form, with a minimum)
+  const int8_t* sub;       // [tiles, groups, 16] (super-block form)
+  const int8_t* sub_min;   // [tiles, groups, 16] (super-block form, with a minimum)
+  const at::Half* super_d;  // [tiles, K / 256, 16]
+  const at::Half* super_m;  // [tiles, K / 256, 16] (with a minimum)
+  const float* bias;       // [N] or null
+
+  int64_t groups() const { return K / group; }
+  int64_t supers() const { return K / SUPER; }
+  int64_t group_bytes() const { return TILE * group * bits / 8; }
   int64_t tiles() const { return (N + TILE - 1) / TILE; }
-  const uint8_t* tile(int64_t t) const { return w + t * groups() * group_bytes(q4); }
-  const at::Half* tile_scale(int64_t t) const { return scale + t * groups() * TILE; }
-  const at::Half* tile_min(int64_t t) const { return q4 ? min + t * groups() * TILE : nullptr; }
+  const uint8_t* tile(int64_t t) const { return w + t * groups() * group_bytes(); }
+
+  // d of lanes h VL .. h VL + VL - 1 of tile t's group g, float32 (exact)
+  vfloat group_scale(int64_t t, int64_t g, int h) const {
+    const int64_t i = (t * groups() + g) * TILE + h * VL;
+    if (!sub) return load_halves(scale + i);
+    return load_bytes(sub + i) * load_halves(super_d + (t * supers() + g * group / SUPER) * TILE + h * VL);
+  }
+  // m of the same lanes (0 without a minimum)
+  vfloat group_min(int64_t t, int64_t g, int h) const {
+    if (!has_min) return vfloat{};
+    const int64_t i = (t * groups() + g) * TILE + h * VL;
+    if (!sub) return load_halves(min + i);
+    return load_bytes(sub_min + i) * load_halves(super_m + (t * supers() + g * group / SUPER) * TILE + h * VL);
+  }
 };
+
+// Calls f(Q4, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-bit (groups of 32, with
+// a minimum), 8-bit in groups of 32 with or without one, 8-bit in groups of 16 without
+template <class F>
+void dispatch(const Packed& w, F&& f) {
+  using std::integral_constant;
+  if (w.bits == 4)
+    f(integral_constant<bool, true>{}, integral_constant<int, 32>{}, integral_constant<bool, true>{});
+  else if (w.group == 16)
+    f(integral_constant<bool, false>{}, integral_constant<int, 16>{}, integral_constant<bool, false>{});
+  else if (w.has_min)
+    f(integral_constant<bool, false>{}, integral_constant<int, 32>{}, integral_constant<bool, true>{});
+  else
+    f(integral_constant<bool, false>{}, integral_constant<int, 32>{}, integral_constant<bool, false>{});
+}
 
 typedef uint16_t vhalfword __attribute__((vector_size(VL * sizeof(uint16_t))));
 
@@ -65,9 +111,10 @@ inline vhalfword to_bf16(vfloat v) {
 struct Output {
   float* f32;
   c10::BFloat16* bf16;
+  int64_t ld;  // elements from one row to the next (a segment of a fused layer writes its columns only)
 
   // the first n of a tile's outputs y (+ bias) into row m at column n0, VL at a time
-  void store(int64_t m, int64_t N, int64_t n0, int64_t n, const float* y, const float* bias) const {
+  void store(int64_t m, int64_t n0, int64_t n, const float* y, const float* bias) const {
     for (int64_t l0 = 0; l0 < n; l0 += VL) {
       const int64_t k = std::min<int64_t>(VL, n - l0);
       vfloat v, b{};
@@ -75,10 +122,10 @@ struct Output {
       if (bias) __builtin_memcpy(&b, bias + n0 + l0, k * sizeof(float));
       v += b;
       if (f32) {
-        __builtin_memcpy(f32 + m * N + n0 + l0, &v, k * sizeof(float));
+        __builtin_memcpy(f32 + m * ld + n0 + l0, &v, k * sizeof(float));
       } else {
         const vhalfword h = to_bf16(v);
-        __builtin_memcpy(bf16 + m * N + n0 + l0, &h, k * sizeof(uint16_t));
+        __builtin_memcpy(bf16 + m * ld + n0 + l0, &h, k * sizeof(uint16_t));
       }
     }
   }
@@ -120,7 +167,7 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
         const int R = static_cast<int>((M - m0) / (blocks - b));
         const uint8_t* next = b == 0 && s + 1 < s1 ? w.tile(t + nt) : nullptr;  // once a step
         kernel.rows(R, static_cast<int>(nt), t, m0, plan.unpack ? unpacked.data() : nullptr, next, y);
-        for (int r = 0; r < R; ++r) out.store(m0 + r, w.N, n0, n, y + r * nt * TILE, w.bias);
+        for (int r = 0; r < R; ++r) out.store(m0 + r, n0, n, y + r * nt * TILE, w.bias);
         m0 += R;
       }
     }

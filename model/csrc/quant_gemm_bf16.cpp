@@ -18,7 +18,6 @@ typedef uint8_t vbyte32 __attribute__((vector_size(32)));
 typedef uint16_t vword32 __attribute__((vector_size(64)));
 
 constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers)
-constexpr int VECS = GROUP / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
 
 // acc + the pairwise dot products of 16 lanes of bfloat16 pairs: w (packed weights) and x (one pair, the same
 // in every lane)
@@ -44,11 +43,12 @@ inline vuint unpack_q8(const uint8_t* p) {
   return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
 }
 
-// A group's scale d and offset m - 128 d (4-bit; 0 for 8-bit), float32, from the packed float16 ones
-template <bool Q4>
-inline void group_scales(const at::Half* scale, const at::Half* min, vfloat& d, vfloat& offset) {
-  d = load_halves(scale);
-  offset = Q4 ? load_halves(min) - 128.0f * d : vfloat{};
+// A group's scale d and offset: m - 128 d (4-bit), m (8-bit with a minimum), else 0; float32
+template <bool Q4, bool MIN>
+inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
+  d = w.group_scale(t, g, 0);
+  offset = MIN ? w.group_min(t, g, 0) : vfloat{};
+  if constexpr (Q4) offset -= 128.0f * d;
 }
 
 // the sum of 32 bfloat16 in float32, in a fixed order: each pair, then a tree over the 16 pair sums
@@ -59,8 +59,14 @@ inline float group_sum(const c10::BFloat16* x) {
   return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
 }
 
-template <bool Q4>
+// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not
+template <bool Q4, int G, bool MIN>
 struct Bf16Kernel {
+  static_assert(!Q4 || (G == GROUP && MIN), "4-bit: groups of 32 with a minimum");
+  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
+  static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
+  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
   // is faster than storing the unpacked tile and reading it back)
   Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
@@ -70,21 +76,21 @@ struct Bf16Kernel {
 
   const Packed& w;
   const uint32_t* x;  // [M, K / 2] bfloat16 pairs
-  const float* xsum;  // [M, groups] (4-bit)
+  const float* xsum;  // [M, K / 32] (with a minimum)
 
   void unpack(int64_t t, vuint* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
-      const uint8_t* wg = wt + g * group_bytes(Q4);
+      const uint8_t* wg = wt + g * GROUP_BYTES;
       vuint* o = out + g * UNPACKED;
-      for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
+      for (int c = 0; c < (Q4 ? 8 : VECS); ++c) {
         if constexpr (Q4)
           unpack_q4(wg + c * 32, o[2 * c], o[2 * c + 1]);
         else
           o[c] = unpack_q8(wg + c * 32);
       }
       vfloat d, offset;
-      group_scales<Q4>(w.tile_scale(t) + g * TILE, Q4 ? w.tile_min(t) + g * TILE : nullptr, d, offset);
+      group_scales<Q4, MIN>(w, t, g, d, offset);
       o[VECS] = bitcast<vuint>(d);
       o[VECS + 1] = bitcast<vuint>(offset);
     }
@@ -106,7 +112,7 @@ struct Bf16Kernel {
       for (int r = 0; r < R; ++r) acc[r] = vfloat{};
       const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
       if (next)
-        for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + g * group_bytes(Q4) + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
       auto dot_rows = [&](vuint pairs, int64_t k) {
         for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, xr[r][k]);
       };
@@ -117,7 +123,7 @@ struct Bf16Kernel {
         d = bitcast<vfloat>(u[VECS]);
         offset = bitcast<vfloat>(u[VECS + 1]);
       } else {
-        const uint8_t* wg = wt + g * group_bytes(Q4);
+        const uint8_t* wg = wt + g * GROUP_BYTES;
         if constexpr (Q4) {
           for (int c = 0; c < 8; ++c) {
             vuint low, high;
@@ -126,12 +132,12 @@ struct Bf16Kernel {
             dot_rows(high, k0 + 2 * c + 1);
           }
         } else {
-          for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
+          for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
         }
-        group_scales<Q4>(w.tile_scale(t) + g * TILE, Q4 ? w.tile_min(t) + g * TILE : nullptr, d, offset);
+        group_scales<Q4, MIN>(w, t, g, d, offset);
       }
       for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
-      if constexpr (Q4)
+      if constexpr (MIN)
         for (int r = 0; r < R; ++r) y[r] += offset * xsum[(m0 + r) * groups + g];
     }
     for (int r = 0; r < R; ++r) __builtin_memcpy(out + r * TILE, &y[r], sizeof(y[r]));
@@ -149,16 +155,16 @@ struct Bf16Kernel {
 };
 
 void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
-  std::vector<float> xsum(w.q4 ? M * w.groups() : 0);  // each row's sum over each group (the offset term)
-  if (w.q4)
-    at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
+  // each row's sum over each 32 (the minimum's term): once per row of x, for every output row
+  std::vector<float> xsum(w.has_min ? M * (w.K / GROUP) : 0);
+  if (w.has_min)
+    at::parallel_for(0, M * (w.K / GROUP), 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum(x + i * GROUP);
     });
   const auto* pairs = reinterpret_cast<const uint32_t*>(x);
-  if (w.q4)
-    run_tiles(Bf16Kernel<true>{w, pairs, xsum.data()}, w, M, out);
-  else
-    run_tiles(Bf16Kernel<false>{w, pairs, nullptr}, w, M, out);
+  dispatch(w, [&](auto q4, auto g, auto min) {
+    run_tiles(Bf16Kernel<q4(), g(), min()>{w, pairs, xsum.data()}, w, M, out);
+  });
 }
 
 }  // namespace

@@ -81,8 +81,12 @@ inline float group_sum(const float* x) {
   return hsum(s);
 }
 
-template <bool Q4>
+// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not
+template <bool Q4, int G, bool MIN>
 struct F32Kernel {
+  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
+  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+
   // one row: tiles at once from the packed weights; more: one tile at a time, unpacked once there are two
   // blocks of rows to reuse it
   Plan plan(int64_t M) const {
@@ -91,13 +95,13 @@ struct F32Kernel {
   }
   static constexpr int MAX_ROWS = BLOCK_ROWS, MAX_TILES = TILES_AT_ONCE;
   using Unpacked = vfloat;
-  // per group: q (scaled as unpack4 and unpack8 give it) as float32 for each k ([32][NV]), then d and m
-  static constexpr int UNPACKED = (GROUP + 2) * NV;
+  // per group: q (scaled as unpack4 and unpack8 give it) as float32 for each k ([G][NV]), then d and m
+  static constexpr int UNPACKED = (G + 2) * NV;
   static constexpr int PER_CHUNK = Q4 ? 4 : 2;  // k per chunk of 32 packed bytes
 
   const Packed& w;
   const float* x;     // [M, K], scaled: see SCALES4
-  const float* xsum;  // [M, groups] (4-bit), of x as given
+  const float* xsum;  // [M, K / 32] (with a minimum), of x as given
 
   static void unpack_chunk(const uint8_t* chunk, int h, vfloat* wf) {
     Q4 ? unpack4(chunk, h, wf) : unpack8(chunk, h, wf);
@@ -107,15 +111,15 @@ struct F32Kernel {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       vfloat* o = out + g * UNPACKED;
-      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+      for (int c = 0; c < G / PER_CHUNK; ++c)
         for (int h = 0; h < NV; ++h) {
           vfloat wf[PER_CHUNK];
-          unpack_chunk(wt + g * group_bytes(Q4) + c * 32, h, wf);
+          unpack_chunk(wt + g * GROUP_BYTES + c * 32, h, wf);
           for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
         }
       for (int h = 0; h < NV; ++h) {
-        o[GROUP * NV + h] = load_halves(w.tile_scale(t) + g * TILE + h * VL);
-        o[(GROUP + 1) * NV + h] = Q4 ? load_halves(w.tile_min(t) + g * TILE + h * VL) : vfloat{};
+        o[G * NV + h] = w.group_scale(t, g, h);
+        o[(G + 1) * NV + h] = MIN ? w.group_min(t, g, h) : vfloat{};
       }
     }
   }
@@ -131,7 +135,7 @@ struct F32Kernel {
           vfloat v;
           __builtin_memcpy(&v, dst, sizeof(v));
           v = madd(acc[r][tt][h], d[tt][h], v);
-          if constexpr (Q4) v = madd(m[tt][h], splat(xsum[(m0 + r) * w.groups() + g]), v);
+          if constexpr (MIN) v = madd(m[tt][h], splat(xsum[(m0 + r) * w.groups() + g]), v);
           __builtin_memcpy(dst, &v, sizeof(v));
         }
   }
@@ -147,17 +151,17 @@ struct F32Kernel {
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next step's tiles' bytes, group by group, asked for ahead: see quant_gemm_bf16.cpp
         for (int tt = 0; tt < TT; ++tt)
-          for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + (tt * groups + g) * group_bytes(Q4) + i);
+          for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + (tt * groups + g) * GROUP_BYTES + i);
       vfloat acc[R][TT][NV] = {};
-      const float* xk = x + m0 * w.K + g * GROUP;
+      const float* xk = x + m0 * w.K + g * G;
 #pragma GCC unroll 16
-      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+      for (int c = 0; c < G / PER_CHUNK; ++c)
 #pragma GCC unroll 8
         for (int tt = 0; tt < TT; ++tt)
 #pragma GCC unroll 4
           for (int h = 0; h < NV; ++h) {
             vfloat wf[PER_CHUNK];
-            unpack_chunk(wt[tt] + g * group_bytes(Q4) + c * 32, h, wf);
+            unpack_chunk(wt[tt] + g * GROUP_BYTES + c * 32, h, wf);
             for (int i = 0; i < PER_CHUNK; ++i)
               for (int r = 0; r < R; ++r)
                 acc[r][tt][h] = madd(wf[i], splat(xk[r * w.K + c * PER_CHUNK + i]), acc[r][tt][h]);
@@ -165,8 +169,8 @@ struct F32Kernel {
       vfloat d[TT][NV], m[TT][NV];
       for (int tt = 0; tt < TT; ++tt)
         for (int h = 0; h < NV; ++h) {
-          d[tt][h] = load_halves(w.tile_scale(t + tt) + g * TILE + h * VL);
-          m[tt][h] = Q4 ? load_halves(w.tile_min(t + tt) + g * TILE + h * VL) : vfloat{};
+          d[tt][h] = w.group_scale(t + tt, g, h);
+          m[tt][h] = MIN ? w.group_min(t + tt, g, h) : vfloat{};
         }
       add_group<R, TT>(acc, d, m, m0, g, y);
     }
@@ -178,17 +182,17 @@ struct F32Kernel {
     for (int64_t g = 0; g < w.groups(); ++g) {
       const vfloat* u = unpacked + g * UNPACKED;
       vfloat acc[R][1][NV] = {};
-      const float* xk = x + m0 * w.K + g * GROUP;
+      const float* xk = x + m0 * w.K + g * G;
 #pragma GCC unroll 32
-      for (int k = 0; k < GROUP; ++k)
+      for (int k = 0; k < G; ++k)
         for (int r = 0; r < R; ++r) {
           const vfloat xb = splat(xk[r * w.K + k]);
           for (int h = 0; h < NV; ++h) acc[r][0][h] = madd(u[k * NV + h], xb, acc[r][0][h]);
         }
       vfloat d[1][NV], m[1][NV];
       for (int h = 0; h < NV; ++h) {
-        d[0][h] = u[GROUP * NV + h];
-        m[0][h] = u[(GROUP + 1) * NV + h];
+        d[0][h] = u[G * NV + h];
+        m[0][h] = u[(G + 1) * NV + h];
       }
       add_group<R, 1>(acc, d, m, m0, g, y);
     }
@@ -207,20 +211,20 @@ struct F32Kernel {
 };
 
 void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
-  const int64_t groups = w.groups(), K = w.K;
-  std::vector<float> xsum(w.q4 ? M * groups : 0);  // each row's sum over each group (the m term)
-  std::vector<float> scaled(M * K);                // x_k * 2^-s: see SCALES4
+  const int64_t groups = w.K / GROUP, K = w.K;
+  const bool four = w.bits == 4;
+  std::vector<float> xsum(w.has_min ? M * groups : 0);  // each row's sum over each 32 (the m term)
+  std::vector<float> scaled(M * K);                     // x_k * 2^-s: see SCALES4
   at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = x + i * GROUP;
-      if (w.q4) xsum[i] = group_sum(src);
-      for (int k = 0; k < GROUP; ++k) scaled[i * GROUP + k] = src[k] * (w.q4 ? SCALES4[k % 4] : SCALES8[k % 2]);
+      if (w.has_min) xsum[i] = group_sum(src);
+      for (int k = 0; k < GROUP; ++k) scaled[i * GROUP + k] = src[k] * (four ? SCALES4[k % 4] : SCALES8[k % 2]);
     }
   });
-  if (w.q4)
-    run_tiles(F32Kernel<true>{w, scaled.data(), xsum.data()}, w, M, out);
-  else
-    run_tiles(F32Kernel<false>{w, scaled.data(), nullptr}, w, M, out);
+  dispatch(w, [&](auto q4, auto g, auto min) {
+    run_tiles(F32Kernel<q4(), g(), min()>{w, scaled.data(), xsum.data()}, w, M, out);
+  });
 }
 
 }  // namespace

@@ -25,7 +25,6 @@
 
 namespace {
 
-constexpr int PAIRS = GROUP / 2;  // k pairs per group
 constexpr int HALVES = TILE / 8;  // 8-lane vectors per tile
 // Rows of x computed together: 2 accumulators a row, 2 weight vectors and x's broadcast: 15 of 16 registers
 constexpr int BLOCK_ROWS = 6;
@@ -96,8 +95,14 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
   }
 }
 
-template <bool Q4>
+// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not. x's steps
+// are per 32 whatever G: a group of 16 takes its half's.
+template <bool Q4, int G, bool MIN>
 struct I16Kernel {
+  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
+  static constexpr int PAIRS = G / 2;  // k pairs per group
+  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+
   // Blocks of rows from the packed weights while one block holds them all. Past that, the tiles are unpacked
   // once and each block of rows runs over several of them, so that its rows of x stay in L1 while they are
   // reused: as many tiles as fit in ~256 KB of L2 unpacked, and few enough that every thread gets 4 steps
@@ -116,26 +121,36 @@ struct I16Kernel {
 
   const Packed& w;
   const int16_t* xq;   // [M, K] the activations as int16
-  const float* step;   // [M, groups] s of each row's group
-  const float* xsum;   // [M, groups] sum of each row's group (4-bit)
+  const float* step;   // [M, K / 32] s of each row's 32
+  const float* xsum;   // [M, K / 32] sum of each row's 32 (with a minimum)
+
+  // d and m of lanes 8h .. 8h + 7 (Packed's own reads VL lanes: 16 on the avx512 tier, 8 on avx2)
+  __m256 group_scale(int64_t t, int64_t g, int h) const { return half_lanes(w.group_scale(t, g, h / (VL / 8)), h); }
+  __m256 group_min(int64_t t, int64_t g, int h) const { return half_lanes(w.group_min(t, g, h / (VL / 8)), h); }
+  static __m256 half_lanes(vfloat v, int h) {
+#if defined(__AVX512F__)
+    const __m512 wide = bitcast<__m512>(v);
+    return h % 2 ? _mm512_extractf32x8_ps(wide, 1) : _mm512_castps512_ps256(wide);
+#else
+    (void)h;
+    return bitcast<__m256>(v);
+#endif
+  }
 
   void unpack(int64_t t, __m256i* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       __m256i* o = out + g * UNPACKED;
-      const uint8_t* wg = wt + g * group_bytes(Q4);
+      const uint8_t* wg = wt + g * GROUP_BYTES;
       for (int h = 0; h < HALVES; ++h) {
-        for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
+        for (int c = 0; c < (Q4 ? 8 : PAIRS); ++c) {
           if constexpr (Q4)
             pairs4(wg + c * 32, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
           else
             o[c * HALVES + h] = pairs8(wg + c * 32, h);
         }
-        o[PAIRS * HALVES + h] = _mm256_castps_si256(_mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h))));
-        o[(PAIRS + 1) * HALVES + h] = Q4 ? _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(
-                                               reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h))))
-                                         : _mm256_setzero_si256();
+        o[PAIRS * HALVES + h] = bitcast<__m256i>(group_scale(t, g, h));
+        o[(PAIRS + 1) * HALVES + h] = MIN ? bitcast<__m256i>(group_min(t, g, h)) : _mm256_setzero_si256();
       }
     }
   }
@@ -150,11 +165,11 @@ struct I16Kernel {
       for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next tile's bytes, asked for ahead: see quant_gemm_bf16.cpp
-        for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + g * group_bytes(Q4) + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
       __m256i acc[R][HALVES];
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_si256();
-      const int16_t* x = xq + m0 * K + g * GROUP;
+      const int16_t* x = xq + m0 * K + g * G;
       __m256 d[HALVES], m[HALVES];
       if constexpr (UNPACKED_TILE) {
         const __m256i* u = unpacked + g * UNPACKED;
@@ -172,9 +187,9 @@ struct I16Kernel {
           m[h] = _mm256_castsi256_ps(u[(PAIRS + 1) * HALVES + h]);
         }
       } else {
-        const uint8_t* wg = wt + g * group_bytes(Q4);
+        const uint8_t* wg = wt + g * GROUP_BYTES;
 #pragma GCC unroll 16
-        for (int c = 0; c < (Q4 ? 8 : 16); ++c)
+        for (int c = 0; c < (Q4 ? 8 : PAIRS); ++c)
           for (int h = 0; h < HALVES; ++h) {
             if constexpr (Q4) {
               __m256i a, b;
@@ -189,20 +204,17 @@ struct I16Kernel {
             }
           }
         for (int h = 0; h < HALVES; ++h) {
-          d[h] = _mm256_cvtph_ps(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h)));
-          m[h] = Q4 ? _mm256_cvtph_ps(
-                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h)))
-                    : _mm256_setzero_ps();
+          d[h] = group_scale(t, g, h);
+          m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
         }
       }
       // y += d (s sum) (+ m sum_k x_k): per group, in this order, for every row alike
       for (int r = 0; r < R; ++r) {
-        const __m256 s = _mm256_set1_ps(step[(m0 + r) * groups + g]);
+        const __m256 s = _mm256_set1_ps(step[(m0 + r) * (K / GROUP) + g * G / GROUP]);
         for (int h = 0; h < HALVES; ++h) {
           const __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), s);
           out[r][h] = _mm256_fmadd_ps(sum, d[h], out[r][h]);
-          if constexpr (Q4)
+          if constexpr (MIN)
             out[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xsum[(m0 + r) * groups + g]), out[r][h]);
         }
       }
@@ -231,16 +243,15 @@ struct I16Kernel {
 }  // namespace
 
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
-  const int64_t groups = w.groups(), K = w.K;
+  const int64_t groups = w.K / GROUP, K = w.K;
   std::vector<int16_t> xq(M * K);
   std::vector<float> step(M * groups), xsum(M * groups);
   at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * GROUP, xq.data() + i * GROUP, step[i], xsum[i]);
   });
-  if (w.q4)
-    run_tiles(I16Kernel<true>{w, xq.data(), step.data(), xsum.data()}, w, M, out);
-  else
-    run_tiles(I16Kernel<false>{w, xq.data(), step.data(), nullptr}, w, M, out);
+  dispatch(w, [&](auto q4, auto g, auto min) {
+    run_tiles(I16Kernel<q4(), g(), min()>{w, xq.data(), step.data(), xsum.data()}, w, M, out);
+  });
 }
 
 #endif
