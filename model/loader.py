@@ -9,6 +9,7 @@ layer's method prepares its weight (packs, quantizes, measures its batch-invaria
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -47,9 +48,12 @@ class Checkpoint:
         if not files:
             raise WeightLoadError(f"no *.safetensors files in {path}")
         self.files = {}
+        # stored name -> the GGUF type the converter dequantized it from (no kernel keeps that type quantized)
+        self.dequantized: dict[str, str] = {}
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 self.files.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
+                self.dequantized.update(json.loads((sf.metadata() or {}).get("dequantized", "{}")))
         self._open: dict[Path, object] = {}
 
     def resolve(self, name: str) -> str | None:
@@ -105,6 +109,7 @@ def load_model(
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     ckpt = Checkpoint(path, quantized=any(m.method.keeps_quantized for m in linears.values()))
     name_map = config.family.weights
+    dequantized: dict[str, list[int]] = {}  # GGUF type -> [tensors, bytes as loaded]: logged once, below
     for param_name, param in list(model.named_parameters()):
         # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
         key = "embed.weight" if param_name == "lm_head.weight" and config.tie_word_embeddings else param_name
@@ -112,7 +117,7 @@ def load_model(
         if sources is None:
             raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
         names, transform = sources
-        parts = []
+        parts, kinds = [], []  # kinds: the GGUF type a dense part was dequantized from, by the converter
         for n in names:
             stored = ckpt.resolve(n)
             if stored is None:
@@ -120,6 +125,7 @@ def load_model(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
             parts.append(ckpt.get(stored))
+            kinds.append(ckpt.dequantized.get(stored))
         layer = linears.get(param_name.removesuffix(".weight"))
         if (
             layer is not None
@@ -134,6 +140,12 @@ def load_model(
                                       f"the checkpoint's quantized weights make {[s.shape for s in segments]}")  # fmt: skip
             layer.quantized = segments[0] if len(segments) == 1 else segments  # packed by prepare(), below
             continue
+        kinds = [t.kind if isinstance(t, QuantizedTensor) else k for t, k in zip(parts, kinds, strict=True)]
+        for t, kind in zip(parts, kinds, strict=True):
+            if kind is not None:
+                entry = dequantized.setdefault(kind, [0, 0])
+                entry[0] += 1
+                entry[1] += math.prod(t.shape) * dtype.itemsize
         parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
         parts = [t.t() if transform == "t" else t for t in parts]
         tensor = torch.cat(parts) if transform == "cat" else parts[0]
@@ -148,6 +160,11 @@ def load_model(
         _set_param(model, param_name, tensor.to(device=device, dtype=dtype))
         del parts, tensor
     model.rope_tables_to(device)
+    if dequantized:
+        log.info(
+            "GGUF types dequantized at load (as %s): %s", str(dtype).removeprefix("torch."),
+            ", ".join(f"{k} x{n} ({b / 2**20:.1f} MiB)" for k, (n, b) in sorted(dequantized.items())),
+        )  # fmt: skip
     quantized = {f"{name}.weight" for name, m in linears.items() if m.quantized is not None}
     still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if still_meta:

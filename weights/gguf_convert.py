@@ -4,8 +4,8 @@ Every architecture in weights/gguf_arch.py's FAMILIES (Llama 2/3.x and Mistral, 
 Granite, SmolLM3). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
 tokenizer_config.json (weights/gguf_tokenizer.py), and the weights under Hugging Face tensor names and row order,
 with llama.cpp's conversion undone (q/k rows, Gemma's +1 on norms, fused or split q/k/v, RoPE tensors into config):
-- quantized/model.safetensors: the GGUF's Q4_0, Q4_1 and Q8_0 tensors as they are (exact integers and
-  float16 scales, see QUANTIZED_FORMAT), every other tensor dequantized to float32. kvserve serves it on CPU.
+- quantized/model.safetensors: the GGUF's Q4_0, Q4_1, Q8_0, K-quant, Q5 and IQ4 tensors as they are (exact
+  integers and scales, see QUANTIZED_FORMAT), every other tensor dequantized to float32. kvserve serves it on CPU.
 - model.safetensors (unless dense=False): every tensor dequantized, for the dequantized path and transformers.
 Anything the converter cannot reproduce faithfully raises UnsupportedGGUFError naming it, rather than writing a
 subtly wrong model.
@@ -45,9 +45,14 @@ log = logging.getLogger(__name__)
 QUANTIZED_FILE = "quantized/model.safetensors"
 # How quantized/model.safetensors stores a quantized weight W [N, K] (groups of 32 along K), read by
 # model/quant.py: "W.q4" uint8 [N, K / 2] (q[2i] | q[2i + 1] << 4, w = scale * q + min), "W.q8" int8 [N, K]
-# (w = scale * q), "W.scale" and "W.min" float16 [N, K / 32]. Dense tensors keep their plain name.
-QUANTIZED_FORMAT = "kvserve-quantized-1"
+# (w = scale * q), "W.scale" and "W.min" float16 [N, K / 32]; the other kept types as their GGUF blocks, rows
+# in Hugging Face order: "W.gguf_<type>" uint8 [N, bytes per row] (model/gguf_blocks.py parses them). Dense tensors
+# keep their plain name; the metadata's "dequantized" maps those dequantized from a GGUF type to it (JSON).
+QUANTIZED_FORMAT = "kvserve-quantized-2"
 KEPT_QUANTIZED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+KEPT_AS_BLOCKS = tuple(
+    GGMLQuantizationType[t] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+)
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 QKV = ("attn_q", "attn_k", "attn_v")  # the order llama.cpp stacks a fused attn_qkv in, as Hugging Face does
 
@@ -63,7 +68,7 @@ def convert_gguf(src: Path, dst: Path, progress: bool = True, dense: bool = True
         # The tokenizer is cheap to build, so an unsupported one fails before the slow part.
         tokenizer, tokenizer_config = build_tokenizer(meta)
         tokenizer_config["model_max_length"] = config["max_position_embeddings"]
-        tensors, quantized = convert_tensors(family, gguf_tensors, config, progress, dense)
+        tensors, quantized, dequantized = convert_tensors(family, gguf_tensors, config, progress, dense)
     except UnsupportedGGUFError as error:
         raise UnsupportedGGUFError(f"{src.name} ({arch!r}): {error}") from None
     # the dtype that holds every dequantized value bit for bit (the quantized file's dense tensors are float32)
@@ -71,7 +76,9 @@ def convert_gguf(src: Path, dst: Path, progress: bool = True, dense: bool = True
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
 
     dst.mkdir(parents=True, exist_ok=True)
-    files = {QUANTIZED_FILE: (quantized, {"format": QUANTIZED_FORMAT})}
+    files = {
+        QUANTIZED_FILE: (quantized, {"format": QUANTIZED_FORMAT, "dequantized": json.dumps(dequantized)})
+    }
     if dense:
         files["model.safetensors"] = ({name: t.to(dtype) for name, t in tensors.items()}, {"format": "pt"})
     for file, (contents, metadata) in files.items():
@@ -228,7 +235,8 @@ def tensor_pieces(
 def convert_tensors(
     family: Family, gguf_tensors: dict[str, ReaderTensor], config: dict[str, Any], progress: bool, dense: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the dequantized tensors, or {} without dense; quantized/model.safetensors' tensors)."""
+    """(the dequantized tensors, or {} without dense; quantized/model.safetensors' tensors; the names of its
+    tensors dequantized from a GGUF type, and the type)."""
     shapes = expected_shapes(family, config)
     plan = plan_tensors(family, gguf_tensors, config)
     if missing := [name for name in shapes if name not in plan]:
@@ -245,13 +253,17 @@ def convert_tensors(
     @lru_cache(maxsize=1)
     def kept_source(name: str) -> dict[str, np.ndarray]:
         tensor = gguf_tensors[name]
-        return quantized_parts(tensor, tuple(int(n) for n in reversed(tensor.shape)))
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if tensor.tensor_type in KEPT_AS_BLOCKS:
+            blocks = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+            return {f"gguf_{tensor.tensor_type.name}": blocks}
+        return quantized_parts(tensor, shape)
 
     def order(piece: Piece, values: np.ndarray) -> np.ndarray:
         values = values[piece.rows]
         return unpermute_rows(values, piece.heads) if piece.heads else values
 
-    tensors, quantized, dequantized = {}, {}, set()
+    tensors, quantized, dequantized = {}, {}, {}
     for name, shape in tqdm(
         shapes.items(), desc="Converting GGUF tensors", unit="tensor", disable=not progress
     ):
@@ -262,7 +274,7 @@ def convert_tensors(
             )
         types = {gguf_tensors[piece.source].tensor_type for piece in pieces}
         # kept quantized: 2-D weights whose pieces share one kept type and need no arithmetic
-        kept = len(types) == 1 and types <= set(KEPT_QUANTIZED) and len(shape) == 2
+        kept = len(types) == 1 and types <= {*KEPT_QUANTIZED, *KEPT_AS_BLOCKS} and len(shape) == 2
         kept = kept and not any(piece.shift for piece in pieces)
         if kept:
             parts = [{k: order(p, v) for k, v in kept_source(p.source).items()} for p in pieces]
@@ -279,16 +291,17 @@ def convert_tensors(
                 tensors[name] = values
             if not kept:
                 quantized[name] = values
-                dequantized.update(
-                    p.source for p in pieces if gguf_tensors[p.source].tensor_type not in FLOAT_TYPES
-                )
+                if kinds := {t.name for t in types if t not in FLOAT_TYPES}:
+                    dequantized[name] = "+".join(sorted(kinds))
     if dequantized:
-        types = Counter(gguf_tensors[name].tensor_type.name for name in dequantized)
-        counts = ", ".join(f"{kind} x{count}" for kind, count in sorted(types.items()))
+        types, nbytes = Counter(dequantized.values()), Counter()
+        for name, kind in dequantized.items():
+            nbytes[kind] += quantized[name].numel() * 4
+        counts = ", ".join(f"{k} x{n} ({nbytes[k] / 2**20:.1f} MiB)" for k, n in sorted(types.items()))
         log.info(
             "dequantized to float32 in %s (no kernel keeps these types quantized): %s", QUANTIZED_FILE, counts
         )
-    return tensors, quantized
+    return tensors, quantized, dequantized
 
 
 def quantized_parts(tensor: ReaderTensor, shape: tuple[int, int]) -> dict[str, np.ndarray]:

@@ -10,13 +10,8 @@ from gguf import GGMLQuantizationType, quants
 from model.gguf_blocks import BLOCKS, from_gguf_blocks
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
+from tests.helpers.gguf_blocks import HALVES
 
-# the float16 fields of each type's block: byte offset -> "d" (a scale) or "m" (a minimum)
-HALVES = {
-    "Q4_0": {0: "d"}, "Q4_1": {0: "d", 2: "m"}, "Q5_0": {0: "d"}, "Q5_1": {0: "d", 2: "m"}, "Q8_0": {0: "d"},
-    "IQ4_NL": {0: "d"}, "Q4_K": {0: "d", 2: "m"}, "Q5_K": {0: "d", 2: "m"}, "Q6_K": {208: "d"},
-    "IQ4_XS": {0: "d"},
-}  # fmt: skip
 NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
 
 

@@ -134,18 +134,21 @@ def test_quantized_family_gives_the_dequantized_weights(tmp_path, byte_vocab, fa
 
 
 @pytest.mark.timeout(60)
-def test_k_quants_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
-    """Types kvserve keeps no kernel for (Q4_K, Q6_K: blocks built by hand, as gguf cannot quantize to them) are
-    dequantized into both files, and the log names the types and how many tensors."""
+def test_k_quants_are_kept_as_their_blocks(tmp_path, byte_vocab, caplog):
+    """Q4_K and Q6_K (blocks built by hand, as gguf cannot quantize to them) go into the quantized file as their
+    blocks, which model/gguf_blocks.py reads back to the values the dense file holds; no type is dequantized."""
+    from model.gguf_blocks import from_gguf_blocks
+
     write_wide_llama(GGUFWriter(tmp_path / "wide.gguf", "llama"), byte_vocab, np.random.default_rng(0))
     with caplog.at_level(logging.INFO, logger="weights.gguf_convert"):
         convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
-    assert "Q4_K x2, Q6_K x1" in caplog.text
+    assert "dequantized to float32" not in caplog.text
     dense = load_file(tmp_path / "wide" / "model.safetensors")
     quantized = load_file(tmp_path / "wide" / "quantized" / "model.safetensors")
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name, kind in (("gate_proj", "Q4_K"), ("up_proj", "Q4_K"), ("down_proj", "Q6_K")):
         name = f"model.layers.0.mlp.{name}.weight"
-        assert torch.equal(quantized[name], dense[name]) and dense[name].abs().max() > 0, name
+        got = from_gguf_blocks(kind, quantized[f"{name}.gguf_{kind}"], tuple(dense[name].shape))
+        assert torch.equal(got.dequantize(), dense[name]) and dense[name].abs().max() > 0, name
 
 
 def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator) -> None:

@@ -51,8 +51,9 @@ def test_tensors_equal_dequantized_source(tmp_path, byte_vocab, type_name):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, type_name):
-    """quantized/model.safetensors: Q4_0 / Q4_1 / Q8_0 weights as integers and float16 scales, which give back
-    the dequantized values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)); other types dequantized."""
+    """quantized/model.safetensors: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 weights as integers and float16 scales,
+    which give back the dequantized values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)); float
+    types as they are."""
     from model.loader import Checkpoint
     from model.quant import QuantizedTensor
 
@@ -60,11 +61,14 @@ def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, 
     weights, out = convert(tmp_path, byte_vocab, qtype=qtype)
     dense = load_file(out / "model.safetensors")
     ckpt = Checkpoint(out, quantized=True)
-    kept = type_name in ("Q4_0", "Q4_1", "Q8_0")
+    kept = type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
     for name, original in weights.items():
         got = ckpt.get(ckpt.resolve(name))
         if original.ndim == 2 and kept:
-            assert isinstance(got, QuantizedTensor) and got.bits == (8 if type_name == "Q8_0" else 4), name
+            assert isinstance(got, QuantizedTensor) and got.bits == (
+                4 if type_name in ("Q4_0", "Q4_1") else 8
+            )
+            assert got.kind == type_name or (got.kind == "Q4_0/Q4_1" and type_name in ("Q4_0", "Q4_1"))
             assert got.scale.dtype == torch.float16
             got = got.dequantize()
         assert isinstance(got, torch.Tensor), name
