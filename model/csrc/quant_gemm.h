@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -35,11 +35,18 @@ inline vfloat load_halves(const at::Half* p) {
 
 typedef int8_t vsbyte __attribute__((vector_size(VL)));
 
-// VL int8 -> float32 (exact)
+// VL int8 -> float32 (exact). The intrinsics where there are: GCC's own conversion of a byte vector to floats
+// went element by element (measured: Q4_K's GEMM at half Q4_1's speed per byte, one row of [8192, 2048])
 inline vfloat load_bytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return bitcast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return bitcast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
   vsbyte b;
   __builtin_memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vfloat);
+  return __builtin_convertvector(__builtin_convertvector(b, vint), vfloat);
+#endif
 }
 
 // One GEMM's weights (or one run of a fused layer's rows), as model/quant.py packs them: integers q of `bits`
