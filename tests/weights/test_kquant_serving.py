@@ -6,6 +6,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from server.engine.config import EngineConfig
@@ -46,7 +47,7 @@ def weight_blocks(type_name: str, N: int, K: int, rng) -> np.ndarray:
     return blocks.reshape(N, -1)
 
 
-def write_kquant_gguf(path, vocab: dict, seed: int = 0) -> None:
+def write_kquant_gguf(path, vocab: dict, seed: int = 0, types: dict = TYPES) -> None:
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(path, "llama")
     for key, value in [("block_count", LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
@@ -71,8 +72,8 @@ def write_kquant_gguf(path, vocab: dict, seed: int = 0) -> None:
             writer.add_tensor(
                 f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
             )
-        for short, types in TYPES.items():
-            add(f"blk.{layer}.{short}.weight", types[layer], *SHAPES[short])
+        for short, kinds in types.items():
+            add(f"blk.{layer}.{short}.weight", kinds[layer], *SHAPES[short])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -128,3 +129,23 @@ def test_a_kquant_gguf_computes_what_its_dequantized_weights_do(tmp_path, byte_v
         assert (scores.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
         if dtype == "float32":
             assert greedy(engine, ids) == reference_tokens
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_layer_stack_runs_mixed_formats_with_the_loops_bits(tmp_path, byte_vocab, tier_kernels, dtype):
+    """Every weight kept (Q3_K swapped for Q4_K): the blocks run as one C++ call, fused layers of two formats
+    included, with the Python loop's bits."""
+    from tests.model.test_layer_stack import load, mixed_step
+
+    write_kquant_gguf(tmp_path / "tiny.gguf", byte_vocab, types=TYPES | {"attn_output": ("Q4_K", "Q4_K")})
+    folder = ensure_gguf_folder(tmp_path / "tiny.gguf", tmp_path / "weights", progress=False)
+    # bits=None: the file's own formats, nothing quantized at load
+    stacked, config = load(folder, None, kernels=tier_kernels, dtype=dtype, quantized=True)
+    looped, _ = load(folder, None, stack=False, kernels=tier_kernels, dtype=dtype, quantized=True)
+    assert stacked.layer_stack is not None and looped.layer_stack is None
+    assert stacked.layers[0].attn.qkv.kinds == ["Q4_K", "Q6_K"]
+    a, cache_a = mixed_step(stacked, config, tier_kernels, dtype)
+    b, cache_b = mixed_step(looped, config, tier_kernels, dtype)
+    assert torch.equal(a, b) and a.abs().sum() > 0
+    assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)
