@@ -2,8 +2,9 @@
 
 `from_gguf_blocks(type_name, blocks, shape)` takes a tensor's rows as the file holds them (uint8 [N, bytes per
 row], each row its blocks along K, as read from a GGUF or stored by weights/gguf_convert.py) and returns the
-exact integers and scales, in the form the kernels multiply (quant_gemm.cpp): 4-bit where the file's integers
-are (Q4_0, Q4_1, Q4_K), a byte each for the rest. The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
+exact integers and scales, in the form the kernels multiply (quant_gemm.cpp): 4 to 6 bits as in the file (Q4_0,
+Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K, whose q - 32 becomes q with a minimum), a byte each for Q8_0 and the IQ4
+types (their levels). The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
 `gguf.quants.dequantize` gives the same values (tests/model/test_gguf_blocks.py).
 """
 
@@ -67,10 +68,12 @@ def _q4_1(b, N, K):  # d, m, qs[16]: w = d q + m
 
 def _q5(b, N, K, with_min: bool):  # d[, m], qh[4] (bit 4 of each q), qs[16]
     at = 4 if with_min else 2
-    q = _nibbles(b[..., at + 4 : at + 20]) | (_bits(b[..., at : at + 4]) << 4)  # [N, blocks, 32], 0..31
+    q = (_nibbles(b[..., at + 4 : at + 20]) | (_bits(b[..., at : at + 4]) << 4)).reshape(N, K)  # 0..31
+    d = _half(b, 0)
     if with_min:  # Q5_1: w = d q + m
-        return QuantizedTensor(8, q.view(torch.int8).reshape(N, K), _half(b, 0), _half(b, 2), kind="Q5_1")
-    return QuantizedTensor(8, (q.to(torch.int8) - 16).reshape(N, K), _half(b, 0), kind="Q5_0")
+        return QuantizedTensor(5, q, d, _half(b, 2), kind="Q5_1")
+    # Q5_0: w = d (q - 16) = d q + (-16 d), exact (-16 d in float16 unless it overflows; d q + (-16 d) in float32)
+    return QuantizedTensor(5, q, d, (-16 * d.float()).half(), kind="Q5_0")
 
 
 def _q8_0(b, N, K):  # d, int8 qs[32]
@@ -110,18 +113,21 @@ def _q4_k(b, N, K):  # d, dmin, scales[12], qs[128]: w = d sc q - dmin m
 def _q5_k(b, N, K):  # d, dmin, scales[12], qh[32] (bit j of byte l: q[32 j + l]'s bit 4), qs[128]
     sc, m = _k_scales(b[..., 4:16])
     high = (b[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, blocks, 32 l, 8 j]
-    q = (_k_low(b[..., 48:176]) | (high.transpose(-1, -2) << 4)).view(torch.int8).reshape(N, K)
-    return QuantizedTensor(8, q, sc.reshape(N, -1), m.reshape(N, -1), _half(b, 0), -_half(b, 2), kind="Q5_K")
+    q = (_k_low(b[..., 48:176]) | (high.transpose(-1, -2) << 4)).reshape(N, K)
+    return QuantizedTensor(5, q, sc.reshape(N, -1), m.reshape(N, -1), _half(b, 0), -_half(b, 2), kind="Q5_K")
 
 
-def _q6_k(b, N, K):  # ql[128], qh[64], int8 scales[16], d: w = d sc (q - 32), sub-blocks of 16
+def _q6_k(b, N, K):  # ql[128], qh[64], int8 scales[16], d: w = d sc (q - 32) = (d sc) q + (-32 d) sc, per 16
     ql = b[..., 0:128].unflatten(-1, (2, 64))  # per half of 128: 64 bytes
     qh = b[..., 128:192].unflatten(-1, (2, 32))  # per half: 32 bytes
     low = torch.cat([ql & 15, ql >> 4], dim=-1)  # [N, blocks, 2, 128]: 4 quarters of 32
     high = (qh[..., None, :] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [.., 2, 4, 32]
-    q = (low | (high.flatten(-2) << 4)).to(torch.int8) - 32
-    sc = b[..., 192:208].contiguous().view(torch.int8)
-    return QuantizedTensor(8, q.reshape(N, K), sc.reshape(N, -1), supers=_half(b, 208), group=16, kind="Q6_K")
+    q = (low | (high.flatten(-2) << 4)).reshape(N, K)  # 0..63
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(N, -1)
+    d = _half(b, 208)
+    # the minimum's sub-scale is the scale's own (one tensor: no bytes more); -32 d exact unless it overflows,
+    # and (d sc) q + (-32 d) sc is d sc (q - 32) exactly in float32 (24 significant bits at most)
+    return QuantizedTensor(6, q, sc, sc, d, (-32 * d.float()).half(), group=16, kind="Q6_K")
 
 
 def _iq4_xs(b, N, K):  # d, u16 scales_h, scales_l[4], qs[128]: w = d (ls - 32) levels[q] per 32

@@ -26,15 +26,17 @@ GGUF_PART = "gguf_"
 
 @dataclass
 class QuantizedTensor:
-    """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0..15 (bits 4,
-    with a minimum) or -128..127 (bits 8). d and m are float16 per group (`scale`, `min`), or, where `supers` is
-    set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a float16 scale and minimum per
-    super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose products are exact in float32.
+    """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
+    (bits 4, 5, 6: with a minimum) or -128..127 (bits 8, without). d and m are float16 per group (`scale`,
+    `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
+    float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
+    products are exact in float32.
 
-    Resident bits per weight once packed (q, the group's two bytes or one, the super-block's four or two):
-    Q4_0, Q4_1 5.0 (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q8_0, Q5_0, IQ4_NL 8.5; Q5_1
-    9.0; Q5_K 8.625; Q6_K 8.5625 (its 6-bit integers in a byte, q - 32; 8 + 8 / 16 + 16 / 256); IQ4_XS 8.3125.
-    `kind` names the file's type (for the logs)."""
+    Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
+    (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.625; Q6_K 6.625 (6 +
+    8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0, IQ4_NL 8.5; IQ4_XS 8.3125
+    (its levels, -127..113, a byte each). The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
+    A minimum may be the scale's own tensor (`min is scale`, Q6_K): packed once. `kind` names the file's type."""
 
     bits: int
     q: torch.Tensor  # [N, K] uint8 (4 bits) or int8
@@ -80,9 +82,14 @@ class QuantizedTensor:
         return {"q": self.q, "scale": self.scale, "min": self.min, "supers": self.supers,
                 "super_mins": self.super_mins}  # fmt: skip
 
+    def _shared(self, rows: dict) -> dict:  # a minimum that is the scale's own tensor stays so
+        if self.min is self.scale:
+            rows["min"] = rows["scale"]
+        return rows
+
     def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
         rows = {k: None if v is None else v[index] for k, v in self._per_row().items()}
-        return QuantizedTensor(self.bits, **rows, group=self.group, kind=self.kind)
+        return QuantizedTensor(self.bits, **self._shared(rows), group=self.group, kind=self.kind)
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
@@ -94,6 +101,8 @@ class QuantizedTensor:
             for k, v in parts[0]._per_row().items()
         }
         kind = "+".join(dict.fromkeys(p.kind for p in parts))
+        if all(p.min is p.scale for p in parts):
+            rows = parts[0]._shared(rows)
         return QuantizedTensor(parts[0].bits, **rows, group=parts[0].group, kind=kind)
 
     @staticmethod
@@ -150,14 +159,27 @@ class QuantizedTensor:
         def per_group(x: torch.Tensor | None) -> torch.Tensor | None:  # [N, G] -> [T, G, 16]
             return None if x is None else tiles(x).permute(0, 2, 1).contiguous()
 
-        if self.bits == 4:  # chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
-            q = tiles(self.q).view(T, TILE, G, 8, 4)
-            packed = (q[..., 0:2] | (q[..., 2:4] << 4)).permute(0, 2, 3, 1, 4).contiguous().view(T, G, 256)
+        if self.bits < 8:  # nibbles: chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
+            q = tiles(self.q).view(T, TILE, G, self.group // 4, 4)
+            nibbles = q & 15
+            packed = (nibbles[..., 0:2] | (nibbles[..., 2:4] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+            packed = packed.view(T, G, 8 * self.group)
+            if (
+                self.bits > 4
+            ):  # then the high bits: chunk c's from bit 4 HB c of lane j's bytes (quant_gemm.h)
+                HB, high = self.bits - 4, (q >> 4).int()
+                chunk = high[..., 0] | high[..., 2] << HB | high[..., 1] << 2 * HB | high[..., 3] << 3 * HB
+                per_byte = 2 // HB  # chunks a byte holds
+                chunk = chunk.view(T, TILE, G, -1, per_byte) << (4 * HB * torch.arange(per_byte))
+                rows = chunk.sum(-1).to(torch.uint8).permute(0, 2, 3, 1)  # [T, G, rows, 16 lanes]
+                packed = torch.cat([packed, rows.reshape(T, G, -1)], dim=-1)
         else:  # chunk c, byte 2j + i: lane j's q[2c + i]
             packed = tiles(self.q).view(T, TILE, G, self.group // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
             packed = packed.view(torch.uint8).view(T, G, 16 * self.group)
-        return {"packed": packed, "scales": per_group(self.scale), "mins": per_group(self.min),
-                "supers": per_group(self.supers), "super_mins": per_group(self.super_mins)}  # fmt: skip
+        scales = per_group(self.scale)
+        mins = scales if self.min is self.scale else per_group(self.min)
+        return {"packed": packed, "scales": scales, "mins": mins, "supers": per_group(self.supers),
+                "super_mins": per_group(self.super_mins)}  # fmt: skip
 
 
 class QuantizedLinear:

@@ -1,19 +1,20 @@
 // GEMMs on quantized weights (CPU): y = x W^T (+ bias), W in groups of 32 (or 16) weights along K, each group
 // stored as small integers q with a scale d (and a minimum m), w = d q + m:
-//   4-bit (GGUF Q4_0, Q4_1, Q4_K, int4 at load): q in 0..15, with a minimum
-//   8-bit (GGUF Q8_0, int8 at load; and the types whose integers need 5 to 8 bits, kept in a byte: Q5_0,
-//          IQ4_NL, IQ4_XS, Q6_K in groups of 16; Q5_1 and Q5_K with a minimum): q in -128..127
+//   4-bit (GGUF Q4_0, Q4_1, Q4_K, int4 at load), 5-bit (Q5_0, Q5_1, Q5_K), 6-bit (Q6_K, groups of 16): q in
+//          0 .. 2^bits - 1, with a minimum (Q5_0's d (q - 16) is d q + (-16 d), Q6_K's likewise with 32)
+//   8-bit (GGUF Q8_0, int8 at load; IQ4_NL and IQ4_XS, whose levels are -127..113): q in -128..127, no minimum
 // d and m are float16 per group, or (K-quants, IQ4_XS) an int8 sub-scale per group times a float16 scale per
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
-// integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per 32 computed once per
+// integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
 // row of x for every output): nothing is rounded to a 16-bit weight. Two kernels, by what the CPU multiplies
 // natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp), float32 activations
 // everywhere (quant_gemm_f32.cpp, quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU
 // has no bfloat16 arithmetic).
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
-//   4-bit: [tiles, groups, 8 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low nibble) and
-//          q[4c + 2 + i] (high nibble)
+//   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
+//          nibble) and q[4c + 2 + i] (high nibble)
+//   5-, 6-bit: the same nibbles, then each group's high bits (quant_gemm.h: nibble_bytes, add_high)
 //   8-bit: [tiles, groups, group / 2 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[2c + i]
 //   scales (d), mins (m): [tiles, groups, 16] float16; or int8 sub-scales and sub-minimums [tiles, groups, 16]
 //   with supers (d) and super_mins (m) [tiles, K / 256, 16] float16
@@ -29,9 +30,11 @@ namespace {
 
 // The segment's tensors as the kernels read them, checked against its format and K
 Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
-  TORCH_CHECK(s.bits == 4 || s.bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(s.group == 32 || (s.group == 16 && s.bits == 8 && !s.mins), "groups of 32, or 16 (8-bit, no minimum)");
-  TORCH_CHECK(s.bits == 8 || s.mins, "4-bit weights have a minimum");
+  // the kernels' forms (quant_gemm.h, dispatch)
+  TORCH_CHECK((s.bits == 4 && s.group == 32 && s.mins) || (s.bits == 5 && s.group == 32 && s.mins) ||
+                  (s.bits == 6 && s.group == 16 && s.mins) || (s.bits == 8 && s.group == 32 && !s.mins),
+              "a quantized form no kernel runs: 4 or 5 bits in groups of 32 or 6 in groups of 16, with minimums; "
+              "8 in groups of 32, without");
   TORCH_CHECK(K % s.group == 0, "K must be a multiple of the group");
   const int64_t tiles = (s.n + TILE - 1) / TILE, groups = K / s.group;
   TORCH_CHECK(s.packed.scalar_type() == at::kByte && s.packed.is_contiguous() &&
@@ -71,6 +74,7 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
     w.min = s.mins ? s.mins->data_ptr<at::Half>() : nullptr;
   }
   w.bias = bias;
+  w.num_groups = K / s.group;
   return w;
 }
 
@@ -151,13 +155,20 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
         const vfloat dv = w.group_scale(t, g, static_cast<int>(j / VL)), mv = w.group_min(t, g, static_cast<int>(j / VL));
         const float d = dv[j % VL], m = mv[j % VL];
         float* o = dst + r * K + g * G;
-        if (w.bits == 4) {
-          for (int c = 0; c < 8; ++c)
+        if (w.bits < 8) {
+          const int HB = w.bits - 4;
+          for (int c = 0; c < G / 4; ++c) {
+            // the lane's high bits of chunk c: hi(q[4c]), hi(q[4c + 2]), hi(q[4c + 1]), hi(q[4c + 3])
+            const int bits = HB ? wg[nibble_bytes(G) + high_row(HB, c) * TILE + j] >> high_shift(HB, c) : 0;
+            const int high[4] = {bits, bits >> (2 * HB), bits >> HB, bits >> (3 * HB)};  // by q[4c + i]
             for (int i = 0; i < 2; ++i) {
               const uint8_t b = wg[c * 32 + 2 * j + i];
-              o[4 * c + i] = static_cast<float>(b & 15) * d + m;  // two roundings, as model/quant.py's
-              o[4 * c + 2 + i] = static_cast<float>(b >> 4) * d + m;
+              const int mask = (1 << HB) - 1;
+              const int q_low = (b & 15) | ((high[i] & mask) << 4), q_high = (b >> 4) | ((high[2 + i] & mask) << 4);
+              o[4 * c + i] = static_cast<float>(q_low) * d + m;  // two roundings, as model/quant.py's
+              o[4 * c + 2 + i] = static_cast<float>(q_high) * d + m;
             }
+          }
         } else {
           for (int c = 0; c < G / 2; ++c)
             for (int i = 0; i < 2; ++i) {

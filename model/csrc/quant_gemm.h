@@ -50,7 +50,7 @@ inline vfloat load_bytes(const int8_t* p) {
 }
 
 // One GEMM's weights (or one run of a fused layer's rows), as model/quant.py packs them: integers q of `bits`
-// (4: 0..15; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K, w = d q + m per group, where d and m
+// (4 to 6: 0 .. 2^bits - 1, in the nibble layouts; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K, w = d q + m per group, where d and m
 // are either float16 per group (`scale`, `min`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) or a super-block's
 // float16 d (and m: the file's dmin, negated) per 256 times the group's int8 sub-scale (and sub-minimum):
 // the K-quants and IQ4_XS. Those products (11 by at most 8 significant bits) are exact in float32.
@@ -66,8 +66,9 @@ struct Packed {
   const at::Half* super_d;  // [tiles, K / 256, 16]
   const at::Half* super_m;  // [tiles, K / 256, 16] (with a minimum)
   const float* bias;       // [N] or null
+  int64_t num_groups;      // K / group, kept: not a division by the runtime group in every read of a scale
 
-  int64_t groups() const { return K / group; }
+  int64_t groups() const { return num_groups; }
   int64_t supers() const { return K / SUPER; }
   int64_t group_bytes() const { return TILE * group * bits / 8; }
   int64_t tiles() const { return (N + TILE - 1) / TILE; }
@@ -88,19 +89,41 @@ struct Packed {
   }
 };
 
-// Calls f(Q4, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-bit (groups of 32, with
-// a minimum), 8-bit in groups of 32 with or without one, 8-bit in groups of 16 without
+// Calls f(BITS, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-, 5- or 6-bit q
+// (a nibble plane, and for 5 and 6 a high-bit plane; always with a minimum), groups of 32 (16 for 6-bit: Q6_K);
+// or 8-bit in groups of 32 without a minimum
 template <class F>
 void dispatch(const Packed& w, F&& f) {
   using std::integral_constant;
+  const integral_constant<bool, true> min;
+  const integral_constant<int, 32> g32;
   if (w.bits == 4)
-    f(integral_constant<bool, true>{}, integral_constant<int, 32>{}, integral_constant<bool, true>{});
-  else if (w.group == 16)
-    f(integral_constant<bool, false>{}, integral_constant<int, 16>{}, integral_constant<bool, false>{});
-  else if (w.has_min)
-    f(integral_constant<bool, false>{}, integral_constant<int, 32>{}, integral_constant<bool, true>{});
+    f(integral_constant<int, 4>{}, g32, min);
+  else if (w.bits == 5)
+    f(integral_constant<int, 5>{}, g32, min);
+  else if (w.bits == 6)
+    f(integral_constant<int, 6>{}, integral_constant<int, 16>{}, min);
   else
-    f(integral_constant<bool, false>{}, integral_constant<int, 32>{}, integral_constant<bool, false>{});
+    f(integral_constant<int, 8>{}, g32, integral_constant<bool, false>{});
+}
+
+// The nibble layouts' high bits (5- and 6-bit q: HB = 1 or 2 bits above the nibble). A group's packed bytes are
+// its nibble plane (the 4-bit layout: chunks of 32 bytes, each lane's word holding q[4c] and q[4c + 2] in its
+// first byte, q[4c + 1] and q[4c + 3] in its second), then its high-bit plane: rows of 16 bytes, one a lane, chunk
+// c's 4 HB bits from bit 4 HB c of the lane's bytes: hi(q[4c]), hi(q[4c + 2]), hi(q[4c + 1]), hi(q[4c + 3]).
+constexpr int64_t nibble_bytes(int G) { return TILE * G / 2; }
+constexpr int64_t high_row(int HB, int c) { return 4 * HB * c / 8; }  // the 16-byte row holding chunk c's bits
+constexpr int high_shift(int HB, int c) { return 4 * HB * c % 8; }
+
+// Adds the high bits to 32-bit lanes holding two 16-bit q each, low: (q[4c], q[4c + 1]), high: (q[4c + 2],
+// q[4c + 3]), each at bit 0 of its half; h: the lane's byte of the high-bit plane, shifted to the chunk's bits
+template <int HB, class V>
+inline void add_high(V h, V& low, V& high) {
+  constexpr uint32_t m = (1u << HB) - 1, mask = (m << 4) | (m << 20);
+  h &= (1u << (4 * HB)) - 1;
+  const V t = h | (h << (16 - 2 * HB));  // bits 16 + 2 HB .. : hi(q[4c + 1]) and hi(q[4c + 3]) by 16
+  low |= (t << 4) & mask;
+  high |= (t << (4 - HB)) & mask;
 }
 
 typedef uint16_t vhalfword __attribute__((vector_size(VL * sizeof(uint16_t))));

@@ -3,7 +3,7 @@
 //
 // The integers are exact in bfloat16, so a group's sum runs on the exact weights: sum_k x_k q_k, from bfloat16
 // pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes), then times d (plus m * sum_k x_k).
-// A 4-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
+// A 4- to 6-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
 // 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
 
 #include "quant_gemm.h"
@@ -26,13 +26,22 @@ inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
                                           bitcast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)))));
 }
 
-// 32 nibble-bytes -> two vectors of 16 bfloat16 pairs, 128 + q each (low nibbles, high nibbles)
-inline void unpack_q4(const uint8_t* p, vuint& low, vuint& high) {
+// Chunk c of a group's nibble layout -> two vectors of 16 bfloat16 pairs, 128 + q each: (q[4c], q[4c + 1]),
+// (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
+template <int HB, int G>
+inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
   vbyte32 b;
-  __builtin_memcpy(&b, p, 32);
+  __builtin_memcpy(&b, group + c * 32, 32);
   const vuint w = bitcast<vuint>(__builtin_convertvector(b, vword32));  // lane j: byte 2j | byte 2j+1 << 16
-  low = (w & 0x000F000Fu) | 0x43004300u;
-  high = ((w >> 4) & 0x000F000Fu) | 0x43004300u;
+  low = w & 0x000F000Fu;
+  high = (w >> 4) & 0x000F000Fu;
+  if constexpr (HB > 0) {
+    const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE;
+    const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+    add_high<HB>(h >> high_shift(HB, c), low, high);
+  }
+  low |= 0x43004300u;
+  high |= 0x43004300u;
 }
 
 // 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256): each half to 16 float32, then both to bfloat16 in one
@@ -43,29 +52,38 @@ inline vuint unpack_q8(const uint8_t* p) {
   return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
 }
 
-// A group's scale d and offset: m - 128 d (4-bit), m (8-bit with a minimum), else 0; float32
-template <bool Q4, bool MIN>
+// A group's scale d and offset: m - 128 d (nibble layouts: 128 + q), else 0; float32
+template <bool NIB>
 inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
   d = w.group_scale(t, g, 0);
-  offset = MIN ? w.group_min(t, g, 0) : vfloat{};
-  if constexpr (Q4) offset -= 128.0f * d;
+  offset = NIB ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
 }
 
-// the sum of 32 bfloat16 in float32, in a fixed order: each pair, then a tree over the 16 pair sums
+// the sum of G (32 or 16) bfloat16 in float32, in a fixed order: each pair, then a tree over the pair sums
+template <int G>
 inline float group_sum(const c10::BFloat16* x) {
-  vword32 h;
-  __builtin_memcpy(&h, x, sizeof(h));
-  const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
-  return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
+  if constexpr (G == 32) {
+    vword32 h;
+    __builtin_memcpy(&h, x, sizeof(h));
+    const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
+    return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
+  } else {
+    float pairs[G / 2];
+    for (int j = 0; j < G / 2; ++j) pairs[j] = to_float(x[2 * j]) + to_float(x[2 * j + 1]);
+    for (int width = G / 4; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
+    return pairs[0];
+  }
 }
 
-// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not
-template <bool Q4, int G, bool MIN>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
+template <int BITS, int G, bool MIN>
 struct Bf16Kernel {
-  static_assert(!Q4 || (G == GROUP && MIN), "4-bit: groups of 32 with a minimum");
-  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
+  static constexpr bool NIB = BITS < 8;
+  static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
+  static_assert(NIB == MIN, "the nibble layouts have a minimum (their offset carries the 128 of 128 + q)");
   static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
-  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
   // is faster than storing the unpacked tile and reading it back)
@@ -76,21 +94,21 @@ struct Bf16Kernel {
 
   const Packed& w;
   const uint32_t* x;  // [M, K / 2] bfloat16 pairs
-  const float* xsum;  // [M, K / 32] (with a minimum)
+  const float* xsum;  // [M, K / G] (with a minimum)
 
   void unpack(int64_t t, vuint* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       const uint8_t* wg = wt + g * GROUP_BYTES;
       vuint* o = out + g * UNPACKED;
-      for (int c = 0; c < (Q4 ? 8 : VECS); ++c) {
-        if constexpr (Q4)
-          unpack_q4(wg + c * 32, o[2 * c], o[2 * c + 1]);
+      for (int c = 0; c < (NIB ? G / 4 : VECS); ++c) {
+        if constexpr (NIB)
+          unpack_nibbles<HB, G>(wg, c, o[2 * c], o[2 * c + 1]);
         else
           o[c] = unpack_q8(wg + c * 32);
       }
       vfloat d, offset;
-      group_scales<Q4, MIN>(w, t, g, d, offset);
+      group_scales<NIB>(w, t, g, d, offset);
       o[VECS] = bitcast<vuint>(d);
       o[VECS + 1] = bitcast<vuint>(offset);
     }
@@ -124,17 +142,17 @@ struct Bf16Kernel {
         offset = bitcast<vfloat>(u[VECS + 1]);
       } else {
         const uint8_t* wg = wt + g * GROUP_BYTES;
-        if constexpr (Q4) {
-          for (int c = 0; c < 8; ++c) {
+        if constexpr (NIB) {
+          for (int c = 0; c < G / 4; ++c) {
             vuint low, high;
-            unpack_q4(wg + c * 32, low, high);
+            unpack_nibbles<HB, G>(wg, c, low, high);
             dot_rows(low, k0 + 2 * c);
             dot_rows(high, k0 + 2 * c + 1);
           }
         } else {
           for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
         }
-        group_scales<Q4, MIN>(w, t, g, d, offset);
+        group_scales<NIB>(w, t, g, d, offset);
       }
       for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
       if constexpr (MIN)
@@ -155,15 +173,15 @@ struct Bf16Kernel {
 };
 
 void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
-  // each row's sum over each 32 (the minimum's term): once per row of x, for every output row
-  std::vector<float> xsum(w.has_min ? M * (w.K / GROUP) : 0);
-  if (w.has_min)
-    at::parallel_for(0, M * (w.K / GROUP), 64, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum(x + i * GROUP);
-    });
   const auto* pairs = reinterpret_cast<const uint32_t*>(x);
-  dispatch(w, [&](auto q4, auto g, auto min) {
-    run_tiles(Bf16Kernel<q4(), g(), min()>{w, pairs, xsum.data()}, w, M, out);
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    // each row's sum over each group (the minimum's term): once per row of x, for every output row
+    std::vector<float> xsum(min() ? M * w.groups() : 0);
+    if constexpr (min())
+      at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum<g()>(x + i * g());
+      });
+    run_tiles(Bf16Kernel<bits(), g(), min()>{w, pairs, xsum.data()}, w, M, out);
   });
 }
 

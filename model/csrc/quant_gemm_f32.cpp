@@ -63,17 +63,32 @@ inline void unpack4(const uint8_t* chunk, int h, vfloat* wf) {
   wf[2] = to_float(w & 0x00F0);
   wf[3] = to_float(w >> 12);
 }
+// 5- and 6-bit q (HB high bits) from a group's two planes (quant_gemm.h): each q whole, so SCALES are 1
+template <int HB, int G>
+inline void unpack_high(const uint8_t* group, int c, int h, vfloat* wf) {
+  typedef uint8_t vbyte __attribute__((vector_size(VL)));
+  const vint w = words(group + c * 32, h);
+  vbyte b;
+  __builtin_memcpy(&b, group + nibble_bytes(G) + high_row(HB, c) * TILE + h * VL, sizeof(b));
+  const vint hb = __builtin_convertvector(b, vint) >> high_shift(HB, c);
+  constexpr int m = (1 << HB) - 1;
+  wf[0] = to_float((w & 15) | ((hb & m) << 4));
+  wf[2] = to_float(((w >> 4) & 15) | (((hb >> HB) & m) << 4));
+  wf[1] = to_float(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
+  wf[3] = to_float(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
+}
 inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
   const vint w = signed_words(chunk, h);
   wf[0] = to_float(w << 24);
   wf[1] = to_float(w >> 8);
 }
 
-// the sum of 32 float32, in a fixed order: VL-lane vectors added in turn, then a tree
+// the sum of G float32, in a fixed order: VL-lane vectors added in turn, then a tree
+template <int G>
 inline float group_sum(const float* x) {
   vfloat s;
   __builtin_memcpy(&s, x, sizeof(s));
-  for (int i = VL; i < GROUP; i += VL) {
+  for (int i = VL; i < G; i += VL) {
     vfloat v;
     __builtin_memcpy(&v, x + i, sizeof(v));
     s += v;
@@ -81,11 +96,12 @@ inline float group_sum(const float* x) {
   return hsum(s);
 }
 
-// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not
-template <bool Q4, int G, bool MIN>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
+template <int BITS, int G, bool MIN>
 struct F32Kernel {
-  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
-  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+  static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 4 k per chunk
+  static constexpr int HB = Q4 ? BITS - 4 : 0;
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // one row: tiles at once from the packed weights; more: one tile at a time, unpacked once there are two
   // blocks of rows to reuse it
@@ -101,10 +117,15 @@ struct F32Kernel {
 
   const Packed& w;
   const float* x;     // [M, K], scaled: see SCALES4
-  const float* xsum;  // [M, K / 32] (with a minimum), of x as given
+  const float* xsum;  // [M, K / G] (with a minimum), of x as given
 
-  static void unpack_chunk(const uint8_t* chunk, int h, vfloat* wf) {
-    Q4 ? unpack4(chunk, h, wf) : unpack8(chunk, h, wf);
+  static void unpack_chunk(const uint8_t* group, int c, int h, vfloat* wf) {
+    if constexpr (HB > 0)
+      unpack_high<HB, G>(group, c, h, wf);
+    else if constexpr (Q4)
+      unpack4(group + c * 32, h, wf);
+    else
+      unpack8(group + c * 32, h, wf);
   }
 
   void unpack(int64_t t, vfloat* out) const {
@@ -114,7 +135,7 @@ struct F32Kernel {
       for (int c = 0; c < G / PER_CHUNK; ++c)
         for (int h = 0; h < NV; ++h) {
           vfloat wf[PER_CHUNK];
-          unpack_chunk(wt + g * GROUP_BYTES + c * 32, h, wf);
+          unpack_chunk(wt + g * GROUP_BYTES, c, h, wf);
           for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
         }
       for (int h = 0; h < NV; ++h) {
@@ -161,7 +182,7 @@ struct F32Kernel {
 #pragma GCC unroll 4
           for (int h = 0; h < NV; ++h) {
             vfloat wf[PER_CHUNK];
-            unpack_chunk(wt[tt] + g * GROUP_BYTES + c * 32, h, wf);
+            unpack_chunk(wt[tt] + g * GROUP_BYTES, c, h, wf);
             for (int i = 0; i < PER_CHUNK; ++i)
               for (int r = 0; r < R; ++r)
                 acc[r][tt][h] = madd(wf[i], splat(xk[r * w.K + c * PER_CHUNK + i]), acc[r][tt][h]);
@@ -211,19 +232,20 @@ struct F32Kernel {
 };
 
 void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
-  const int64_t groups = w.K / GROUP, K = w.K;
-  const bool four = w.bits == 4;
-  std::vector<float> xsum(w.has_min ? M * groups : 0);  // each row's sum over each 32 (the m term)
-  std::vector<float> scaled(M * K);                     // x_k * 2^-s: see SCALES4
-  at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = x + i * GROUP;
-      if (w.has_min) xsum[i] = group_sum(src);
-      for (int k = 0; k < GROUP; ++k) scaled[i * GROUP + k] = src[k] * (four ? SCALES4[k % 4] : SCALES8[k % 2]);
-    }
-  });
-  dispatch(w, [&](auto q4, auto g, auto min) {
-    run_tiles(F32Kernel<q4(), g(), min()>{w, scaled.data(), xsum.data()}, w, M, out);
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    constexpr int G = g();
+    const int64_t groups = w.K / G;
+    std::vector<float> xsum(min() ? M * groups : 0);  // each row's sum over each group (the m term)
+    std::vector<float> scaled(M * w.K);               // x_k * 2^-s: see SCALES4 (1 for 5- and 6-bit q)
+    at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* src = x + i * G;
+        if constexpr (min()) xsum[i] = group_sum<G>(src);
+        for (int k = 0; k < G; ++k)
+          scaled[i * G + k] = src[k] * (bits() == 4 ? SCALES4[k % 4] : bits() == 8 ? SCALES8[k % 2] : 1.0f);
+      }
+    });
+    run_tiles(F32Kernel<bits(), G, min()>{w, scaled.data(), xsum.data()}, w, M, out);
   });
 }
 

@@ -7,8 +7,8 @@
 // products an instruction, 1.6 a cycle on Zen 3 against 2 float32 multiply-adds of 8), and a group's 32 products
 // of a lane sum into int32 without rounding (|xq q| <= 32767 * 128: 32 of them stay below 2^31). So the sum of a
 // group is the same whatever the order of its additions, and the float32 work is per group only, in a fixed
-// order: y += d (s sum_k xq_k q_k), then + m sum_k x_k (4-bit; x's own float32 sum). Weights are the file's
-// integers as they are.
+// order: y += d (s sum_k xq_k q_k), then + m (s sum_k xq_k) (with a minimum). Weights are the file's integers as
+// they are, and a row's result is its rounded activations times them.
 //
 // The packed layout (quant_gemm.cpp), read 8 lanes at a time: 16 bytes of a chunk widened to 16-bit words give
 // each lane the int16 pairs (q[4c], q[4c+1]) and, from the high nibbles, (q[4c+2], q[4c+3]) (4-bit), or
@@ -36,6 +36,18 @@ inline void pairs4(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
   const __m256i nibble = _mm256_set1_epi16(15);
   a = _mm256_and_si256(w, nibble);
   b = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+}
+// 5- and 6-bit q: pairs4 with the HB high bits from the group's high-bit plane (quant_gemm.h)
+template <int HB, int G>
+inline void pairs_high(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  pairs4(group + c * 32, h, a, b);
+  const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE + 8 * h;
+  const v8u hb = bitcast<v8u>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+  v8u low = bitcast<v8u>(a), high = bitcast<v8u>(b);
+  add_high<HB>(hb >> high_shift(HB, c), low, high);
+  a = bitcast<__m256i>(low);
+  b = bitcast<__m256i>(high);
 }
 inline __m256i pairs8(const uint8_t* chunk, int h) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
@@ -95,13 +107,21 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
   }
 }
 
-// Q4: 4-bit weights (groups of 32, with a minimum); else 8-bit in groups of G, with a minimum or not. x's steps
-// are per 32 whatever G: a group of 16 takes its half's.
-template <bool Q4, int G, bool MIN>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G.
+// x's steps are per 32 whatever G: a group of 16 takes its half's.
+template <int BITS, int G, bool MIN>
 struct I16Kernel {
-  static_assert(!MIN || G == GROUP, "a minimum's term sums x per 32");
+  static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 2 pairs per chunk
+  static constexpr int HB = Q4 ? BITS - 4 : 0;
   static constexpr int PAIRS = G / 2;  // k pairs per group
-  static constexpr int64_t GROUP_BYTES = TILE * G * (Q4 ? 4 : 8) / 8;
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
+
+  static void nibble_pairs(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
+    if constexpr (HB > 0)
+      pairs_high<HB, G>(group, c, h, a, b);
+    else
+      pairs4(group + c * 32, h, a, b);
+  }
 
   // Blocks of rows from the packed weights while one block holds them all. Past that, the tiles are unpacked
   // once and each block of rows runs over several of them, so that its rows of x stay in L1 while they are
@@ -122,7 +142,7 @@ struct I16Kernel {
   const Packed& w;
   const int16_t* xq;   // [M, K] the activations as int16
   const float* step;   // [M, K / 32] s of each row's 32
-  const float* xsum;   // [M, K / 32] sum of each row's 32 (with a minimum)
+  const float* xsum;   // [M, K / G] s sum_k xq_k of each row's group (with a minimum)
 
   // d and m of lanes 8h .. 8h + 7 (Packed's own reads VL lanes: 16 on the avx512 tier, 8 on avx2)
   __m256 group_scale(int64_t t, int64_t g, int h) const { return half_lanes(w.group_scale(t, g, h / (VL / 8)), h); }
@@ -143,9 +163,9 @@ struct I16Kernel {
       __m256i* o = out + g * UNPACKED;
       const uint8_t* wg = wt + g * GROUP_BYTES;
       for (int h = 0; h < HALVES; ++h) {
-        for (int c = 0; c < (Q4 ? 8 : PAIRS); ++c) {
+        for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c) {
           if constexpr (Q4)
-            pairs4(wg + c * 32, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
+            nibble_pairs(wg, c, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
           else
             o[c * HALVES + h] = pairs8(wg + c * 32, h);
         }
@@ -189,11 +209,11 @@ struct I16Kernel {
       } else {
         const uint8_t* wg = wt + g * GROUP_BYTES;
 #pragma GCC unroll 16
-        for (int c = 0; c < (Q4 ? 8 : PAIRS); ++c)
+        for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c)
           for (int h = 0; h < HALVES; ++h) {
             if constexpr (Q4) {
               __m256i a, b;
-              pairs4(wg + c * 32, h, a, b);
+              nibble_pairs(wg, c, h, a, b);
               for (int r = 0; r < R; ++r) {
                 acc[r][h] = dot_pairs(acc[r][h], a, broadcast_pair(x + r * K + 4 * c));
                 acc[r][h] = dot_pairs(acc[r][h], b, broadcast_pair(x + r * K + 4 * c + 2));
@@ -208,7 +228,7 @@ struct I16Kernel {
           m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
         }
       }
-      // y += d (s sum) (+ m sum_k x_k): per group, in this order, for every row alike
+      // y += d (s sum) (+ m s sum_k xq_k): per group, in this order, for every row alike
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_set1_ps(step[(m0 + r) * (K / GROUP) + g * G / GROUP]);
         for (int h = 0; h < HALVES; ++h) {
@@ -245,12 +265,26 @@ struct I16Kernel {
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
   const int64_t groups = w.K / GROUP, K = w.K;
   std::vector<int16_t> xq(M * K);
-  std::vector<float> step(M * groups), xsum(M * groups);
+  std::vector<float> step(M * groups), xsum(M * groups);  // xsum: where quantize_group finds infinities, NaNs
   at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * GROUP, xq.data() + i * GROUP, step[i], xsum[i]);
   });
-  dispatch(w, [&](auto q4, auto g, auto min) {
-    run_tiles(I16Kernel<q4(), g(), min()>{w, xq.data(), step.data(), xsum.data()}, w, M, out);
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    constexpr int G = g();
+    // The minimum's term per group: s sum_k xq_k, the rounded activations' own sum (exact in int32, then one
+    // rounding), so that a row's result is its rounded x times the exact weights, minimum included. With x's
+    // float32 sum instead, the rounding's error came back weighted by q (up to 63) rather than by w (measured:
+    // a tiny Q6_K / Q5_0 model's scores 7x further from float32's).
+    std::vector<float> sums(min() ? M * K / G : 0);
+    if constexpr (min())
+      at::parallel_for(0, M * K / G, 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          int32_t total = 0;
+          for (int k = 0; k < G; ++k) total += xq[i * G + k];
+          sums[i] = step[i * G / GROUP] * static_cast<float>(total);
+        }
+      });
+    run_tiles(I16Kernel<bits(), G, min()>{w, xq.data(), step.data(), sums.data()}, w, M, out);
   });
 }
 

@@ -65,8 +65,8 @@ def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, 
     for name, original in weights.items():
         got = ckpt.get(ckpt.resolve(name))
         if original.ndim == 2 and kept:
-            assert isinstance(got, QuantizedTensor) and got.bits == (
-                4 if type_name in ("Q4_0", "Q4_1") else 8
+            assert isinstance(got, QuantizedTensor) and got.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5}.get(
+                type_name, 4
             )
             assert got.kind == type_name or (got.kind == "Q4_0/Q4_1" and type_name in ("Q4_0", "Q4_1"))
             assert got.scale.dtype == torch.float16
