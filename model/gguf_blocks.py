@@ -3,8 +3,8 @@
 `from_gguf_blocks(type_name, blocks, shape)` takes a tensor's rows as the file holds them (uint8 [N, bytes per
 row], each row its blocks along K, as read from a GGUF or stored by weights/gguf_convert.py) and returns the
 exact integers and scales, in the form the kernels multiply (quant_gemm.cpp): 4 to 6 bits as in the file (Q4_0,
-Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K, whose q - 32 becomes q with a minimum), a byte each for Q8_0 and the IQ4
-types (their levels). The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
+Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K, whose q - 32 becomes q with a minimum; IQ4_NL, IQ4_XS, whose q indexes
+the levels), a byte each for Q8_0. The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
 `gguf.quants.dequantize` gives the same values (tests/model/test_gguf_blocks.py).
 """
 
@@ -25,8 +25,6 @@ BLOCKS = {
     "Q6_K": (256, 210),
     "IQ4_XS": (256, 136),
 }
-# IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl)
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def from_gguf_blocks(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedTensor:
@@ -82,12 +80,8 @@ def _q8_0(b, N, K):  # d, int8 qs[32]
     )
 
 
-def _iq4_values(nibbles: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(IQ4_LEVELS, dtype=torch.int8)[nibbles.long()]
-
-
-def _iq4_nl(b, N, K):  # d, qs[16] (nibbles as Q4_0's): w = d levels[q]
-    return QuantizedTensor(8, _iq4_values(_nibbles(b[..., 2:18])).reshape(N, K), _half(b, 0), kind="IQ4_NL")
+def _iq4_nl(b, N, K):  # d, qs[16] (nibbles as Q4_0's): w = d levels[q], q kept (4 bits without a minimum)
+    return QuantizedTensor(4, _nibbles(b[..., 2:18]).reshape(N, K), _half(b, 0), kind="IQ4_NL")
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +129,8 @@ def _iq4_xs(b, N, K):  # d, u16 scales_h, scales_l[4], qs[128]: w = d (ls - 32) 
     low = b[..., 4:8]
     low = torch.stack([low & 15, low >> 4], dim=-1).flatten(-2).int()  # [N, blocks, 8]
     ls = ((low | (high << 4)) - 32).to(torch.int8)
-    q = _iq4_values(_nibbles(b[..., 8:136].unflatten(-1, (8, 16))))  # [N, blocks, 8, 32]
-    return QuantizedTensor(8, q.reshape(N, K), ls.reshape(N, -1), supers=_half(b, 0), kind="IQ4_XS")
+    q = _nibbles(b[..., 8:136].unflatten(-1, (8, 16)))  # [N, blocks, 8, 32]: level indices
+    return QuantizedTensor(4, q.reshape(N, K), ls.reshape(N, -1), supers=_half(b, 0), kind="IQ4_XS")
 
 
 _PARSERS = {

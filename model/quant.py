@@ -22,20 +22,22 @@ TILE = 16  # output rows per tile of the packed layout
 # a sub-folder: tools that read every top-level *.safetensors skip it
 QUANTIZED_FILE = "quantized/model.safetensors"
 GGUF_PART = "gguf_"
+# IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass
 class QuantizedTensor:
     """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
-    (bits 4, 5, 6: with a minimum) or -128..127 (bits 8, without). d and m are float16 per group (`scale`,
+    (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8). d and m are float16 per group (`scale`,
     `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
     float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
     products are exact in float32.
 
     Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
     (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.625; Q6_K 6.625 (6 +
-    8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0, IQ4_NL 8.5; IQ4_XS 8.3125
-    (its levels, -127..113, a byte each). The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
+    8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0 8.5; IQ4_NL 4.5; IQ4_XS
+    4.3125. The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
     A minimum may be the scale's own tensor (`min is scale`, Q6_K): packed once. `kind` names the file's type."""
 
     bits: int
@@ -73,7 +75,10 @@ class QuantizedTensor:
         """The exact weights, float32 [N, K] (d * q, then + m: two roundings, as the kernel's rows)."""
         N, K = self.shape
         d, m = self.scales()
-        w = self.q.view(N, K // self.group, self.group).float() * d[..., None]
+        q = self.q
+        if self.bits == 4 and self.min is None:  # IQ4: q indexes the levels
+            q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[q.long()]
+        w = q.view(N, K // self.group, self.group).float() * d[..., None]
         if m is not None:
             w = w + m[..., None]
         return w.view(N, K)

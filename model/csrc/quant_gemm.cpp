@@ -2,7 +2,8 @@
 // stored as small integers q with a scale d (and a minimum m), w = d q + m:
 //   4-bit (GGUF Q4_0, Q4_1, Q4_K, int4 at load), 5-bit (Q5_0, Q5_1, Q5_K), 6-bit (Q6_K, groups of 16): q in
 //          0 .. 2^bits - 1, with a minimum (Q5_0's d (q - 16) is d q + (-16 d), Q6_K's likewise with 32)
-//   8-bit (GGUF Q8_0, int8 at load; IQ4_NL and IQ4_XS, whose levels are -127..113): q in -128..127, no minimum
+//   4-bit without a minimum (IQ4_NL, IQ4_XS): w = d IQ4_LEVELS[q] (-127..113, exact in bfloat16 and int16)
+//   8-bit (GGUF Q8_0, int8 at load): q in -128..127, no minimum
 // d and m are float16 per group, or (K-quants, IQ4_XS) an int8 sub-scale per group times a float16 scale per
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
@@ -31,10 +32,10 @@ namespace {
 // The segment's tensors as the kernels read them, checked against its format and K
 Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
   // the kernels' forms (quant_gemm.h, dispatch)
-  TORCH_CHECK((s.bits == 4 && s.group == 32 && s.mins) || (s.bits == 5 && s.group == 32 && s.mins) ||
+  TORCH_CHECK((s.bits == 4 && s.group == 32) || (s.bits == 5 && s.group == 32 && s.mins) ||
                   (s.bits == 6 && s.group == 16 && s.mins) || (s.bits == 8 && s.group == 32 && !s.mins),
-              "a quantized form no kernel runs: 4 or 5 bits in groups of 32 or 6 in groups of 16, with minimums; "
-              "8 in groups of 32, without");
+              "a quantized form no kernel runs: 4 bits in groups of 32 (with a minimum, or IQ4's levels), 5 bits in "
+              "groups of 32 or 6 in groups of 16 with minimums, 8 in groups of 32 without");
   TORCH_CHECK(K % s.group == 0, "K must be a multiple of the group");
   const int64_t tiles = (s.n + TILE - 1) / TILE, groups = K / s.group;
   TORCH_CHECK(s.packed.scalar_type() == at::kByte && s.packed.is_contiguous() &&
@@ -165,6 +166,11 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
               const uint8_t b = wg[c * 32 + 2 * j + i];
               const int mask = (1 << HB) - 1;
               const int q_low = (b & 15) | ((high[i] & mask) << 4), q_high = (b >> 4) | ((high[2 + i] & mask) << 4);
+              if (!w.has_min) {  // IQ4: q indexes IQ4_LEVELS
+                o[4 * c + i] = static_cast<float>(IQ4_LEVELS[q_low]) * d;
+                o[4 * c + 2 + i] = static_cast<float>(IQ4_LEVELS[q_high]) * d;
+                continue;
+              }
               o[4 * c + i] = static_cast<float>(q_low) * d + m;  // two roundings, as model/quant.py's
               o[4 * c + 2 + i] = static_cast<float>(q_high) * d + m;
             }

@@ -89,15 +89,20 @@ struct Packed {
   }
 };
 
+// IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 // Calls f(BITS, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-, 5- or 6-bit q
-// (a nibble plane, and for 5 and 6 a high-bit plane; always with a minimum), groups of 32 (16 for 6-bit: Q6_K);
-// or 8-bit in groups of 32 without a minimum
+// (a nibble plane, and for 5 and 6 a high-bit plane) with a minimum, groups of 32 (16 for 6-bit: Q6_K); 4-bit
+// without one: IQ4_LEVELS[q] (IQ4_NL, IQ4_XS); or 8-bit in groups of 32 without a minimum
 template <class F>
 void dispatch(const Packed& w, F&& f) {
   using std::integral_constant;
   const integral_constant<bool, true> min;
   const integral_constant<int, 32> g32;
-  if (w.bits == 4)
+  if (w.bits == 4 && !w.has_min)
+    f(integral_constant<int, 4>{}, g32, integral_constant<bool, false>{});
+  else if (w.bits == 4)
     f(integral_constant<int, 4>{}, g32, min);
   else if (w.bits == 5)
     f(integral_constant<int, 5>{}, g32, min);

@@ -26,9 +26,14 @@ inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
                                           bitcast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)))));
 }
 
+// IQ4_LEVELS as bfloat16 bits (exact), twice over: vpermw indexes 32 words
+alignas(64) constexpr uint16_t IQ4_BF16[32] = {
+    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2,
+    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2};
+
 // Chunk c of a group's nibble layout -> two vectors of 16 bfloat16 pairs, 128 + q each: (q[4c], q[4c + 1]),
 // (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
-template <int HB, int G>
+template <int HB, int G, bool LEVELS = false>
 inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
   vbyte32 b;
   __builtin_memcpy(&b, group + c * 32, 32);
@@ -40,8 +45,14 @@ inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high)
     const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
     add_high<HB>(h >> high_shift(HB, c), low, high);
   }
-  low |= 0x43004300u;
-  high |= 0x43004300u;
+  if constexpr (LEVELS) {  // q indexes IQ4_LEVELS: their bfloat16 bits, one vpermw a vector (exact: |level| < 256)
+    const __m512i table = _mm512_loadu_si512(IQ4_BF16);
+    low = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(low), table));
+    high = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(high), table));
+  } else {
+    low |= 0x43004300u;
+    high |= 0x43004300u;
+  }
 }
 
 // 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256): each half to 16 float32, then both to bfloat16 in one
@@ -52,11 +63,11 @@ inline vuint unpack_q8(const uint8_t* p) {
   return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
 }
 
-// A group's scale d and offset: m - 128 d (nibble layouts: 128 + q), else 0; float32
-template <bool NIB>
+// A group's scale d and offset: m - 128 d (nibble layouts with a minimum: 128 + q), else 0; float32
+template <bool WITH_128>
 inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
   d = w.group_scale(t, g, 0);
-  offset = NIB ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
+  offset = WITH_128 ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
 }
 
 // the sum of G (32 or 16) bfloat16 in float32, in a fixed order: each pair, then a tree over the pair sums
@@ -81,7 +92,8 @@ template <int BITS, int G, bool MIN>
 struct Bf16Kernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
-  static_assert(NIB == MIN, "the nibble layouts have a minimum (their offset carries the 128 of 128 + q)");
+  static constexpr bool LEVELS = NIB && !MIN;  // IQ4: q indexes IQ4_LEVELS; else 128 + q, the minimum's offset
+                                              // taking the 128 back
   static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
@@ -103,12 +115,12 @@ struct Bf16Kernel {
       vuint* o = out + g * UNPACKED;
       for (int c = 0; c < (NIB ? G / 4 : VECS); ++c) {
         if constexpr (NIB)
-          unpack_nibbles<HB, G>(wg, c, o[2 * c], o[2 * c + 1]);
+          unpack_nibbles<HB, G, LEVELS>(wg, c, o[2 * c], o[2 * c + 1]);
         else
           o[c] = unpack_q8(wg + c * 32);
       }
       vfloat d, offset;
-      group_scales<NIB>(w, t, g, d, offset);
+      group_scales<MIN>(w, t, g, d, offset);
       o[VECS] = bitcast<vuint>(d);
       o[VECS + 1] = bitcast<vuint>(offset);
     }
@@ -145,14 +157,14 @@ struct Bf16Kernel {
         if constexpr (NIB) {
           for (int c = 0; c < G / 4; ++c) {
             vuint low, high;
-            unpack_nibbles<HB, G>(wg, c, low, high);
+            unpack_nibbles<HB, G, LEVELS>(wg, c, low, high);
             dot_rows(low, k0 + 2 * c);
             dot_rows(high, k0 + 2 * c + 1);
           }
         } else {
           for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
         }
-        group_scales<NIB>(w, t, g, d, offset);
+        group_scales<MIN>(w, t, g, d, offset);
       }
       for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
       if constexpr (MIN)

@@ -77,6 +77,16 @@ inline void unpack_high(const uint8_t* group, int c, int h, vfloat* wf) {
   wf[1] = to_float(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
   wf[3] = to_float(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
 }
+// IQ4 (4-bit q without a minimum): IQ4_LEVELS[q] in k order, each whole (SCALES 1), lane by lane
+inline void unpack_levels(const uint8_t* chunk, int h, vfloat* wf) {
+  const vint w = words(chunk, h);
+  for (int l = 0; l < VL; ++l) {
+    wf[0][l] = IQ4_LEVELS[w[l] & 15];
+    wf[2][l] = IQ4_LEVELS[(w[l] >> 4) & 15];
+    wf[1][l] = IQ4_LEVELS[(w[l] >> 8) & 15];
+    wf[3][l] = IQ4_LEVELS[(w[l] >> 12) & 15];
+  }
+}
 inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
   const vint w = signed_words(chunk, h);
   wf[0] = to_float(w << 24);
@@ -122,6 +132,8 @@ struct F32Kernel {
   static void unpack_chunk(const uint8_t* group, int c, int h, vfloat* wf) {
     if constexpr (HB > 0)
       unpack_high<HB, G>(group, c, h, wf);
+    else if constexpr (Q4 && !MIN)
+      unpack_levels(group + c * 32, h, wf);
     else if constexpr (Q4)
       unpack4(group + c * 32, h, wf);
     else
@@ -242,7 +254,7 @@ void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
         const float* src = x + i * G;
         if constexpr (min()) xsum[i] = group_sum<G>(src);
         for (int k = 0; k < G; ++k)
-          scaled[i * G + k] = src[k] * (bits() == 4 ? SCALES4[k % 4] : bits() == 8 ? SCALES8[k % 2] : 1.0f);
+          scaled[i * G + k] = src[k] * (bits() == 4 && min() ? SCALES4[k % 4] : bits() == 8 ? SCALES8[k % 2] : 1.0f);
       }
     });
     run_tiles(F32Kernel<bits(), G, min()>{w, scaled.data(), xsum.data()}, w, M, out);

@@ -49,6 +49,14 @@ inline void pairs_high(const uint8_t* group, int c, int h, __m256i& a, __m256i& 
   a = bitcast<__m256i>(low);
   b = bitcast<__m256i>(high);
 }
+// IQ4 (4-bit q without a minimum): pairs4 of IQ4_LEVELS[q], int16, by one byte shuffle (each word's low byte
+// indexes the table) and a sign extension of the low bytes
+inline void pairs_levels(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
+  pairs4(chunk, h, a, b);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  a = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, a), 8), 8);
+  b = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, b), 8), 8);
+}
 inline __m256i pairs8(const uint8_t* chunk, int h) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
 }
@@ -119,6 +127,8 @@ struct I16Kernel {
   static void nibble_pairs(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
     if constexpr (HB > 0)
       pairs_high<HB, G>(group, c, h, a, b);
+    else if constexpr (!MIN)
+      pairs_levels(group + c * 32, h, a, b);
     else
       pairs4(group + c * 32, h, a, b);
   }

@@ -55,8 +55,8 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
     M, K = x.shape
     d, m = qt.scales()
     G = qt.group
-    q_max = 2**qt.bits - 1 if qt.bits < 8 else 128
-    per_group = d.double().abs() * (q_max + (128 if qt.bits < 8 else 0))
+    q_max = 2**qt.bits - 1 if qt.bits < 8 and qt.min is not None else 128
+    per_group = d.double().abs() * (q_max + (128 if qt.min is not None else 0))
     if m is not None:
         per_group = per_group + m.double().abs()
     xg = x.double().abs().view(M, K // G, G).sum(-1)  # [M, groups]
@@ -84,8 +84,8 @@ def test_blocks_read_as_gguf_dequantizes_them(type_name):
 @pytest.mark.timeout(60)
 def test_resident_bits_per_weight():
     """The packed form is close to the file's bits (model/quant.py's docstring states them)."""
-    expected = {"Q4_K": 4.625, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.625, "Q5_1": 6.0, "IQ4_NL": 8.5,
-                "IQ4_XS": 8.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5}  # fmt: skip
+    expected = {"Q4_K": 4.625, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.625, "Q5_1": 6.0, "IQ4_NL": 4.5,
+                "IQ4_XS": 4.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5}  # fmt: skip
     for type_name, bpw in expected.items():
         qt, _ = weight(type_name, 32, 512)
         packed = {id(t): t for t in qt.pack().values() if t is not None}  # Q6_K's minimum is its scale
@@ -119,7 +119,7 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype):
     """Batches of 1..40 rows take every kernel path (packed tiles, blocks of rows, tiles unpacked once): each
