@@ -88,7 +88,8 @@ inline float group_sum(const c10::BFloat16* x) {
 }
 
 // BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
-template <int BITS, int G, bool MIN>
+// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
+template <int BITS, int G, bool MIN, bool SUPERS>
 struct Bf16Kernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
@@ -137,6 +138,7 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * (w.K / 2);
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
+    vfloat super_d{}, super_m{};  // the current super-block's (SUPERS)
     for (int64_t g = 0; g < groups; ++g) {
       vfloat acc[R];
       for (int r = 0; r < R; ++r) acc[r] = vfloat{};
@@ -164,7 +166,18 @@ struct Bf16Kernel {
         } else {
           for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
         }
-        group_scales<MIN>(w, t, g, d, offset);
+        if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+          if (g % (SUPER / G) == 0) {
+            const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
+            super_d = load_halves(w.super_d + at);
+            if constexpr (MIN) super_m = load_halves(w.super_m + at);
+          }
+          const int64_t at = (t * groups + g) * TILE;
+          d = load_bytes(w.sub + at) * super_d;
+          offset = MIN ? load_bytes(w.sub_min + at) * super_m - 128.0f * d : vfloat{};
+        } else {
+          group_scales<MIN>(w, t, g, d, offset);
+        }
       }
       for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
       if constexpr (MIN)
@@ -193,7 +206,10 @@ void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out)
       at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum<g()>(x + i * g());
       });
-    run_tiles(Bf16Kernel<bits(), g(), min()>{w, pairs, xsum.data()}, w, M, out);
+    if (w.sub)
+      run_tiles(Bf16Kernel<bits(), g(), min(), true>{w, pairs, xsum.data()}, w, M, out);
+    else
+      run_tiles(Bf16Kernel<bits(), g(), min(), false>{w, pairs, xsum.data()}, w, M, out);
   });
 }
 
