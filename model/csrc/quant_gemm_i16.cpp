@@ -117,7 +117,8 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
 
 // BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G.
 // x's steps are per 32 whatever G: a group of 16 takes its half's.
-template <int BITS, int G, bool MIN>
+// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
+template <int BITS, int G, bool MIN, bool SUPERS>
 struct I16Kernel {
   static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 2 pairs per chunk
   static constexpr int HB = Q4 ? BITS - 4 : 0;
@@ -157,6 +158,9 @@ struct I16Kernel {
   // d and m of lanes 8h .. 8h + 7 (Packed's own reads VL lanes: 16 on the avx512 tier, 8 on avx2)
   __m256 group_scale(int64_t t, int64_t g, int h) const { return half_lanes(w.group_scale(t, g, h / (VL / 8)), h); }
   __m256 group_min(int64_t t, int64_t g, int h) const { return half_lanes(w.group_min(t, g, h / (VL / 8)), h); }
+  static __m256 sub_scales(const int8_t* p) {  // 8 int8 -> float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static __m256 half_lanes(vfloat v, int h) {
 #if defined(__AVX512F__)
     const __m512 wide = bitcast<__m512>(v);
@@ -191,6 +195,7 @@ struct I16Kernel {
     const int64_t groups = w.groups(), K = w.K;
     const uint8_t* wt = w.tile(t);
     __m256 out[R][HALVES];
+    __m256 super_d[HALVES], super_m[HALVES];  // the current super-block's (SUPERS)
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -234,8 +239,20 @@ struct I16Kernel {
             }
           }
         for (int h = 0; h < HALVES; ++h) {
-          d[h] = group_scale(t, g, h);
-          m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
+          if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+            if (g % (SUPER / G) == 0) {
+              const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE + 8 * h;
+              super_d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_d + at)));
+              if constexpr (MIN)
+                super_m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_m + at)));
+            }
+            const int64_t at = (t * groups + g) * TILE + 8 * h;
+            d[h] = _mm256_mul_ps(sub_scales(w.sub + at), super_d[h]);
+            m[h] = MIN ? _mm256_mul_ps(sub_scales(w.sub_min + at), super_m[h]) : _mm256_setzero_ps();
+          } else {
+            d[h] = group_scale(t, g, h);
+            m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
+          }
         }
       }
       // y += d (s sum) (+ m s sum_k xq_k): per group, in this order, for every row alike
@@ -294,7 +311,10 @@ void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
           sums[i] = step[i * G / GROUP] * static_cast<float>(total);
         }
       });
-    run_tiles(I16Kernel<bits(), G, min()>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+    if (w.sub)
+      run_tiles(I16Kernel<bits(), G, min(), true>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+    else
+      run_tiles(I16Kernel<bits(), G, min(), false>{w, xq.data(), step.data(), sums.data()}, w, M, out);
   });
 }
 
