@@ -55,7 +55,7 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         linears = (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down)
         if any(getattr(linear, "bits", None) is None for linear in linears):
             return None
-        gemms = [_gemm(kernels, linear) for linear in linears]
+        gemms = [linear.gemm for linear in linears]  # model/quant.py's QuantizedLinear.prepare
         layers.append(kernels.Layer(block.norm1.weight, *gemms[:2], block.norm2.weight, *gemms[2:]))
     attn = model.layers[0].attn
     return LayerStack(
@@ -64,12 +64,3 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         ),
         config.layers[0].window,
     )
-
-
-def _gemm(kernels, linear):
-    """A quantized Linear's packed weights (model/quant.py's QuantizedLinear.prepare) as the C++ GEMM."""
-    if linear.bits == 4:
-        packed, scales, mins, bias, n = linear.gemm_args
-    else:
-        (packed, scales, bias, n), mins = linear.gemm_args, None
-    return kernels.QuantGemm(packed, scales, mins, bias, n)

@@ -24,8 +24,9 @@ from safetensors import safe_open
 from torch import nn
 
 from model.config import ModelConfig
+from model.gguf_blocks import gguf_weight
 from model.linear import Linear
-from model.quant import QUANTIZED_FILE, QuantizedTensor, gguf_weight
+from model.quant import QUANTIZED_FILE, QuantizedTensor
 from model.transformer import Norm, Ops, Transformer
 
 log = logging.getLogger(__name__)
@@ -155,11 +156,13 @@ def load_model(
             and layer.method.keeps_quantized
             and all(isinstance(t, QuantizedTensor) for t in parts)
         ):
-            quantized = QuantizedTensor.cat(parts)
-            if quantized.shape != tuple(param.shape):
-                raise WeightLoadError(f"shape mismatch for {param_name}: expected {tuple(param.shape)}, "
-                                      f"the checkpoint's quantized weights make {quantized.shape}")  # fmt: skip
-            layer.quantized = quantized  # packed by its method's prepare(), below
+            # one tensor, or one per format where a fused layer's parts differ (Q4_K q/k, Q6_K v)
+            segments = QuantizedTensor.segments(parts)
+            shape = (sum(seg.shape[0] for seg in segments), segments[0].shape[1])
+            if shape != tuple(param.shape) or any(seg.shape[1] != shape[1] for seg in segments):
+                raise WeightLoadError(f"shape mismatch for {param_name}: expected {tuple(param.shape)}, the "
+                                      f"checkpoint's quantized weights make {[seg.shape for seg in segments]}")  # fmt: skip
+            layer.quantized = segments[0] if len(segments) == 1 else segments  # packed by prepare(), below
         else:
             parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
             parts = [t.t() if transform == "t" else t for t in parts]

@@ -1,12 +1,13 @@
-"""Quantized weights: GGUF's Q4_0, Q4_1 and Q8_0 blocks, or int4 / int8 made at load, kept quantized in memory
-and multiplied by kvserve's C++ kernel (model/csrc/quant_gemm.cpp).
+"""Quantized weights: GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), or int4 / int8
+made at load, kept quantized in memory and multiplied by kvserve's C++ kernel (model/csrc/quant_gemm.cpp).
 
 A QuantizedTensor holds a weight's exact integers and per-group scales, in a plain [N, K] form that the loader
 can fuse (q/k/v, gate/up) and quantize into. It is made from a GGUF tensor's raw block rows, however they come:
 read in place from the GGUF file (weights/gguf_source.py) or from quantized/model.safetensors, where
-`kvserve convert-gguf` keeps them (weights/gguf_convert.py); from_gguf_blocks() is the one place that reads a
+`kvserve convert-gguf` keeps them (weights/gguf_convert.py); model/gguf_blocks.py is the one place that reads a
 block format. QuantizedLinear, the weight format of model/linear.py's seam, packs it into the kernel's layout
-once, at load. Any other GGML type is dequantized at load (gguf_weight) and runs through the dense method.
+once, at load. Any other GGML type is dequantized at load (gguf_blocks.gguf_weight) and runs through the dense
+method.
 """
 
 from dataclasses import dataclass
@@ -14,50 +15,114 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GROUP = 32  # weights per scale, along K
+GROUP = 32  # weights per scale, along K (16 for Q6_K)
+SUPER = 256  # weights per super-block (K-quants, IQ4_XS), along K
 TILE = 16  # output rows per tile of the packed layout
 # a sub-folder: tools that read every top-level *.safetensors skip it. weights/gguf_convert.py writes it: each
-# quantized weight W [N, K] as its raw GGML block rows "W" (uint8 [N, bytes per row]), its type and shape in the
-# metadata; folders converted before (format kvserve-quantized-1) hold "W.q4" uint8 [N, K / 2] (q[2i] |
-# q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32] (from_parts)
+# quantized weight W [N, K] as its raw GGML block rows "W" (uint8 [N, bytes per row], read by model/gguf_blocks.py),
+# its type and shape in the metadata; folders converted before (format kvserve-quantized-1) hold "W.q4" uint8
+# [N, K / 2] (q[2i] | q[2i + 1] << 4) or "W.q8" int8 [N, K], "W.scale" and (4 bits) "W.min" float16 [N, K / 32]
+# (from_parts)
 QUANTIZED_FILE = "quantized/model.safetensors"
+# IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass
 class QuantizedTensor:
-    """[N, K] weights in groups of 32 along K: bits 4, w = scale * q + min (q in 0..15); bits 8, w = scale * q
-    (q in -127..127). Scales and minimums are float16, as GGUF stores them."""
+    """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
+    (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8). d and m are float16 per group (`scale`,
+    `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
+    float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
+    products are exact in float32.
+
+    Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
+    (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.625; Q6_K 6.625 (6 +
+    8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0 8.5; IQ4_NL 4.5; IQ4_XS
+    4.3125. The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
+    A minimum may be the scale's own tensor (`min is scale`, Q6_K): packed once. `kind` names the file's type."""
 
     bits: int
     q: torch.Tensor  # [N, K] uint8 (4 bits) or int8
-    scale: torch.Tensor  # [N, K / 32] float16
-    min: torch.Tensor | None = None  # [N, K / 32] float16, 4 bits only
+    scale: torch.Tensor  # [N, K / group] float16, or int8 sub-scales (with supers)
+    min: torch.Tensor | None = (
+        None  # [N, K / group] float16, or int8 sub-minimums (with supers); 4 bits always
+    )
+    supers: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's d
+    super_mins: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's minimum scale (-dmin)
+    group: int = GROUP
+    kind: str = ""
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def format(self) -> tuple:
+        """What the kernel must know to multiply it: tensors of one format can be fused by rows."""
+        return (self.bits, self.group, self.min is not None, self.supers is not None)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 d and m per group, [N, K / group] each (m None without a minimum): exact."""
+        d = self.scale.float()
+        m = None if self.min is None else self.min.float()
+        if self.supers is not None:
+            per = SUPER // self.group
+            d = d * self.supers.float().repeat_interleave(per, dim=1)
+            if m is not None:
+                m = m * self.super_mins.float().repeat_interleave(per, dim=1)
+        return d, m
+
     def dequantize(self) -> torch.Tensor:
-        """The exact weights, float32 [N, K] (scale * q, then + min: two roundings, as the kernel's rows)."""
+        """The exact weights, float32 [N, K] (d * q, then + m: two roundings, as the kernel's rows)."""
         N, K = self.shape
-        w = self.q.view(N, K // GROUP, GROUP).float() * self.scale.float()[..., None]
-        if self.min is not None:
-            w = w + self.min.float()[..., None]
+        d, m = self.scales()
+        q = self.q
+        if self.bits == 4 and self.min is None:  # IQ4: q indexes the levels
+            q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[q.long()]
+        w = q.view(N, K // self.group, self.group).float() * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
         return w.view(N, K)
 
+    def _per_row(self) -> dict[str, torch.Tensor | None]:
+        return {"q": self.q, "scale": self.scale, "min": self.min, "supers": self.supers,
+                "super_mins": self.super_mins}  # fmt: skip
+
+    def _shared(self, rows: dict) -> dict:  # a minimum that is the scale's own tensor stays so
+        if self.min is self.scale:
+            rows["min"] = rows["scale"]
+        return rows
+
     def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
-        m = self.min[index] if self.min is not None else None
-        return QuantizedTensor(self.bits, self.q[index], self.scale[index], m)
+        rows = {k: None if v is None else v[index] for k, v in self._per_row().items()}
+        return QuantizedTensor(self.bits, **self._shared(rows), group=self.group, kind=self.kind)
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
-        """Rows of several weights one after the other (fused q/k/v, gate/up)."""
-        if len({p.bits for p in parts}) != 1:
+        """Rows of several weights of one format one after the other (fused q/k/v, gate/up)."""
+        if len({p.format for p in parts}) != 1:
             raise ValueError("cannot fuse weights of different formats")
-        mins = None if parts[0].min is None else torch.cat([p.min for p in parts])
-        return QuantizedTensor(
-            parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), mins
-        )
+        rows = {
+            k: None if v is None else torch.cat([p._per_row()[k] for p in parts])
+            for k, v in parts[0]._per_row().items()
+        }
+        kind = "+".join(dict.fromkeys(p.kind for p in parts))
+        if all(p.min is p.scale for p in parts):
+            rows = parts[0]._shared(rows)
+        return QuantizedTensor(parts[0].bits, **rows, group=parts[0].group, kind=kind)
+
+    @staticmethod
+    def segments(parts: list["QuantizedTensor"]) -> list["QuantizedTensor"]:
+        """Parts fused by rows: one tensor per run of parts of one format (a Q4_K_M file's attn_v is Q6_K on
+        some layers, its q and k Q4_K), each kept in its own format."""
+        runs: list[list[QuantizedTensor]] = []
+        for p in parts:
+            if runs and runs[-1][-1].format == p.format:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return [QuantizedTensor.cat(run) for run in runs]
 
     @staticmethod
     def quantize(weight: torch.Tensor, bits: int) -> "QuantizedTensor":
@@ -71,111 +136,64 @@ class QuantizedTensor:
             scale = (w.abs().amax(-1) / 127).half()
             step = torch.where(scale > 0, scale.float(), 1)[..., None]
             q = torch.round(w / step).clamp(-127, 127).to(torch.int8)
-            return QuantizedTensor(8, q.view(N, K), scale)
+            return QuantizedTensor(8, q.view(N, K), scale, kind="int8")
         if bits == 4:
             lo = w.amin(-1).half()
             scale = ((w.amax(-1) - lo.float()) / 15).half()
             step = torch.where(scale > 0, scale.float(), 1)[..., None]
             q = torch.round((w - lo.float()[..., None]) / step).clamp(0, 15)
-            return QuantizedTensor(4, q.to(torch.uint8).view(N, K), scale, lo)
+            return QuantizedTensor(4, q.to(torch.uint8).view(N, K), scale, lo, kind="int4")
         raise ValueError(f"cannot quantize to {bits} bits: 4 or 8")
 
     @staticmethod
     def from_parts(parts: dict[str, torch.Tensor]) -> "QuantizedTensor":
-        """From the parts of one weight in a folder converted before kvserve kept raw blocks (format
-        kvserve-quantized-1: keys q4 or q8, scale, min)."""
+        """From the file's parts of one weight (keys q4 or q8, scale, min)."""
         if "q8" in parts:
-            return QuantizedTensor(8, parts["q8"], parts["scale"])
+            return QuantizedTensor(8, parts["q8"], parts["scale"], kind="Q8_0")
         packed = parts["q4"]  # two 4-bit values per byte, the first in the low nibble
         q = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
-        return QuantizedTensor(4, q, parts["scale"], parts["min"])
+        return QuantizedTensor(4, q, parts["scale"], parts["min"], kind="Q4_0/Q4_1")
 
-    @staticmethod
-    def from_gguf_blocks(
-        type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
-    ) -> "QuantizedTensor | None":
-        """A GGUF weight [N, K] from its raw block rows (uint8 [N, bytes per row], blocks running along K, as
-        ggml-common.h lays them out), exact: no value is recomputed. None for a type no kernel keeps."""
-        if type_name not in GGUF_BLOCKS:
-            return None
-        weights, size, read = GGUF_BLOCKS[type_name]
-        N, K = shape
-        if K % weights or tuple(blocks.shape) != (N, K // weights * size):
-            raise ValueError(f"{type_name} blocks of shape {tuple(blocks.shape)} for a [{N}, {K}] weight")
-        return read(blocks.view(N, K // weights, size), N, K)
-
-    def pack(self) -> dict[str, torch.Tensor]:
+    def pack(self) -> dict[str, torch.Tensor | None]:
         """The kernel's layout (model/csrc/quant_gemm.cpp): rows in tiles of 16, padded with zero rows."""
         N, K = self.shape
         pad = -N % TILE
-        T, G = (N + pad) // TILE, K // GROUP
+        T, G = (N + pad) // TILE, K // self.group
 
         def tiles(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [T, 16, ...], zero rows added
             return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)).view(T, TILE, *x.shape[1:])
 
-        def per_group(x: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, 16]
-            return tiles(x).permute(0, 2, 1).contiguous()
+        def per_group(x: torch.Tensor | None) -> torch.Tensor | None:  # [N, G] -> [T, G, 16]
+            return None if x is None else tiles(x).permute(0, 2, 1).contiguous()
 
-        if self.bits == 4:  # chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
-            q = tiles(self.q).view(T, TILE, G, 8, 4)
-            packed = (q[..., 0:2] | (q[..., 2:4] << 4)).permute(0, 2, 3, 1, 4)
-            return {"packed": packed.contiguous().view(T, G, 256), "scales": per_group(self.scale),
-                    "mins": per_group(self.min)}  # fmt: skip
-        # chunk c, byte 2j + i: lane j's q[2c + i]
-        packed = tiles(self.q).view(T, TILE, G, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        return {"packed": packed.view(torch.uint8).view(T, G, 512), "scales": per_group(self.scale)}
-
-
-def _half(b: torch.Tensor) -> torch.Tensor:  # [N, G, 2] bytes -> [N, G] float16 (GGUF is little-endian)
-    return b.contiguous().view(torch.float16)[..., 0]
-
-
-def _q8_0(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, int8 q[32]; w = d q
-    return QuantizedTensor(8, b[..., 2:34].contiguous().view(torch.int8).reshape(N, K), _half(b[..., 0:2]))
-
-
-def _nibbles(qs: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    # a block's 16 bytes hold its values 0..15 in their low nibbles and 16..31 in their high nibbles
-    return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)
-
-
-def _q4_1(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, m, 16 bytes; w = d q + m
-    return QuantizedTensor(4, _nibbles(b[..., 4:20], N, K), _half(b[..., 0:2]), _half(b[..., 2:4]))
-
-
-def _q4_0(b: torch.Tensor, N: int, K: int) -> QuantizedTensor:  # block: float16 d, 16 bytes; w = d (q - 8)
-    # = d q + (-8 d), and -8 d is exact in float16 unless it overflows
-    scale = _half(b[..., 0:2])
-    return QuantizedTensor(4, _nibbles(b[..., 2:18], N, K), scale, (-8 * scale.float()).half())
-
-
-# The GGML types kept quantized: name -> (weights per block, bytes per block, the reader of a weight's blocks
-# viewed as [N, K / weights per block, bytes per block])
-GGUF_BLOCKS = {"Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q8_0": (32, 34, _q8_0)}
-
-
-def gguf_weight(
-    type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
-) -> "QuantizedTensor | torch.Tensor":
-    """A GGUF weight as a QuantizedTensor where a kernel keeps its type, else dequantized to float32 [N, K] by
-    the gguf package (the caller logs what that cost)."""
-    quantized = QuantizedTensor.from_gguf_blocks(type_name, blocks, shape)
-    if quantized is not None:
-        return quantized
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    try:
-        values = dequantize(blocks.numpy(), GGMLQuantizationType[type_name])
-    except (KeyError, NotImplementedError):
-        raise ValueError(f"GGML type {type_name} can be neither kept quantized nor dequantized") from None
-    return torch.from_numpy(values.astype("float32", copy=False)).reshape(shape)
+        if self.bits < 8:  # nibbles: chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
+            q = tiles(self.q).view(T, TILE, G, self.group // 4, 4)
+            nibbles = q & 15
+            packed = (nibbles[..., 0:2] | (nibbles[..., 2:4] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+            packed = packed.view(T, G, 8 * self.group)
+            if (
+                self.bits > 4
+            ):  # then the high bits: chunk c's from bit 4 HB c of lane j's bytes (quant_gemm.h)
+                HB, high = self.bits - 4, (q >> 4).int()
+                chunk = high[..., 0] | high[..., 2] << HB | high[..., 1] << 2 * HB | high[..., 3] << 3 * HB
+                per_byte = 2 // HB  # chunks a byte holds
+                chunk = chunk.view(T, TILE, G, -1, per_byte) << (4 * HB * torch.arange(per_byte))
+                rows = chunk.sum(-1).to(torch.uint8).permute(0, 2, 3, 1)  # [T, G, rows, 16 lanes]
+                packed = torch.cat([packed, rows.reshape(T, G, -1)], dim=-1)
+        else:  # chunk c, byte 2j + i: lane j's q[2c + i]
+            packed = tiles(self.q).view(T, TILE, G, self.group // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+            packed = packed.view(torch.uint8).view(T, G, 16 * self.group)
+        scales = per_group(self.scale)
+        mins = scales if self.min is self.scale else per_group(self.min)
+        return {"packed": packed, "scales": scales, "mins": mins, "supers": per_group(self.supers),
+                "super_mins": per_group(self.super_mins)}  # fmt: skip
 
 
 class QuantizedLinear:
-    """The LinearMethod for quantized weights. A layer whose checkpoint weight is quantized (layer.quantized)
-    keeps it so; with `bits` set, dense weights are quantized at load to that many bits (the LM head and
-    embedding to 8). Any other dense weight runs through `dense`, the method it would have had.
+    """The LinearMethod for quantized weights. A layer whose checkpoint weight is quantized (layer.quantized: one
+    QuantizedTensor, or a fused layer's segments, one per format) keeps it so; with `bits` set, dense weights are
+    quantized at load to that many bits (the LM head and embedding to 8). Any other dense weight runs through
+    `dense`, the method it would have had.
 
     The kernel takes bfloat16 activations and accumulates in float32; each row's sums run in a fixed order,
     so a token's result is the same in any batch without padding."""
@@ -192,38 +210,39 @@ class QuantizedLinear:
         if source is None and self.bits is not None:
             bits = 8 if layer.reads_rows else self.bits  # the [vocab, hidden] matrix stays finer
             source = QuantizedTensor.quantize(layer.weight, bits)
-        layer.bits = None if source is None else source.bits
         if source is None:
+            layer.bits = None
             return self.dense.prepare(layer)
-        packed = source.pack()
-        for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
-            layer.register_buffer(name, tensor, persistent=False)
+        segments = source if isinstance(source, list) else [source]
+        layer.bits = segments[0].bits if len(segments) == 1 else "mixed"
+        layer.kinds = [s.kind for s in segments]
+        gemms = []
+        for i, segment in enumerate(segments):
+            packed = segment.pack()
+            for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
+                if tensor is not None:
+                    layer.register_buffer(name if i == 0 else f"{name}_{i}", tensor, persistent=False)
+            gemms.append(self.kernels.QuantSegment(**packed, bits=segment.bits, group=segment.group,
+                                                   n=segment.shape[0]))  # fmt: skip
         bias = layer.bias.float() if layer.bias is not None else None
-        # The kernel's arguments after x, as one plain tuple: read once per GEMM, where the buffers above (and
-        # a missing attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
-        layer.gemm_args = (*packed.values(), bias, layer.out_features)
+        # The kernel's argument after x, one object read once per GEMM: the buffers above (and a missing
+        # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
+        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
         layer.quantized = None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
             return self.dense.apply(layer, x)
-        return self._gemm(layer, x, float_out=False)
+        return self.kernels.quant_gemm(x, layer.gemm, False)
 
     def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
             return self.dense.rows(layer, ids)
-        K = layer.in_features
-        if layer.bits == 4:
-            return self.kernels.q4_rows(layer.packed, layer.scales, layer.mins, ids, K)
-        return self.kernels.q8_rows(layer.packed, layer.scales, ids, K)
+        return self.kernels.quant_rows(layer.gemm, ids, layer.in_features)
 
     def logits(self, layer, x: torch.Tensor) -> torch.Tensor:
         """float32 outputs of the exact weights: no near-tie recompute is needed."""
         if layer.bits is None:
             return self.dense.logits(layer, x)
-        return self._gemm(layer, x, float_out=True)
-
-    def _gemm(self, layer, x: torch.Tensor, float_out: bool) -> torch.Tensor:
-        gemm = self.kernels.q4_gemm if layer.bits == 4 else self.kernels.q8_gemm
-        return gemm(x, *layer.gemm_args, float_out)  # (packed, scales[, mins], bias, N)
+        return self.kernels.quant_gemm(x, layer.gemm, True)

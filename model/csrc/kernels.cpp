@@ -18,10 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin") = py::none(), no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned (CPU)");
-  m.def("q4_gemm", &q4_gemm, "x W^T on 4-bit weights in groups of 32 (w = d q + m), x bfloat16 or float32 (CPU)",
-        no_gil());
-  m.def("q8_gemm", &q8_gemm, "x W^T on 8-bit weights in groups of 32 (w = d q), x bfloat16 or float32 (CPU)",
-        no_gil());
+  m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
+        py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
   // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)
 #if defined(__AVX512BF16__)
   m.attr("gemm_bfloat16_as") = "bfloat16";
@@ -35,11 +33,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("gemm_float32_as") = "float32";
 #endif
-  m.def("q4_rows", &q4_rows, "rows of a packed 4-bit weight, dequantized to float32");
-  m.def("q8_rows", &q8_rows, "rows of a packed 8-bit weight, dequantized to float32");
-  py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on packed quantized weights: 4-bit with mins, else 8-bit")
+  m.def("quant_rows", &quant_rows, "rows of a quantized weight, dequantized to float32", py::arg("gemm"),
+        py::arg("ids"), py::arg("K"));
+  py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "one format's run of a weight's rows, packed")
       .def(py::init([](at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
-                       std::optional<at::Tensor> bias, int64_t n) { return QuantGemm{packed, scales, mins, bias, n}; }));
+                       std::optional<at::Tensor> supers, std::optional<at::Tensor> super_mins, int64_t bits,
+                       int64_t group, int64_t n) {
+             return QuantSegment{packed, scales, mins, supers, super_mins, bits, group, n};
+           }),
+           py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("supers"), py::arg("super_mins"),
+           py::arg("bits"), py::arg("group"), py::arg("n"));
+  py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on quantized weights: its segments, bias, width")
+      .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
+        return QuantGemm{std::move(segments), bias, n};
+      }));
   py::class_<Layer>(m, "Layer", py::module_local(), "one llama-style decoder layer's weights")
       .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, QuantGemm up,
                        QuantGemm down) { return Layer{norm1, qkv, o, norm2, up, down}; }));

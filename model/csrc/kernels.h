@@ -15,9 +15,6 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
 at::Tensor silu_mul(at::Tensor x);
 std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
                                     double eps);
-at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins,
-                      std::optional<at::Tensor> bias, int64_t N, bool float_out);
-at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> bias,
-                      int64_t N, bool float_out);
-at::Tensor q4_rows(at::Tensor packed, at::Tensor scales, at::Tensor mins, at::Tensor ids, int64_t K);
-at::Tensor q8_rows(at::Tensor packed, at::Tensor scales, at::Tensor ids, int64_t K);
+struct QuantGemm;
+at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out);
+at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);

@@ -12,11 +12,6 @@
 
 #include "kernels.h"
 
-at::Tensor QuantGemm::operator()(const at::Tensor& x) const {
-  if (mins) return q4_gemm(x, packed, scales, *mins, bias, n, false);
-  return q8_gemm(x, packed, scales, bias, n, false);
-}
-
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers, KVH, slots, D]; slots, block_tables, seqs, block_size,
 // window, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin [T, D] or none. Returns the last
 // block's output and the residual stream it adds to (the final norm adds them), as the Python loop does.

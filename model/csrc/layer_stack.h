@@ -6,10 +6,18 @@
 #include <optional>
 #include <vector>
 
-// One GEMM on quantized weights, as model/quant.py packs them: 4-bit when mins are given, else 8-bit
+// One run of a weight's rows in one format, as model/quant.py packs it (quant_gemm.cpp, "Layout")
+struct QuantSegment {
+  at::Tensor packed, scales;  // scales: float16 per group, or int8 sub-scales with supers
+  std::optional<at::Tensor> mins, supers, super_mins;
+  int64_t bits, group, n;  // n: its output features
+};
+
+// One GEMM on quantized weights: its segments' outputs side by side (one segment unless a fused layer's parts
+// come in several formats)
 struct QuantGemm {
-  at::Tensor packed, scales;
-  std::optional<at::Tensor> mins, bias;
+  std::vector<QuantSegment> segments;
+  std::optional<at::Tensor> bias;
   int64_t n;  // output features
   at::Tensor operator()(const at::Tensor& x) const;
 };

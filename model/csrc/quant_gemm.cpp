@@ -1,126 +1,189 @@
-// GEMMs on quantized weights (CPU): y = x W^T (+ bias), W in groups of 32 weights along K, each group stored as
-// small integers q with a float32 scale d (and, 4-bit, a minimum):
-//   q4 (GGUF Q4_0, Q4_1, int4 at load): w = d * q + m, q in 0..15
-//   q8 (GGUF Q8_0, int8 at load):       w = d * q,     q in -127..127
-// A group's sum runs on the exact integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k): nothing
-// is rounded to a 16-bit weight. Two kernels, by what the CPU multiplies natively (model/cpu_tier.py):
-// bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp), float32 activations everywhere
-// (quant_gemm_f32.cpp; bfloat16 ones are widened to float32 first where the CPU has no bfloat16 arithmetic).
+// GEMMs on quantized weights (CPU): y = x W^T (+ bias), W in groups of 32 (or 16) weights along K, each group
+// stored as small integers q with a scale d (and a minimum m), w = d q + m:
+//   4-bit (GGUF Q4_0, Q4_1, Q4_K, int4 at load), 5-bit (Q5_0, Q5_1, Q5_K), 6-bit (Q6_K, groups of 16): q in
+//          0 .. 2^bits - 1, with a minimum (Q5_0's d (q - 16) is d q + (-16 d), Q6_K's likewise with 32)
+//   4-bit without a minimum (IQ4_NL, IQ4_XS): w = d IQ4_LEVELS[q] (-127..113, exact in bfloat16 and int16)
+//   8-bit (GGUF Q8_0, int8 at load): q in -128..127, no minimum
+// d and m are float16 per group, or (K-quants, IQ4_XS) an int8 sub-scale per group times a float16 scale per
+// super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
+// integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
+// row of x for every output): nothing is rounded to a 16-bit weight. Two kernels, by what the CPU multiplies
+// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp), float32 activations
+// everywhere (quant_gemm_f32.cpp, quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU
+// has no bfloat16 arithmetic).
 //
-// Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups of 32:
-//   q4: [tiles, groups, 8 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low nibble) and
-//       q[4c + 2 + i] (high nibble)
-//   q8: [tiles, groups, 16 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[2c + i]
-//   scales (d), mins (m): [tiles, groups, 16] float16 (as GGUF stores them: exact)
-// Every row of x runs the same instructions in the same order whatever the batch, so a token's output has the
-// same bits alone or in any batch (no padding needed).
+// Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
+//   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
+//          nibble) and q[4c + 2 + i] (high nibble)
+//   5-, 6-bit: the same nibbles, then each group's high bits (quant_gemm.h: nibble_bytes, add_high)
+//   8-bit: [tiles, groups, group / 2 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[2c + i]
+//   scales (d), mins (m): [tiles, groups, 16] float16; or int8 sub-scales and sub-minimums [tiles, groups, 16]
+//   with supers (d) and super_mins (m) [tiles, K / 256, 16] float16
+// A fused layer whose parts come in several formats holds one segment per run of parts, each writing its own
+// columns of the output. Every row of x runs the same instructions in the same order whatever the batch, so a
+// token's output has the same bits alone or in any batch (no padding needed).
 
 #include "quant_gemm.h"
 
+#include "layer_stack.h"
+
 namespace {
 
-at::Tensor gemm(bool q4, at::Tensor x, at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
-                   std::optional<at::Tensor> bias, int64_t N, bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x must be [M, K] bfloat16 or float32");
-  const int64_t M = x.size(0), K = x.size(1), groups = K / GROUP, tiles = (N + TILE - 1) / TILE;
-  TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == tiles * groups * group_bytes(q4),
+// The segment's tensors as the kernels read them, checked against its format and K
+Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
+  // the kernels' forms (quant_gemm.h, dispatch)
+  TORCH_CHECK((s.bits == 4 && s.group == 32) || (s.bits == 5 && s.group == 32 && s.mins) ||
+                  (s.bits == 6 && s.group == 16 && s.mins) || (s.bits == 8 && s.group == 32 && !s.mins),
+              "a quantized form no kernel runs: 4 bits in groups of 32 (with a minimum, or IQ4's levels), 5 bits in "
+              "groups of 32 or 6 in groups of 16 with minimums, 8 in groups of 32 without");
+  TORCH_CHECK(K % s.group == 0, "K must be a multiple of the group");
+  const int64_t tiles = (s.n + TILE - 1) / TILE, groups = K / s.group;
+  TORCH_CHECK(s.packed.scalar_type() == at::kByte && s.packed.is_contiguous() &&
+                  s.packed.numel() == tiles * groups * TILE * s.group * s.bits / 8,
               "packed weights mismatch");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == tiles * groups * TILE, "scales mismatch");
-  TORCH_CHECK(!q4 || (mins && mins->numel() == scales.numel()), "mins mismatch");
-  at::Tensor b;
-  if (bias) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias mismatch");
+  const bool super = s.supers.has_value();
+  const auto scale_type = super ? at::kChar : at::kHalf;
+  TORCH_CHECK(s.scales.scalar_type() == scale_type && s.scales.is_contiguous() &&
+                  s.scales.numel() == tiles * groups * TILE,
+              "scales mismatch");
+  if (s.mins)
+    TORCH_CHECK(s.mins->scalar_type() == scale_type && s.mins->is_contiguous() && s.mins->numel() == s.scales.numel(),
+                "mins mismatch");
+  if (super) {
+    TORCH_CHECK(K % SUPER == 0, "super-blocks: K must be a multiple of 256");
+    TORCH_CHECK(s.supers->scalar_type() == at::kHalf && s.supers->is_contiguous() &&
+                    s.supers->numel() == tiles * (K / SUPER) * TILE,
+                "supers mismatch");
+    TORCH_CHECK(!s.mins || (s.super_mins && s.super_mins->scalar_type() == at::kHalf &&
+                            s.super_mins->is_contiguous() && s.super_mins->numel() == s.supers->numel()),
+                "super_mins mismatch");
   }
-  packed = packed.contiguous();
-  scales = scales.contiguous();
-  at::Tensor mins_c = q4 ? mins->contiguous() : at::Tensor();
-  const Packed w{q4, K, N, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                 q4 ? mins_c.data_ptr<at::Half>() : nullptr, b.defined() ? b.data_ptr<float>() : nullptr};
-  // float32 out for the logits, else x's own dtype
-  const bool out_f32 = float_out || x.scalar_type() == at::kFloat;
-  auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
-  const Output o{out_f32 ? out.data_ptr<float>() : nullptr,
-                 out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr())};
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    x = x.contiguous();
-    gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
-    return out;
+  Packed w{};
+  w.bits = static_cast<int>(s.bits);
+  w.group = static_cast<int>(s.group);
+  w.has_min = s.mins.has_value();
+  w.K = K;
+  w.N = s.n;
+  w.w = s.packed.data_ptr<uint8_t>();
+  if (super) {
+    w.sub = s.scales.data_ptr<int8_t>();
+    w.sub_min = s.mins ? s.mins->data_ptr<int8_t>() : nullptr;
+    w.super_d = s.supers->data_ptr<at::Half>();
+    w.super_m = s.mins ? s.super_mins->data_ptr<at::Half>() : nullptr;
+  } else {
+    w.scale = s.scales.data_ptr<at::Half>();
+    w.min = s.mins ? s.mins->data_ptr<at::Half>() : nullptr;
   }
-#endif
-  x = x.to(at::kFloat).contiguous();  // exact from bfloat16
-#if defined(__AVX2__)
-  gemm_i16(w, x.data_ptr<float>(), M, o);
-#else
-  gemm_f32(w, x.data_ptr<float>(), M, o);
-#endif
-  return out;
+  w.bias = bias;
+  w.num_groups = K / s.group;
+  return w;
 }
 
 }  // namespace
 
-// x [M, K] bfloat16 or float32 -> [M, N] of x's dtype (float32 with float_out): see the layout above
-at::Tensor q4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins,
-                      std::optional<at::Tensor> bias, int64_t N, bool float_out) {
-  return gemm(true, x, packed, scales, mins, bias, N, float_out);
+// x [M, K] bfloat16 or float32 -> [M, N] of x's dtype (float32 with float_out): each segment's GEMM into its
+// columns
+at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be [M, K] bfloat16 or float32");
+  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
+  TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
+  at::Tensor b;
+  if (gemm.bias) {
+    b = gemm.bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias mismatch");
+  }
+  // float32 out for the logits, else x's own dtype
+  const bool out_f32 = float_out || x.scalar_type() == at::kFloat;
+  auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+#else
+  const bool bf16 = false;
+#endif
+  x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
+  int64_t n0 = 0;
+  for (const QuantSegment& s : gemm.segments) {
+    TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
+    const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
+    const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
+                   out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
+#if defined(__AVX512BF16__)
+    if (bf16) {
+      gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
+      n0 += s.n;
+      continue;
+    }
+#endif
+#if defined(__AVX2__)
+    gemm_i16(w, x.data_ptr<float>(), M, o);
+#else
+    gemm_f32(w, x.data_ptr<float>(), M, o);
+#endif
+    n0 += s.n;
+  }
+  TORCH_CHECK(n0 == N, "segments narrower than the output");
+  return out;
 }
 
-at::Tensor q8_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> bias,
-                      int64_t N, bool float_out) {
-  return gemm(false, x, packed, scales, std::nullopt, bias, N, float_out);
-}
+at::Tensor QuantGemm::operator()(const at::Tensor& x) const { return quant_gemm(x, *this, false); }
 
-namespace {
-
-// rows ids of the dequantized weight, float32 [n, K]: the exact values
-at::Tensor rows(bool q4, at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
-                   at::Tensor ids, int64_t K) {
-  const int64_t groups = K / GROUP, chunk_bytes = group_bytes(q4);
+// rows ids of the dequantized weight, float32 [n, K]: the exact values, w = d q + m with d q rounded first
+at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
   ids = ids.to(at::kLong).contiguous();
-  packed = packed.contiguous();
-  scales = scales.contiguous();
-  at::Tensor mins_c = q4 ? mins->contiguous() : at::Tensor();
+  std::vector<Packed> parts;
+  std::vector<int64_t> starts;
+  int64_t n0 = 0;
+  for (const QuantSegment& s : gemm.segments) {
+    parts.push_back(packed_of(s, K, nullptr));
+    starts.push_back(n0);
+    n0 += s.n;
+  }
   const int64_t n = ids.numel();
-  auto out = at::empty({n, K}, scales.options().dtype(at::kFloat));
+  auto out = at::empty({n, K}, ids.options().dtype(at::kFloat));
   const int64_t* ip = ids.data_ptr<int64_t>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* op = q4 ? mins_c.data_ptr<at::Half>() : nullptr;
   float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n0, "row id out of range");
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t row = ip[r], t = row / TILE, j = row % TILE;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* wg = wp + (t * groups + g) * chunk_bytes;
-        const float d = static_cast<float>(sp[(t * groups + g) * TILE + j]);
-        float* o = dst + r * K + g * GROUP;
-        if (q4) {
-          const float m = static_cast<float>(op[(t * groups + g) * TILE + j]);
-          for (int c = 0; c < 8; ++c)
+      size_t p = 0;
+      while (p + 1 < parts.size() && ip[r] >= starts[p + 1]) ++p;
+      const Packed& w = parts[p];
+      const int64_t row = ip[r] - starts[p], t = row / TILE, j = row % TILE, G = w.group;
+      for (int64_t g = 0; g < w.groups(); ++g) {
+        const uint8_t* wg = w.tile(t) + g * w.group_bytes();
+        // lane j's d and m: from the VL lanes holding it
+        const vfloat dv = w.group_scale(t, g, static_cast<int>(j / VL)), mv = w.group_min(t, g, static_cast<int>(j / VL));
+        const float d = dv[j % VL], m = mv[j % VL];
+        float* o = dst + r * K + g * G;
+        if (w.bits < 8) {
+          const int HB = w.bits - 4;
+          for (int c = 0; c < G / 4; ++c) {
+            // the lane's high bits of chunk c: hi(q[4c]), hi(q[4c + 2]), hi(q[4c + 1]), hi(q[4c + 3])
+            const int bits = HB ? wg[nibble_bytes(G) + high_row(HB, c) * TILE + j] >> high_shift(HB, c) : 0;
+            const int high[4] = {bits, bits >> (2 * HB), bits >> HB, bits >> (3 * HB)};  // by q[4c + i]
             for (int i = 0; i < 2; ++i) {
               const uint8_t b = wg[c * 32 + 2 * j + i];
-              o[4 * c + i] = static_cast<float>(b & 15) * d + m;  // two roundings, as model/quant.py's
-              o[4 * c + 2 + i] = static_cast<float>(b >> 4) * d + m;
+              const int mask = (1 << HB) - 1;
+              const int q_low = (b & 15) | ((high[i] & mask) << 4), q_high = (b >> 4) | ((high[2 + i] & mask) << 4);
+              if (!w.has_min) {  // IQ4: q indexes IQ4_LEVELS
+                o[4 * c + i] = static_cast<float>(IQ4_LEVELS[q_low]) * d;
+                o[4 * c + 2 + i] = static_cast<float>(IQ4_LEVELS[q_high]) * d;
+                continue;
+              }
+              o[4 * c + i] = static_cast<float>(q_low) * d + m;  // two roundings, as model/quant.py's
+              o[4 * c + 2 + i] = static_cast<float>(q_high) * d + m;
             }
+          }
         } else {
-          for (int c = 0; c < 16; ++c)
-            for (int i = 0; i < 2; ++i) o[2 * c + i] = static_cast<int8_t>(wg[c * 32 + 2 * j + i]) * d;
+          for (int c = 0; c < G / 2; ++c)
+            for (int i = 0; i < 2; ++i) {
+              const float v = static_cast<int8_t>(wg[c * 32 + 2 * j + i]) * d;
+              o[2 * c + i] = w.has_min ? v + m : v;
+            }
         }
       }
     }
   });
   return out;
-}
-
-}  // namespace
-
-at::Tensor q4_rows(at::Tensor packed, at::Tensor scales, at::Tensor mins, at::Tensor ids, int64_t K) {
-  return rows(true, packed, scales, mins, ids, K);
-}
-
-at::Tensor q8_rows(at::Tensor packed, at::Tensor scales, at::Tensor ids, int64_t K) {
-  return rows(false, packed, scales, std::nullopt, ids, K);
 }

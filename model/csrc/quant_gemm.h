@@ -8,18 +8,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 constexpr int TILE = 16;        // output rows per tile of the packed layout
-constexpr int GROUP = 32;       // weights per scale, along K
+constexpr int GROUP = 32;       // activations per step (int16 path) and per sum of x (the minimum's term)
+constexpr int SUPER = 256;      // weights per super-block (K-quants, IQ4_XS) along K
 constexpr int NV = TILE / VL;   // vectors per tile: 1 (AVX-512), 2 (AVX2), 4 (baseline)
-
-// Packed bytes of one group of a tile: 16 lanes x 32 weights, 4 or 8 bits each
-constexpr int64_t group_bytes(bool q4) { return q4 ? 256 : 512; }
 
 // VL float16 -> float32
 inline vfloat load_halves(const at::Half* p) {
@@ -34,21 +33,103 @@ inline vfloat load_halves(const at::Half* p) {
 #endif
 }
 
-// One GEMM's weights, as model/quant.py packs them
-struct Packed {
-  bool q4;
-  int64_t K, N;
-  const uint8_t* w;       // [tiles, groups, group bytes]
-  const at::Half* scale;  // [tiles, groups, 16]
-  const at::Half* min;    // [tiles, groups, 16], 4-bit only
-  const float* bias;      // [N] or null
+typedef int8_t vsbyte __attribute__((vector_size(VL)));
 
-  int64_t groups() const { return K / GROUP; }
+// VL int8 -> float32 (exact). The intrinsics where there are: GCC's own conversion of a byte vector to floats
+// went element by element (measured: Q4_K's GEMM at half Q4_1's speed per byte, one row of [8192, 2048])
+inline vfloat load_bytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return bitcast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return bitcast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  vsbyte b;
+  __builtin_memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(b, vint), vfloat);
+#endif
+}
+
+// One GEMM's weights (or one run of a fused layer's rows), as model/quant.py packs them: integers q of `bits`
+// (4 to 6: 0 .. 2^bits - 1, in the nibble layouts; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K, w = d q + m per group, where d and m
+// are either float16 per group (`scale`, `min`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) or a super-block's
+// float16 d (and m: the file's dmin, negated) per 256 times the group's int8 sub-scale (and sub-minimum):
+// the K-quants and IQ4_XS. Those products (11 by at most 8 significant bits) are exact in float32.
+struct Packed {
+  int bits, group;
+  bool has_min;            // w = d q + m, else d q
+  int64_t K, N;
+  const uint8_t* w;        // [tiles, groups, group bytes]
+  const at::Half* scale;   // [tiles, groups, 16] (float16 form)
+  const at::Half* min;     // [tiles, groups, 16] (float16 form, with a minimum)
+  const int8_t* sub;       // [tiles, groups, 16] (super-block form)
+  const int8_t* sub_min;   // [tiles, groups, 16] (super-block form, with a minimum)
+  const at::Half* super_d;  // [tiles, K / 256, 16]
+  const at::Half* super_m;  // [tiles, K / 256, 16] (with a minimum)
+  const float* bias;       // [N] or null
+  int64_t num_groups;      // K / group, kept: not a division by the runtime group in every read of a scale
+
+  int64_t groups() const { return num_groups; }
+  int64_t supers() const { return K / SUPER; }
+  int64_t group_bytes() const { return TILE * group * bits / 8; }
   int64_t tiles() const { return (N + TILE - 1) / TILE; }
-  const uint8_t* tile(int64_t t) const { return w + t * groups() * group_bytes(q4); }
-  const at::Half* tile_scale(int64_t t) const { return scale + t * groups() * TILE; }
-  const at::Half* tile_min(int64_t t) const { return q4 ? min + t * groups() * TILE : nullptr; }
+  const uint8_t* tile(int64_t t) const { return w + t * groups() * group_bytes(); }
+
+  // d of lanes h VL .. h VL + VL - 1 of tile t's group g, float32 (exact)
+  vfloat group_scale(int64_t t, int64_t g, int h) const {
+    const int64_t i = (t * groups() + g) * TILE + h * VL;
+    if (!sub) return load_halves(scale + i);
+    return load_bytes(sub + i) * load_halves(super_d + (t * supers() + g * group / SUPER) * TILE + h * VL);
+  }
+  // m of the same lanes (0 without a minimum)
+  vfloat group_min(int64_t t, int64_t g, int h) const {
+    if (!has_min) return vfloat{};
+    const int64_t i = (t * groups() + g) * TILE + h * VL;
+    if (!sub) return load_halves(min + i);
+    return load_bytes(sub_min + i) * load_halves(super_m + (t * supers() + g * group / SUPER) * TILE + h * VL);
+  }
 };
+
+// IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Calls f(BITS, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-, 5- or 6-bit q
+// (a nibble plane, and for 5 and 6 a high-bit plane) with a minimum, groups of 32 (16 for 6-bit: Q6_K); 4-bit
+// without one: IQ4_LEVELS[q] (IQ4_NL, IQ4_XS); or 8-bit in groups of 32 without a minimum
+template <class F>
+void dispatch(const Packed& w, F&& f) {
+  using std::integral_constant;
+  const integral_constant<bool, true> min;
+  const integral_constant<int, 32> g32;
+  if (w.bits == 4 && !w.has_min)
+    f(integral_constant<int, 4>{}, g32, integral_constant<bool, false>{});
+  else if (w.bits == 4)
+    f(integral_constant<int, 4>{}, g32, min);
+  else if (w.bits == 5)
+    f(integral_constant<int, 5>{}, g32, min);
+  else if (w.bits == 6)
+    f(integral_constant<int, 6>{}, integral_constant<int, 16>{}, min);
+  else
+    f(integral_constant<int, 8>{}, g32, integral_constant<bool, false>{});
+}
+
+// The nibble layouts' high bits (5- and 6-bit q: HB = 1 or 2 bits above the nibble). A group's packed bytes are
+// its nibble plane (the 4-bit layout: chunks of 32 bytes, each lane's word holding q[4c] and q[4c + 2] in its
+// first byte, q[4c + 1] and q[4c + 3] in its second), then its high-bit plane: rows of 16 bytes, one a lane, chunk
+// c's 4 HB bits from bit 4 HB c of the lane's bytes: hi(q[4c]), hi(q[4c + 2]), hi(q[4c + 1]), hi(q[4c + 3]).
+constexpr int64_t nibble_bytes(int G) { return TILE * G / 2; }
+constexpr int64_t high_row(int HB, int c) { return 4 * HB * c / 8; }  // the 16-byte row holding chunk c's bits
+constexpr int high_shift(int HB, int c) { return 4 * HB * c % 8; }
+
+// Adds the high bits to 32-bit lanes holding two 16-bit q each, low: (q[4c], q[4c + 1]), high: (q[4c + 2],
+// q[4c + 3]), each at bit 0 of its half; h: the lane's byte of the high-bit plane, shifted to the chunk's bits
+template <int HB, class V>
+inline void add_high(V h, V& low, V& high) {
+  constexpr uint32_t m = (1u << HB) - 1, mask = (m << 4) | (m << 20);
+  h &= (1u << (4 * HB)) - 1;
+  const V t = h | (h << (16 - 2 * HB));  // bits 16 + 2 HB .. : hi(q[4c + 1]) and hi(q[4c + 3]) by 16
+  low |= (t << 4) & mask;
+  high |= (t << (4 - HB)) & mask;
+}
 
 typedef uint16_t vhalfword __attribute__((vector_size(VL * sizeof(uint16_t))));
 
@@ -65,9 +146,10 @@ inline vhalfword to_bf16(vfloat v) {
 struct Output {
   float* f32;
   c10::BFloat16* bf16;
+  int64_t ld;  // elements from one row to the next (a segment of a fused layer writes its columns only)
 
   // the first n of a tile's outputs y (+ bias) into row m at column n0, VL at a time
-  void store(int64_t m, int64_t N, int64_t n0, int64_t n, const float* y, const float* bias) const {
+  void store(int64_t m, int64_t n0, int64_t n, const float* y, const float* bias) const {
     for (int64_t l0 = 0; l0 < n; l0 += VL) {
       const int64_t k = std::min<int64_t>(VL, n - l0);
       vfloat v, b{};
@@ -75,10 +157,10 @@ struct Output {
       if (bias) __builtin_memcpy(&b, bias + n0 + l0, k * sizeof(float));
       v += b;
       if (f32) {
-        __builtin_memcpy(f32 + m * N + n0 + l0, &v, k * sizeof(float));
+        __builtin_memcpy(f32 + m * ld + n0 + l0, &v, k * sizeof(float));
       } else {
         const vhalfword h = to_bf16(v);
-        __builtin_memcpy(bf16 + m * N + n0 + l0, &h, k * sizeof(uint16_t));
+        __builtin_memcpy(bf16 + m * ld + n0 + l0, &h, k * sizeof(uint16_t));
       }
     }
   }
@@ -120,7 +202,7 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
         const int R = static_cast<int>((M - m0) / (blocks - b));
         const uint8_t* next = b == 0 && s + 1 < s1 ? w.tile(t + nt) : nullptr;  // once a step
         kernel.rows(R, static_cast<int>(nt), t, m0, plan.unpack ? unpacked.data() : nullptr, next, y);
-        for (int r = 0; r < R; ++r) out.store(m0 + r, w.N, n0, n, y + r * nt * TILE, w.bias);
+        for (int r = 0; r < R; ++r) out.store(m0 + r, n0, n, y + r * nt * TILE, w.bias);
         m0 += R;
       }
     }

@@ -3,7 +3,7 @@
 //
 // The integers are exact in bfloat16, so a group's sum runs on the exact weights: sum_k x_k q_k, from bfloat16
 // pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes), then times d (plus m * sum_k x_k).
-// A 4-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
+// A 4- to 6-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
 // 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
 
 #include "quant_gemm.h"
@@ -18,7 +18,6 @@ typedef uint8_t vbyte32 __attribute__((vector_size(32)));
 typedef uint16_t vword32 __attribute__((vector_size(64)));
 
 constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers)
-constexpr int VECS = GROUP / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
 
 // acc + the pairwise dot products of 16 lanes of bfloat16 pairs: w (packed weights) and x (one pair, the same
 // in every lane)
@@ -27,13 +26,33 @@ inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
                                           bitcast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)))));
 }
 
-// 32 nibble-bytes -> two vectors of 16 bfloat16 pairs, 128 + q each (low nibbles, high nibbles)
-inline void unpack_q4(const uint8_t* p, vuint& low, vuint& high) {
+// IQ4_LEVELS as bfloat16 bits (exact), twice over: vpermw indexes 32 words
+alignas(64) constexpr uint16_t IQ4_BF16[32] = {
+    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2,
+    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2};
+
+// Chunk c of a group's nibble layout -> two vectors of 16 bfloat16 pairs, 128 + q each: (q[4c], q[4c + 1]),
+// (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
+template <int HB, int G, bool LEVELS = false>
+inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
   vbyte32 b;
-  __builtin_memcpy(&b, p, 32);
+  __builtin_memcpy(&b, group + c * 32, 32);
   const vuint w = bitcast<vuint>(__builtin_convertvector(b, vword32));  // lane j: byte 2j | byte 2j+1 << 16
-  low = (w & 0x000F000Fu) | 0x43004300u;
-  high = ((w >> 4) & 0x000F000Fu) | 0x43004300u;
+  low = w & 0x000F000Fu;
+  high = (w >> 4) & 0x000F000Fu;
+  if constexpr (HB > 0) {
+    const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE;
+    const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+    add_high<HB>(h >> high_shift(HB, c), low, high);
+  }
+  if constexpr (LEVELS) {  // q indexes IQ4_LEVELS: their bfloat16 bits, one vpermw a vector (exact: |level| < 256)
+    const __m512i table = _mm512_loadu_si512(IQ4_BF16);
+    low = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(low), table));
+    high = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(high), table));
+  } else {
+    low |= 0x43004300u;
+    high |= 0x43004300u;
+  }
 }
 
 // 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256): each half to 16 float32, then both to bfloat16 in one
@@ -44,23 +63,41 @@ inline vuint unpack_q8(const uint8_t* p) {
   return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
 }
 
-// A group's scale d and offset m - 128 d (4-bit; 0 for 8-bit), float32, from the packed float16 ones
-template <bool Q4>
-inline void group_scales(const at::Half* scale, const at::Half* min, vfloat& d, vfloat& offset) {
-  d = load_halves(scale);
-  offset = Q4 ? load_halves(min) - 128.0f * d : vfloat{};
+// A group's scale d and offset: m - 128 d (nibble layouts with a minimum: 128 + q), else 0; float32
+template <bool WITH_128>
+inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
+  d = w.group_scale(t, g, 0);
+  offset = WITH_128 ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
 }
 
-// the sum of 32 bfloat16 in float32, in a fixed order: each pair, then a tree over the 16 pair sums
+// the sum of G (32 or 16) bfloat16 in float32, in a fixed order: each pair, then a tree over the pair sums
+template <int G>
 inline float group_sum(const c10::BFloat16* x) {
-  vword32 h;
-  __builtin_memcpy(&h, x, sizeof(h));
-  const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
-  return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
+  if constexpr (G == 32) {
+    vword32 h;
+    __builtin_memcpy(&h, x, sizeof(h));
+    const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
+    return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
+  } else {
+    float pairs[G / 2];
+    for (int j = 0; j < G / 2; ++j) pairs[j] = to_float(x[2 * j]) + to_float(x[2 * j + 1]);
+    for (int width = G / 4; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
+    return pairs[0];
+  }
 }
 
-template <bool Q4>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
+// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
+template <int BITS, int G, bool MIN, bool SUPERS>
 struct Bf16Kernel {
+  static constexpr bool NIB = BITS < 8;
+  static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
+  static constexpr bool LEVELS = NIB && !MIN;  // IQ4: q indexes IQ4_LEVELS; else 128 + q, the minimum's offset
+                                              // taking the 128 back
+  static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
+
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
   // is faster than storing the unpacked tile and reading it back)
   Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
@@ -70,21 +107,21 @@ struct Bf16Kernel {
 
   const Packed& w;
   const uint32_t* x;  // [M, K / 2] bfloat16 pairs
-  const float* xsum;  // [M, groups] (4-bit)
+  const float* xsum;  // [M, K / G] (with a minimum)
 
   void unpack(int64_t t, vuint* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
-      const uint8_t* wg = wt + g * group_bytes(Q4);
+      const uint8_t* wg = wt + g * GROUP_BYTES;
       vuint* o = out + g * UNPACKED;
-      for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
-        if constexpr (Q4)
-          unpack_q4(wg + c * 32, o[2 * c], o[2 * c + 1]);
+      for (int c = 0; c < (NIB ? G / 4 : VECS); ++c) {
+        if constexpr (NIB)
+          unpack_nibbles<HB, G, LEVELS>(wg, c, o[2 * c], o[2 * c + 1]);
         else
           o[c] = unpack_q8(wg + c * 32);
       }
       vfloat d, offset;
-      group_scales<Q4>(w.tile_scale(t) + g * TILE, Q4 ? w.tile_min(t) + g * TILE : nullptr, d, offset);
+      group_scales<MIN>(w, t, g, d, offset);
       o[VECS] = bitcast<vuint>(d);
       o[VECS + 1] = bitcast<vuint>(offset);
     }
@@ -101,12 +138,13 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * (w.K / 2);
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
+    vfloat super_d{}, super_m{};  // the current super-block's (SUPERS)
     for (int64_t g = 0; g < groups; ++g) {
       vfloat acc[R];
       for (int r = 0; r < R; ++r) acc[r] = vfloat{};
       const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
       if (next)
-        for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + g * group_bytes(Q4) + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
       auto dot_rows = [&](vuint pairs, int64_t k) {
         for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, xr[r][k]);
       };
@@ -117,21 +155,32 @@ struct Bf16Kernel {
         d = bitcast<vfloat>(u[VECS]);
         offset = bitcast<vfloat>(u[VECS + 1]);
       } else {
-        const uint8_t* wg = wt + g * group_bytes(Q4);
-        if constexpr (Q4) {
-          for (int c = 0; c < 8; ++c) {
+        const uint8_t* wg = wt + g * GROUP_BYTES;
+        if constexpr (NIB) {
+          for (int c = 0; c < G / 4; ++c) {
             vuint low, high;
-            unpack_q4(wg + c * 32, low, high);
+            unpack_nibbles<HB, G, LEVELS>(wg, c, low, high);
             dot_rows(low, k0 + 2 * c);
             dot_rows(high, k0 + 2 * c + 1);
           }
         } else {
-          for (int c = 0; c < 16; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
+          for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
         }
-        group_scales<Q4>(w.tile_scale(t) + g * TILE, Q4 ? w.tile_min(t) + g * TILE : nullptr, d, offset);
+        if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+          if (g % (SUPER / G) == 0) {
+            const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
+            super_d = load_halves(w.super_d + at);
+            if constexpr (MIN) super_m = load_halves(w.super_m + at);
+          }
+          const int64_t at = (t * groups + g) * TILE;
+          d = load_bytes(w.sub + at) * super_d;
+          offset = MIN ? load_bytes(w.sub_min + at) * super_m - 128.0f * d : vfloat{};
+        } else {
+          group_scales<MIN>(w, t, g, d, offset);
+        }
       }
       for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
-      if constexpr (Q4)
+      if constexpr (MIN)
         for (int r = 0; r < R; ++r) y[r] += offset * xsum[(m0 + r) * groups + g];
     }
     for (int r = 0; r < R; ++r) __builtin_memcpy(out + r * TILE, &y[r], sizeof(y[r]));
@@ -149,16 +198,19 @@ struct Bf16Kernel {
 };
 
 void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
-  std::vector<float> xsum(w.q4 ? M * w.groups() : 0);  // each row's sum over each group (the offset term)
-  if (w.q4)
-    at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum(x + i * GROUP);
-    });
   const auto* pairs = reinterpret_cast<const uint32_t*>(x);
-  if (w.q4)
-    run_tiles(Bf16Kernel<true>{w, pairs, xsum.data()}, w, M, out);
-  else
-    run_tiles(Bf16Kernel<false>{w, pairs, nullptr}, w, M, out);
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    // each row's sum over each group (the minimum's term): once per row of x, for every output row
+    std::vector<float> xsum(min() ? M * w.groups() : 0);
+    if constexpr (min())
+      at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum<g()>(x + i * g());
+      });
+    if (w.sub)
+      run_tiles(Bf16Kernel<bits(), g(), min(), true>{w, pairs, xsum.data()}, w, M, out);
+    else
+      run_tiles(Bf16Kernel<bits(), g(), min(), false>{w, pairs, xsum.data()}, w, M, out);
+  });
 }
 
 }  // namespace

@@ -63,17 +63,42 @@ inline void unpack4(const uint8_t* chunk, int h, vfloat* wf) {
   wf[2] = to_float(w & 0x00F0);
   wf[3] = to_float(w >> 12);
 }
+// 5- and 6-bit q (HB high bits) from a group's two planes (quant_gemm.h): each q whole, so SCALES are 1
+template <int HB, int G>
+inline void unpack_high(const uint8_t* group, int c, int h, vfloat* wf) {
+  typedef uint8_t vbyte __attribute__((vector_size(VL)));
+  const vint w = words(group + c * 32, h);
+  vbyte b;
+  __builtin_memcpy(&b, group + nibble_bytes(G) + high_row(HB, c) * TILE + h * VL, sizeof(b));
+  const vint hb = __builtin_convertvector(b, vint) >> high_shift(HB, c);
+  constexpr int m = (1 << HB) - 1;
+  wf[0] = to_float((w & 15) | ((hb & m) << 4));
+  wf[2] = to_float(((w >> 4) & 15) | (((hb >> HB) & m) << 4));
+  wf[1] = to_float(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
+  wf[3] = to_float(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
+}
+// IQ4 (4-bit q without a minimum): IQ4_LEVELS[q] in k order, each whole (SCALES 1), lane by lane
+inline void unpack_levels(const uint8_t* chunk, int h, vfloat* wf) {
+  const vint w = words(chunk, h);
+  for (int l = 0; l < VL; ++l) {
+    wf[0][l] = IQ4_LEVELS[w[l] & 15];
+    wf[2][l] = IQ4_LEVELS[(w[l] >> 4) & 15];
+    wf[1][l] = IQ4_LEVELS[(w[l] >> 8) & 15];
+    wf[3][l] = IQ4_LEVELS[(w[l] >> 12) & 15];
+  }
+}
 inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
   const vint w = signed_words(chunk, h);
   wf[0] = to_float(w << 24);
   wf[1] = to_float(w >> 8);
 }
 
-// the sum of 32 float32, in a fixed order: VL-lane vectors added in turn, then a tree
+// the sum of G float32, in a fixed order: VL-lane vectors added in turn, then a tree
+template <int G>
 inline float group_sum(const float* x) {
   vfloat s;
   __builtin_memcpy(&s, x, sizeof(s));
-  for (int i = VL; i < GROUP; i += VL) {
+  for (int i = VL; i < G; i += VL) {
     vfloat v;
     __builtin_memcpy(&v, x + i, sizeof(v));
     s += v;
@@ -81,8 +106,13 @@ inline float group_sum(const float* x) {
   return hsum(s);
 }
 
-template <bool Q4>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
+template <int BITS, int G, bool MIN>
 struct F32Kernel {
+  static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 4 k per chunk
+  static constexpr int HB = Q4 ? BITS - 4 : 0;
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
+
   // one row: tiles at once from the packed weights; more: one tile at a time, unpacked once there are two
   // blocks of rows to reuse it
   Plan plan(int64_t M) const {
@@ -91,31 +121,38 @@ struct F32Kernel {
   }
   static constexpr int MAX_ROWS = BLOCK_ROWS, MAX_TILES = TILES_AT_ONCE;
   using Unpacked = vfloat;
-  // per group: q (scaled as unpack4 and unpack8 give it) as float32 for each k ([32][NV]), then d and m
-  static constexpr int UNPACKED = (GROUP + 2) * NV;
+  // per group: q (scaled as unpack4 and unpack8 give it) as float32 for each k ([G][NV]), then d and m
+  static constexpr int UNPACKED = (G + 2) * NV;
   static constexpr int PER_CHUNK = Q4 ? 4 : 2;  // k per chunk of 32 packed bytes
 
   const Packed& w;
   const float* x;     // [M, K], scaled: see SCALES4
-  const float* xsum;  // [M, groups] (4-bit), of x as given
+  const float* xsum;  // [M, K / G] (with a minimum), of x as given
 
-  static void unpack_chunk(const uint8_t* chunk, int h, vfloat* wf) {
-    Q4 ? unpack4(chunk, h, wf) : unpack8(chunk, h, wf);
+  static void unpack_chunk(const uint8_t* group, int c, int h, vfloat* wf) {
+    if constexpr (HB > 0)
+      unpack_high<HB, G>(group, c, h, wf);
+    else if constexpr (Q4 && !MIN)
+      unpack_levels(group + c * 32, h, wf);
+    else if constexpr (Q4)
+      unpack4(group + c * 32, h, wf);
+    else
+      unpack8(group + c * 32, h, wf);
   }
 
   void unpack(int64_t t, vfloat* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       vfloat* o = out + g * UNPACKED;
-      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+      for (int c = 0; c < G / PER_CHUNK; ++c)
         for (int h = 0; h < NV; ++h) {
           vfloat wf[PER_CHUNK];
-          unpack_chunk(wt + g * group_bytes(Q4) + c * 32, h, wf);
+          unpack_chunk(wt + g * GROUP_BYTES, c, h, wf);
           for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
         }
       for (int h = 0; h < NV; ++h) {
-        o[GROUP * NV + h] = load_halves(w.tile_scale(t) + g * TILE + h * VL);
-        o[(GROUP + 1) * NV + h] = Q4 ? load_halves(w.tile_min(t) + g * TILE + h * VL) : vfloat{};
+        o[G * NV + h] = w.group_scale(t, g, h);
+        o[(G + 1) * NV + h] = MIN ? w.group_min(t, g, h) : vfloat{};
       }
     }
   }
@@ -131,7 +168,7 @@ struct F32Kernel {
           vfloat v;
           __builtin_memcpy(&v, dst, sizeof(v));
           v = madd(acc[r][tt][h], d[tt][h], v);
-          if constexpr (Q4) v = madd(m[tt][h], splat(xsum[(m0 + r) * w.groups() + g]), v);
+          if constexpr (MIN) v = madd(m[tt][h], splat(xsum[(m0 + r) * w.groups() + g]), v);
           __builtin_memcpy(dst, &v, sizeof(v));
         }
   }
@@ -147,17 +184,17 @@ struct F32Kernel {
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next step's tiles' bytes, group by group, asked for ahead: see quant_gemm_bf16.cpp
         for (int tt = 0; tt < TT; ++tt)
-          for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + (tt * groups + g) * group_bytes(Q4) + i);
+          for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + (tt * groups + g) * GROUP_BYTES + i);
       vfloat acc[R][TT][NV] = {};
-      const float* xk = x + m0 * w.K + g * GROUP;
+      const float* xk = x + m0 * w.K + g * G;
 #pragma GCC unroll 16
-      for (int c = 0; c < GROUP / PER_CHUNK; ++c)
+      for (int c = 0; c < G / PER_CHUNK; ++c)
 #pragma GCC unroll 8
         for (int tt = 0; tt < TT; ++tt)
 #pragma GCC unroll 4
           for (int h = 0; h < NV; ++h) {
             vfloat wf[PER_CHUNK];
-            unpack_chunk(wt[tt] + g * group_bytes(Q4) + c * 32, h, wf);
+            unpack_chunk(wt[tt] + g * GROUP_BYTES, c, h, wf);
             for (int i = 0; i < PER_CHUNK; ++i)
               for (int r = 0; r < R; ++r)
                 acc[r][tt][h] = madd(wf[i], splat(xk[r * w.K + c * PER_CHUNK + i]), acc[r][tt][h]);
@@ -165,8 +202,8 @@ struct F32Kernel {
       vfloat d[TT][NV], m[TT][NV];
       for (int tt = 0; tt < TT; ++tt)
         for (int h = 0; h < NV; ++h) {
-          d[tt][h] = load_halves(w.tile_scale(t + tt) + g * TILE + h * VL);
-          m[tt][h] = Q4 ? load_halves(w.tile_min(t + tt) + g * TILE + h * VL) : vfloat{};
+          d[tt][h] = w.group_scale(t + tt, g, h);
+          m[tt][h] = MIN ? w.group_min(t + tt, g, h) : vfloat{};
         }
       add_group<R, TT>(acc, d, m, m0, g, y);
     }
@@ -178,17 +215,17 @@ struct F32Kernel {
     for (int64_t g = 0; g < w.groups(); ++g) {
       const vfloat* u = unpacked + g * UNPACKED;
       vfloat acc[R][1][NV] = {};
-      const float* xk = x + m0 * w.K + g * GROUP;
+      const float* xk = x + m0 * w.K + g * G;
 #pragma GCC unroll 32
-      for (int k = 0; k < GROUP; ++k)
+      for (int k = 0; k < G; ++k)
         for (int r = 0; r < R; ++r) {
           const vfloat xb = splat(xk[r * w.K + k]);
           for (int h = 0; h < NV; ++h) acc[r][0][h] = madd(u[k * NV + h], xb, acc[r][0][h]);
         }
       vfloat d[1][NV], m[1][NV];
       for (int h = 0; h < NV; ++h) {
-        d[0][h] = u[GROUP * NV + h];
-        m[0][h] = u[(GROUP + 1) * NV + h];
+        d[0][h] = u[G * NV + h];
+        m[0][h] = u[(G + 1) * NV + h];
       }
       add_group<R, 1>(acc, d, m, m0, g, y);
     }
@@ -207,20 +244,21 @@ struct F32Kernel {
 };
 
 void gemm(const Packed& w, const float* x, int64_t M, const Output& out) {
-  const int64_t groups = w.groups(), K = w.K;
-  std::vector<float> xsum(w.q4 ? M * groups : 0);  // each row's sum over each group (the m term)
-  std::vector<float> scaled(M * K);                // x_k * 2^-s: see SCALES4
-  at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = x + i * GROUP;
-      if (w.q4) xsum[i] = group_sum(src);
-      for (int k = 0; k < GROUP; ++k) scaled[i * GROUP + k] = src[k] * (w.q4 ? SCALES4[k % 4] : SCALES8[k % 2]);
-    }
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    constexpr int G = g();
+    const int64_t groups = w.K / G;
+    std::vector<float> xsum(min() ? M * groups : 0);  // each row's sum over each group (the m term)
+    std::vector<float> scaled(M * w.K);               // x_k * 2^-s: see SCALES4 (1 for 5- and 6-bit q)
+    at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* src = x + i * G;
+        if constexpr (min()) xsum[i] = group_sum<G>(src);
+        for (int k = 0; k < G; ++k)
+          scaled[i * G + k] = src[k] * (bits() == 4 && min() ? SCALES4[k % 4] : bits() == 8 ? SCALES8[k % 2] : 1.0f);
+      }
+    });
+    run_tiles(F32Kernel<bits(), G, min()>{w, scaled.data(), xsum.data()}, w, M, out);
   });
-  if (w.q4)
-    run_tiles(F32Kernel<true>{w, scaled.data(), xsum.data()}, w, M, out);
-  else
-    run_tiles(F32Kernel<false>{w, scaled.data(), nullptr}, w, M, out);
 }
 
 }  // namespace

@@ -7,8 +7,8 @@
 // products an instruction, 1.6 a cycle on Zen 3 against 2 float32 multiply-adds of 8), and a group's 32 products
 // of a lane sum into int32 without rounding (|xq q| <= 32767 * 128: 32 of them stay below 2^31). So the sum of a
 // group is the same whatever the order of its additions, and the float32 work is per group only, in a fixed
-// order: y += d (s sum_k xq_k q_k), then + m sum_k x_k (4-bit; x's own float32 sum). Weights are the file's
-// integers as they are.
+// order: y += d (s sum_k xq_k q_k), then + m (s sum_k xq_k) (with a minimum). Weights are the file's integers as
+// they are, and a row's result is its rounded activations times them.
 //
 // The packed layout (quant_gemm.cpp), read 8 lanes at a time: 16 bytes of a chunk widened to 16-bit words give
 // each lane the int16 pairs (q[4c], q[4c+1]) and, from the high nibbles, (q[4c+2], q[4c+3]) (4-bit), or
@@ -25,7 +25,6 @@
 
 namespace {
 
-constexpr int PAIRS = GROUP / 2;  // k pairs per group
 constexpr int HALVES = TILE / 8;  // 8-lane vectors per tile
 // Rows of x computed together: 2 accumulators a row, 2 weight vectors and x's broadcast: 15 of 16 registers
 constexpr int BLOCK_ROWS = 6;
@@ -37,6 +36,26 @@ inline void pairs4(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
   const __m256i nibble = _mm256_set1_epi16(15);
   a = _mm256_and_si256(w, nibble);
   b = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+}
+// 5- and 6-bit q: pairs4 with the HB high bits from the group's high-bit plane (quant_gemm.h)
+template <int HB, int G>
+inline void pairs_high(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  pairs4(group + c * 32, h, a, b);
+  const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE + 8 * h;
+  const v8u hb = bitcast<v8u>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+  v8u low = bitcast<v8u>(a), high = bitcast<v8u>(b);
+  add_high<HB>(hb >> high_shift(HB, c), low, high);
+  a = bitcast<__m256i>(low);
+  b = bitcast<__m256i>(high);
+}
+// IQ4 (4-bit q without a minimum): pairs4 of IQ4_LEVELS[q], int16, by one byte shuffle (each word's low byte
+// indexes the table) and a sign extension of the low bytes
+inline void pairs_levels(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
+  pairs4(chunk, h, a, b);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  a = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, a), 8), 8);
+  b = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, b), 8), 8);
 }
 inline __m256i pairs8(const uint8_t* chunk, int h) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
@@ -96,8 +115,25 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
   }
 }
 
-template <bool Q4>
+// BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G.
+// x's steps are per 32 whatever G: a group of 16 takes its half's.
+// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
+template <int BITS, int G, bool MIN, bool SUPERS>
 struct I16Kernel {
+  static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 2 pairs per chunk
+  static constexpr int HB = Q4 ? BITS - 4 : 0;
+  static constexpr int PAIRS = G / 2;  // k pairs per group
+  static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
+
+  static void nibble_pairs(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
+    if constexpr (HB > 0)
+      pairs_high<HB, G>(group, c, h, a, b);
+    else if constexpr (!MIN)
+      pairs_levels(group + c * 32, h, a, b);
+    else
+      pairs4(group + c * 32, h, a, b);
+  }
+
   // Blocks of rows from the packed weights while one block holds them all. Past that, the tiles are unpacked
   // once and each block of rows runs over several of them, so that its rows of x stay in L1 while they are
   // reused: as many tiles as fit in ~256 KB of L2 unpacked, and few enough that every thread gets 4 steps
@@ -116,26 +152,39 @@ struct I16Kernel {
 
   const Packed& w;
   const int16_t* xq;   // [M, K] the activations as int16
-  const float* step;   // [M, groups] s of each row's group
-  const float* xsum;   // [M, groups] sum of each row's group (4-bit)
+  const float* step;   // [M, K / 32] s of each row's 32
+  const float* xsum;   // [M, K / G] s sum_k xq_k of each row's group (with a minimum)
+
+  // d and m of lanes 8h .. 8h + 7 (Packed's own reads VL lanes: 16 on the avx512 tier, 8 on avx2)
+  __m256 group_scale(int64_t t, int64_t g, int h) const { return half_lanes(w.group_scale(t, g, h / (VL / 8)), h); }
+  __m256 group_min(int64_t t, int64_t g, int h) const { return half_lanes(w.group_min(t, g, h / (VL / 8)), h); }
+  static __m256 sub_scales(const int8_t* p) {  // 8 int8 -> float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m256 half_lanes(vfloat v, int h) {
+#if defined(__AVX512F__)
+    const __m512 wide = bitcast<__m512>(v);
+    return h % 2 ? _mm512_extractf32x8_ps(wide, 1) : _mm512_castps512_ps256(wide);
+#else
+    (void)h;
+    return bitcast<__m256>(v);
+#endif
+  }
 
   void unpack(int64_t t, __m256i* out) const {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       __m256i* o = out + g * UNPACKED;
-      const uint8_t* wg = wt + g * group_bytes(Q4);
+      const uint8_t* wg = wt + g * GROUP_BYTES;
       for (int h = 0; h < HALVES; ++h) {
-        for (int c = 0; c < (Q4 ? 8 : 16); ++c) {
+        for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c) {
           if constexpr (Q4)
-            pairs4(wg + c * 32, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
+            nibble_pairs(wg, c, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
           else
             o[c * HALVES + h] = pairs8(wg + c * 32, h);
         }
-        o[PAIRS * HALVES + h] = _mm256_castps_si256(_mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h))));
-        o[(PAIRS + 1) * HALVES + h] = Q4 ? _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(
-                                               reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h))))
-                                         : _mm256_setzero_si256();
+        o[PAIRS * HALVES + h] = bitcast<__m256i>(group_scale(t, g, h));
+        o[(PAIRS + 1) * HALVES + h] = MIN ? bitcast<__m256i>(group_min(t, g, h)) : _mm256_setzero_si256();
       }
     }
   }
@@ -146,15 +195,16 @@ struct I16Kernel {
     const int64_t groups = w.groups(), K = w.K;
     const uint8_t* wt = w.tile(t);
     __m256 out[R][HALVES];
+    __m256 super_d[HALVES], super_m[HALVES];  // the current super-block's (SUPERS)
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next tile's bytes, asked for ahead: see quant_gemm_bf16.cpp
-        for (int64_t i = 0; i < group_bytes(Q4); i += 64) __builtin_prefetch(next + g * group_bytes(Q4) + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
       __m256i acc[R][HALVES];
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_si256();
-      const int16_t* x = xq + m0 * K + g * GROUP;
+      const int16_t* x = xq + m0 * K + g * G;
       __m256 d[HALVES], m[HALVES];
       if constexpr (UNPACKED_TILE) {
         const __m256i* u = unpacked + g * UNPACKED;
@@ -172,13 +222,13 @@ struct I16Kernel {
           m[h] = _mm256_castsi256_ps(u[(PAIRS + 1) * HALVES + h]);
         }
       } else {
-        const uint8_t* wg = wt + g * group_bytes(Q4);
+        const uint8_t* wg = wt + g * GROUP_BYTES;
 #pragma GCC unroll 16
-        for (int c = 0; c < (Q4 ? 8 : 16); ++c)
+        for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c)
           for (int h = 0; h < HALVES; ++h) {
             if constexpr (Q4) {
               __m256i a, b;
-              pairs4(wg + c * 32, h, a, b);
+              nibble_pairs(wg, c, h, a, b);
               for (int r = 0; r < R; ++r) {
                 acc[r][h] = dot_pairs(acc[r][h], a, broadcast_pair(x + r * K + 4 * c));
                 acc[r][h] = dot_pairs(acc[r][h], b, broadcast_pair(x + r * K + 4 * c + 2));
@@ -189,20 +239,29 @@ struct I16Kernel {
             }
           }
         for (int h = 0; h < HALVES; ++h) {
-          d[h] = _mm256_cvtph_ps(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_scale(t) + g * TILE + 8 * h)));
-          m[h] = Q4 ? _mm256_cvtph_ps(
-                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_min(t) + g * TILE + 8 * h)))
-                    : _mm256_setzero_ps();
+          if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+            if (g % (SUPER / G) == 0) {
+              const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE + 8 * h;
+              super_d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_d + at)));
+              if constexpr (MIN)
+                super_m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_m + at)));
+            }
+            const int64_t at = (t * groups + g) * TILE + 8 * h;
+            d[h] = _mm256_mul_ps(sub_scales(w.sub + at), super_d[h]);
+            m[h] = MIN ? _mm256_mul_ps(sub_scales(w.sub_min + at), super_m[h]) : _mm256_setzero_ps();
+          } else {
+            d[h] = group_scale(t, g, h);
+            m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
+          }
         }
       }
-      // y += d (s sum) (+ m sum_k x_k): per group, in this order, for every row alike
+      // y += d (s sum) (+ m s sum_k xq_k): per group, in this order, for every row alike
       for (int r = 0; r < R; ++r) {
-        const __m256 s = _mm256_set1_ps(step[(m0 + r) * groups + g]);
+        const __m256 s = _mm256_set1_ps(step[(m0 + r) * (K / GROUP) + g * G / GROUP]);
         for (int h = 0; h < HALVES; ++h) {
           const __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), s);
           out[r][h] = _mm256_fmadd_ps(sum, d[h], out[r][h]);
-          if constexpr (Q4)
+          if constexpr (MIN)
             out[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xsum[(m0 + r) * groups + g]), out[r][h]);
         }
       }
@@ -231,16 +290,32 @@ struct I16Kernel {
 }  // namespace
 
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
-  const int64_t groups = w.groups(), K = w.K;
+  const int64_t groups = w.K / GROUP, K = w.K;
   std::vector<int16_t> xq(M * K);
-  std::vector<float> step(M * groups), xsum(M * groups);
+  std::vector<float> step(M * groups), xsum(M * groups);  // xsum: where quantize_group finds infinities, NaNs
   at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * GROUP, xq.data() + i * GROUP, step[i], xsum[i]);
   });
-  if (w.q4)
-    run_tiles(I16Kernel<true>{w, xq.data(), step.data(), xsum.data()}, w, M, out);
-  else
-    run_tiles(I16Kernel<false>{w, xq.data(), step.data(), nullptr}, w, M, out);
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    constexpr int G = g();
+    // The minimum's term per group: s sum_k xq_k, the rounded activations' own sum (exact in int32, then one
+    // rounding), so that a row's result is its rounded x times the exact weights, minimum included. With x's
+    // float32 sum instead, the rounding's error came back weighted by q (up to 63) rather than by w (measured:
+    // a tiny Q6_K / Q5_0 model's scores 7x further from float32's).
+    std::vector<float> sums(min() ? M * K / G : 0);
+    if constexpr (min())
+      at::parallel_for(0, M * K / G, 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          int32_t total = 0;
+          for (int k = 0; k < G; ++k) total += xq[i * G + k];
+          sums[i] = step[i * G / GROUP] * static_cast<float>(total);
+        }
+      });
+    if (w.sub)
+      run_tiles(I16Kernel<bits(), G, min(), true>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+    else
+      run_tiles(I16Kernel<bits(), G, min(), false>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+  });
 }
 
 #endif

@@ -144,11 +144,12 @@ def select_quantization(
 
 
 def describe_weights(model) -> str:
-    """e.g. '4-bit x 210, 8-bit x 1 (kvserve's quantized kernel); dense ': what the quantized path holds."""
+    """e.g. 'Q4_K x 150, Q4_K+Q6_K x 14, Q6_K x 1 (kvserve's quantized kernel); dense ': what the quantized path
+    holds, by the file's types (int4 / int8: quantized at load)."""
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, Linear):
-            kind = f"{m.bits}-bit" if m.bits else "dense"
+            kind = "+".join(m.kinds) if m.bits else "dense"
             counts[kind] = counts.get(kind, 0) + 1
     return (
         ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())) + " (kvserve's quantized kernel); dense "

@@ -13,7 +13,7 @@ def test_cpu_kernels_build_here(tier_kernels):
     install, not silently fall back."""
     kernels = tier_kernels
     assert kernels is not None
-    for name in ("paged_attention", "rms_norm", "silu_mul", "q4_gemm", "q8_gemm", "q4_rows", "q8_rows"):
+    for name in ("paged_attention", "rms_norm", "silu_mul", "quant_gemm", "quant_rows", "QuantGemm"):
         assert hasattr(kernels, name), name
 
 

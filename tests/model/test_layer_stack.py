@@ -17,9 +17,12 @@ from model.transformer import Ops
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
 
 
-def load(path, bits: int | None, stack: bool = True, kernels=None, dtype=torch.bfloat16):
+def load(
+    path, bits: int | None, stack: bool = True, kernels=None, dtype=torch.bfloat16, quantized: bool = False
+):
+    """quantized: the checkpoint's own quantized weights, as they are (bits None: nothing quantized at load)."""
     kernels = kernels or cpu_kernels()
-    linear = QuantizedLinear(kernels, PlainLinear(), bits) if bits else PlainLinear()
+    linear = QuantizedLinear(kernels, PlainLinear(), bits) if bits or quantized else PlainLinear()
     ops = Ops.with_kernels(linear, kernels)
     if not stack:
         ops = dataclasses.replace(ops, layer_stack=None)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from model import quant
+from model.gguf_blocks import from_gguf_blocks
+from model.gguf_blocks import gguf_weight as read_gguf_weight
 from model.kernels import cpu_kernels
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
@@ -23,7 +24,7 @@ def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
     t = GGUF_TYPES[kind]
     raw = quants.quantize(w, t)  # uint8 [N, bytes per row]
-    return QuantizedTensor.from_gguf_blocks(kind, torch.from_numpy(raw), (N, K)), quants.dequantize(raw, t)
+    return from_gguf_blocks(kind, torch.from_numpy(raw), (N, K)), quants.dequantize(raw, t)
 
 
 def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None) -> Linear:
@@ -148,14 +149,14 @@ def test_fused_and_reordered_rows_stay_exact():
 
 @pytest.mark.timeout(30)
 def test_a_type_no_kernel_keeps_is_dequantized_by_gguf():
-    """Q5_0 (no kernel of kvserve's) comes back as gguf's float32 values; a known type as a QuantizedTensor."""
+    """Q3_K (no kernel of kvserve's) comes back as gguf's float32 values; a kept type as a QuantizedTensor."""
+    raw = np.random.default_rng(0).integers(0, 256, (4, 110), dtype=np.uint8)  # one Q3_K block a row
+    raw[:, 108:110] = np.array([0.01], dtype=np.float16).view(np.uint8)  # its d, last: finite
+    dense = read_gguf_weight("Q3_K", torch.from_numpy(raw), (4, 256))
+    assert dense.dtype == torch.float32 and dense.shape == (4, 256)
+    assert np.array_equal(dense.numpy(), quants.dequantize(raw, GGMLQuantizationType.Q3_K))
     w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
-    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
-    assert QuantizedTensor.from_gguf_blocks("Q5_0", torch.from_numpy(raw), (4, 64)) is None
-    dense = quant.gguf_weight("Q5_0", torch.from_numpy(raw), (4, 64))
-    assert dense.dtype == torch.float32 and dense.shape == (4, 64)
-    assert np.array_equal(dense.numpy(), quants.dequantize(raw, GGMLQuantizationType.Q5_0))
     q8 = quants.quantize(w, GGMLQuantizationType.Q8_0)
-    assert isinstance(quant.gguf_weight("Q8_0", torch.from_numpy(q8), (4, 64)), QuantizedTensor)
-    with pytest.raises(ValueError, match="Q8_0 blocks of shape"):
-        QuantizedTensor.from_gguf_blocks("Q8_0", torch.from_numpy(q8[:, :34]), (4, 64))
+    assert isinstance(read_gguf_weight("Q8_0", torch.from_numpy(q8), (4, 64)), QuantizedTensor)
+    with pytest.raises(ValueError, match="Q8_0 blocks of"):
+        from_gguf_blocks("Q8_0", torch.from_numpy(q8[:, :34]), (4, 64))

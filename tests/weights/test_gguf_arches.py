@@ -135,10 +135,11 @@ def test_quantized_family_gives_the_dequantized_weights(tmp_path, byte_vocab, fa
 
 
 @pytest.mark.timeout(60)
-def test_k_quants_are_dequantized_at_load_and_logged(tmp_path, byte_vocab, cpu_path, caplog):
-    """Types kvserve keeps no kernel for (Q4_K, Q6_K: blocks built by hand, as gguf cannot quantize to them) are
-    kept as raw blocks in the quantized file and dequantized at load, from it or from the GGUF in place, to the
-    dense file's values; the log names the types, how many tensors and what they cost."""
+def test_k_quants_are_kept_as_their_blocks(tmp_path, byte_vocab, cpu_path, caplog):
+    """Q4_K and Q6_K (blocks built by hand, as gguf cannot quantize to them) are kept as raw blocks in the
+    quantized file, which model/gguf_blocks.py reads back to the values the dense file holds; loaded from it or
+    from the GGUF in place, they stay quantized and nothing is dequantized at load."""
+    from model.gguf_blocks import from_gguf_blocks
     from model.loader import Checkpoint
     from model.quant import QuantizedLinear
     from weights.gguf_source import GGUFSource
@@ -147,19 +148,18 @@ def test_k_quants_are_dequantized_at_load_and_logged(tmp_path, byte_vocab, cpu_p
     convert_gguf(tmp_path / "wide.gguf", tmp_path / "wide", progress=False)
     dense = load_file(tmp_path / "wide" / "model.safetensors")
     ckpt = Checkpoint(tmp_path / "wide", quantized=True)
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name, kind in (("gate_proj", "Q4_K"), ("up_proj", "Q4_K"), ("down_proj", "Q6_K")):
         name = f"model.layers.0.mlp.{name}.weight"
-        assert ckpt.get(name)[0] in ("Q4_K", "Q6_K") and dense[name].abs().max() > 0, name
+        type_name, blocks, shape = ckpt.get(name)
+        assert type_name == kind and dense[name].abs().max() > 0, name
+        assert torch.equal(from_gguf_blocks(type_name, blocks, shape).dequantize(), dense[name]), name
     for model in (tmp_path / "wide", GGUFSource(tmp_path / "wide.gguf")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="model.loader"):
             ours, _ = cpu_path.load(model, linear=QuantizedLinear(cpu_kernels(), PlainLinear()))
-        assert "dequantized at load (no kernel keeps these types quantized): Q4_K x 2 (" in caplog.text
-        assert "Q6_K x 1 (" in caplog.text and "MiB in float32)" in caplog.text
+        assert "dequantized at load" not in caplog.text
         mlp = ours.layers[0].mlp
-        assert torch.equal(mlp.down.weight, dense["model.layers.0.mlp.down_proj.weight"])
-        gate_up = torch.cat([dense[f"model.layers.0.mlp.{n}_proj.weight"] for n in ("gate", "up")])
-        assert torch.equal(mlp.up.weight, gate_up)
+        assert mlp.up.kinds == ["Q4_K"] and mlp.down.kinds == ["Q6_K"]
 
 
 def write_wide_llama(writer: GGUFWriter, vocab: dict, rng: np.random.Generator) -> None:

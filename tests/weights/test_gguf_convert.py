@@ -52,10 +52,11 @@ def test_tensors_equal_dequantized_source(tmp_path, byte_vocab, type_name):
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, type_name):
     """quantized/model.safetensors: every quantized weight as the GGUF's raw block rows (in Hugging Face's row
-    order), which the loader reads as Q4_0 / Q4_1 / Q8_0 integers and float16 scales giving back the dequantized
-    values (Q4_0 up to one rounding: we keep d q - 8 d for d (q - 8)), and dequantizes the other types."""
+    order), which the loader reads as the kernels' integers and scales giving back the dequantized values (Q4_0
+    up to one rounding: we keep d q - 8 d for d (q - 8)), and dequantizes the types no kernel keeps."""
+    from model.gguf_blocks import BLOCKS, gguf_weight
     from model.loader import Checkpoint
-    from model.quant import QuantizedTensor, gguf_weight
+    from model.quant import QuantizedTensor
 
     qtype = GGMLQuantizationType[type_name]
     weights, out = convert(tmp_path, byte_vocab, qtype=qtype)
@@ -68,10 +69,10 @@ def test_quantized_file_keeps_the_gguf_blocks_as_they_are(tmp_path, byte_vocab, 
             assert (type_got, shape) == (type_name, original.shape), name
             assert np.array_equal(blocks.numpy(), quantize(original, qtype)), name
             got = gguf_weight(type_got, blocks, shape)
-            kept = type_name in ("Q4_0", "Q4_1", "Q8_0")
+            kept = type_name in BLOCKS
             assert isinstance(got, QuantizedTensor) is kept, name
             if kept:
-                assert got.bits == (8 if type_name == "Q8_0" else 4) and got.scale.dtype == torch.float16
+                assert got.kind == type_name, name
                 got = got.dequantize()
         assert isinstance(got, torch.Tensor), name
         tol = 2**-20 * dense[name].abs().max().item() if type_name == "Q4_0" else 0

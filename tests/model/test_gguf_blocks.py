@@ -1,0 +1,168 @@
+"""GGUF's block types read from their raw bytes (model/gguf_blocks.py) and multiplied by the quantized GEMM
+(model/csrc/quant_gemm.cpp) on every tier this CPU runs: random blocks (random quants and sub-scales, random
+finite float16 scales), checked against gguf-py's own dequantization in float64."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from model.gguf_blocks import BLOCKS, from_gguf_blocks
+from model.linear import Linear, PlainLinear
+from model.quant import QuantizedLinear, QuantizedTensor
+from tests.helpers.gguf_blocks import HALVES
+
+NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
+
+
+def random_blocks(type_name: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """uint8 [N, bytes per row]: random bytes, each float16 field a random finite value of sane magnitude (a
+    scale of about 2^-12 .. 2^-6 of either sign, as a weight's; a minimum up to ~16 of those)."""
+    size, nbytes = BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (N, K // size, nbytes), dtype=np.uint8)
+    for at, what in HALVES[type_name].items():
+        magnitude = 2.0 ** rng.uniform(-12, -6, (N, K // size)) * (16 if what == "m" else 1)
+        value = (magnitude * rng.choice([-1, 1], (N, K // size))).astype(np.float16)
+        blocks[..., at : at + 2] = value[..., None].view(np.uint8)
+    return blocks.reshape(N, -1)
+
+
+def reference(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """gguf-py's dequantized weights, float64 [N, K]."""
+    return quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64)
+
+
+def weight(type_name: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTensor, np.ndarray]:
+    blocks = random_blocks(type_name, N, K, seed)
+    return from_gguf_blocks(type_name, torch.from_numpy(blocks), (N, K)), reference(type_name, blocks)
+
+
+def layer_for(qt, kernels) -> Linear:
+    segments = qt if isinstance(qt, list) else [qt]
+    N, K = sum(s.shape[0] for s in segments), segments[0].shape[1]
+    layer = Linear(K, N, False, QuantizedLinear(kernels, PlainLinear()), rows=True)
+    layer.quantized = qt
+    layer.method.prepare(layer)
+    return layer
+
+
+def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch.Tensor:
+    """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
+    over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
+    they add: |x| times |d| (128 + max |q|) and |m| per group (the bfloat16 kernel adds 128 d to a 4-bit q and
+    takes it back with the minimum). int16 activations add their own rounding, half a step per input."""
+    M, K = x.shape
+    d, m = qt.scales()
+    G = qt.group
+    q_max = 2**qt.bits - 1 if qt.bits < 8 and qt.min is not None else 128
+    per_group = d.double().abs() * (q_max + (128 if qt.min is not None else 0))
+    if m is not None:
+        per_group = per_group + m.double().abs()
+    xg = x.double().abs().view(M, K // G, G).sum(-1)  # [M, groups]
+    bound = xg @ per_group.T * (K / G + 64) * 2.0**-24
+    if activations == "int16":
+        half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / 32767 / 2  # [M, K / 32]
+        w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
+        bound = bound + half_step @ w.T
+    return bound
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("type_name", [*NEW_TYPES, "Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_read_as_gguf_dequantizes_them(type_name):
+    N, K = 17, 512
+    qt, ref = weight(type_name, N, K, seed=3)
+    assert qt.shape == (N, K) and qt.kind == type_name
+    ours = qt.dequantize().double().numpy()
+    if type_name == "Q4_0":  # gguf computes d (q - 8); we keep d q + (-8 d): the same up to one rounding
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=np.abs(ref).max() * 2**-22)
+    else:
+        assert np.array_equal(ours, ref)
+
+
+@pytest.mark.timeout(60)
+def test_resident_bits_per_weight():
+    """The packed form is close to the file's bits (model/quant.py's docstring states them)."""
+    expected = {"Q4_K": 4.625, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.625, "Q5_1": 6.0, "IQ4_NL": 4.5,
+                "IQ4_XS": 4.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5}  # fmt: skip
+    for type_name, bpw in expected.items():
+        qt, _ = weight(type_name, 32, 512)
+        packed = {id(t): t for t in qt.pack().values() if t is not None}  # Q6_K's minimum is its scale
+        bits = 8 * sum(t.numel() * t.element_size() for t in packed.values())
+        assert bits / (32 * 512) == bpw, type_name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "type_name,M,N,K",
+    [
+        (type_name, M, N, K)
+        for type_name in NEW_TYPES
+        for M, N, K in [(1, 600, 256), (17, 40, 512), (5, 17, 96)]
+        if K % BLOCKS[type_name][0] == 0  # 96: 32-blocked types only
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K, dtype):
+    """x W^T with W as gguf-py dequantizes the blocks, in float64: x as the kernel gets it (bfloat16, or
+    float32), so the only error is the float32 sums' (and, on AVX2 tiers, int16 activations')."""
+    qt, ref = weight(type_name, N, K, seed=M + N + K)
+    layer = layer_for(qt, tier_kernels)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).to(dtype)
+    exact = x.double() @ torch.from_numpy(ref).T
+    with torch.inference_mode():
+        logits = layer.logits(x)
+        out = layer(x)
+    assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (M, N)
+    activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
+    bound = error_bound(x, qt, activations)
+    assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
+    assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
+    ids = torch.tensor([0, N - 1, N // 2])
+    assert torch.equal(layer.rows(ids, torch.float32).double(), torch.from_numpy(ref)[ids])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype):
+    """Batches of 1..40 rows take every kernel path (packed tiles, blocks of rows, tiles unpacked once): each
+    row's bits are those it gets alone."""
+    qt, _ = weight(type_name, 40, 512, seed=7)
+    layer = layer_for(qt, tier_kernels)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer.logits(x[i : i + 1]) for i in range(40)])
+        for n in range(1, 41):
+            assert torch.equal(layer.logits(x[:n]), alone[:n]), n
+        assert torch.equal(layer.logits(x[13:40]), alone[13:40])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_fused_layer_of_mixed_formats_keeps_each_part_as_it_is(tier_kernels, dtype):
+    """q and k in Q4_K, v in Q6_K (a Q4_K_M file's "more bits" layers): one segment per run of a format, each
+    writing its own columns, with the same bits as each part multiplied alone."""
+    q, _ = weight("Q4_K", 48, 256, seed=1)
+    k, _ = weight("Q4_K", 16, 256, seed=2)
+    v, _ = weight("Q6_K", 24, 256, seed=3)
+    segments = QuantizedTensor.segments([q, k, v])
+    assert [s.kind for s in segments] == ["Q4_K", "Q6_K"] and segments[0].shape == (64, 256)
+    fused = layer_for(segments, tier_kernels)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.inference_mode():
+        apart = torch.cat([layer_for(p, tier_kernels).logits(x) for p in (q, k, v)], dim=1)
+        assert torch.equal(fused.logits(x), apart)
+        assert torch.equal(fused(x), apart.to(dtype))
+        ids = torch.tensor([0, 63, 64, 87, 50])
+        want = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])[ids]
+        assert torch.equal(fused.rows(ids, torch.float32), want)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_sizes_and_types_are_refused():
+    with pytest.raises(ValueError, match="not kept quantized"):
+        from_gguf_blocks("Q3_K", torch.zeros(1, 110, dtype=torch.uint8), (1, 256))
+    with pytest.raises(ValueError, match="do not make"):
+        from_gguf_blocks("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), (2, 512))
