@@ -107,6 +107,11 @@ class GrammarState:
     def error(self) -> str:
         return self.matcher.get_error()
 
+    @property
+    def failure(self) -> str:
+        """Why it failed, in a line a client can read (llguidance's first line, without its parser's state)."""
+        return _short(self.error)
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -253,4 +258,6 @@ def _short(message: str) -> str:
     # llguidance's messages can quote the whole grammar with a caret line, or dump its parser's state after a
     # "<state>" line; the first lines say what is wrong.
     lines = [line for line in message.strip().split("\n<state>")[0].splitlines() if line.strip()][:3]
+    if lines and lines[0].strip() == "NoExtensionBias":  # its word for: no token may come next
+        return "the grammar allows no token here (no text matches it from this point)"
     return " ".join(line.strip() for line in lines)[:300]

@@ -48,7 +48,7 @@ class RequestState:
 
 
 def grammar_failure(request: Request, num_output_tokens: int) -> RequestError:
-    why = request.grammar.error.strip().splitlines()[0][:300]  # llguidance's parser state follows
+    why = request.grammar.failure
     return RequestError(
         f"the output's grammar failed after {num_output_tokens} tokens: {why} (a simpler JSON schema or "
         "grammar needs less work per token)",

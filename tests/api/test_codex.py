@@ -162,12 +162,22 @@ def test_codex_runs_a_namespaced_call(codex, new_engine, default_model_dir, serv
     as `name` echo, `namespace` mcp__notes, runs it, and sends its output back in the next request, which the
     model is made to answer in words."""
     forced = [{"type": "function", "name": "mcp__notes.echo"}, "none"]
-    with live_codex(new_engine, default_model_dir, serve_app, tmp_path, forced) as (server, home, workdir):
-        status, events, stderr = run_codex(codex, home, workdir, "Echo the word hello.")
-    show(f"codex exec, a forced call: exit {status}", events)
-    # the words after the call are the model's judgment: a reply cut at the context's end is no failure here
-    assert status == 0 or model_rambled(events), (status, events, stderr[-2000:])
-    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    for attempt in range(ATTEMPTS):
+        attempt_dir = tmp_path / f"attempt{attempt}"
+        attempt_dir.mkdir()
+        with live_codex(new_engine, default_model_dir, serve_app, attempt_dir, forced) as (
+            server,
+            home,
+            workdir,
+        ):
+            status, events, stderr = run_codex(codex, home, workdir, "Echo the word hello.")
+        show(f"codex exec, a forced call, attempt {attempt + 1}: exit {status}", events)
+        # the words after the call are the model's judgment: a reply cut at the context's end is no failure here
+        assert status == 0 or model_rambled(events), (status, events, stderr[-2000:])
+        items = [e["item"] for e in events if e["type"] == "item.completed"]
+        if any(item["type"] == "mcp_tool_call" for item in items):
+            break
+        # Codex samples (temperature 1): the forced call's free-text argument may ramble to max_output_tokens
     (tool,) = [item for item in items if item["type"] == "mcp_tool_call"]
     assert (tool["server"], tool["tool"], tool["status"]) == ("notes", "echo", "completed"), tool
     calls = answered(server)
