@@ -31,8 +31,8 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 @dataclass
 class QuantizedTensor:
     """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
-    (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8). d and m are float16 per group (`scale`,
-    `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
+    (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8).
+    d and m are float16 per group (`scale`, `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
     float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
     products are exact in float32.
 
@@ -45,9 +45,8 @@ class QuantizedTensor:
     bits: int
     q: torch.Tensor  # [N, K] uint8 (4 bits) or int8
     scale: torch.Tensor  # [N, K / group] float16, or int8 sub-scales (with supers)
-    min: torch.Tensor | None = (
-        None  # [N, K / group] float16, or int8 sub-minimums (with supers); 4 bits always
-    )
+    # [N, K / group] float16, or int8 sub-minimums (with supers); 4 bits always
+    min: torch.Tensor | None = None
     supers: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's d
     super_mins: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's minimum scale (-dmin)
     group: int = GROUP

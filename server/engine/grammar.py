@@ -162,10 +162,10 @@ class GrammarCompiler:
             tokenizer = self._tokenizer
         # Outside the lock: a large grammar takes a while, and llguidance lets go of the GIL meanwhile.
         matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0, limits=self._limits)
-        if matcher.is_error():
-            raise ValueError(_short(matcher.get_error()))
+        # a grammar that did not build, or whose first mask fails (over the per-token budget, or no token may
+        # start it), leaves the matcher failed
         first = fill_bitmasks([GrammarState(matcher)], self._vocab_size)
-        if matcher.is_error():  # the first token's mask already needs more than the per-token budget
+        if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
         if not matcher.is_accepting() and not first.any():
             raise ValueError("the grammar matches no text (no token can start it)")
