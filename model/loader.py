@@ -5,7 +5,7 @@ A source is any object with `name`, `config` and `generation_config` (config.jso
 contents), `quantized` (whether it stores quantized weights), `tokenizer` and `tokenizer_config` (a `tokenizers`
 Tokenizer and tokenizer_config.json's contents) and the two methods of a Checkpoint, `resolve(name)` and
 `get(name)`. get() gives a tensor, or a GGUF weight's raw blocks as a record (type name, uint8 blocks [N, bytes
-per row], shape [N, K]) that model/quant.py reads.
+per row], shape [N, K]) that model/gguf_blocks.py reads.
 
 The model is built on the meta device, then each parameter is filled from the checkpoint one tensor at a
 time (read, transformed, cast, moved), so no second full copy of the weights is ever held in memory. A linear
