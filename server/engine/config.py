@@ -13,9 +13,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # drafts per request per step, at most
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # no drafts in a step whose decodes already number this many: a batch that large is compute-bound, and
-    # verifying drafts there costs more than it saves
-    max_batch_size: int = 8
+    # a step's decodes plus their drafts, at most: drafts fill the rows a step's GEMMs still compute at about
+    # the cost of one (they read each weight once), and a step with this many decodes drafts nothing
+    max_step_rows: int = 8
 
     def __post_init__(self):
         if self.method != "ngram":
@@ -24,8 +24,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
+        if self.max_step_rows < 2:
+            raise ValueError("max_step_rows must be at least 2 (a decode and a draft)")
 
 
 @dataclass

@@ -15,8 +15,10 @@ Two sources, both free to propose:
 
 Drafts cost where they are rejected, so each request adapts: after a verify it proposes one more than it had
 accepted (up to num_speculative_tokens), and after a verify that accepted nothing it waits 1, 2, 4 ... steps
-before proposing again (reset by the next acceptance). A step with many decodes gets no drafts at all
-(SpeculativeConfig.max_batch_size): there the batch is compute-bound and verification is not nearly free.
+before proposing again (reset by the next acceptance). And each step adapts: its decodes plus their drafts stay
+within SpeculativeConfig.max_step_rows, the rows its GEMMs compute at about the cost of one (a one-row GEMM waits
+on memory, a many-row one on arithmetic, where every draft costs what a decode does). The requests whose latest
+verifies kept the most draft first; a step with that many decodes drafts nothing.
 """
 
 from collections import Counter
@@ -73,12 +75,19 @@ class Drafter:
                 self._record(c.request, c.drafts, kept.get(c.request.request_id, []))
         for request_id in finished:
             self.forget(request_id)
-        decoding = {r.request_id for r in running if r.num_tokens - r.num_computed_tokens == 1}
-        allowed = len(decoding) <= self.config.max_batch_size
         for request in running:
-            request.draft_token_ids = (
-                self._propose(request) if allowed and request.request_id in decoding else []
-            )
+            request.draft_token_ids = []
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        room = self.config.max_step_rows - len(decoding)
+        for request in sorted(decoding, key=self._draft_length, reverse=True):  # stable: ties in running order
+            if room <= 0:
+                break
+            request.draft_token_ids = self._propose(request, room)
+            room -= len(request.draft_token_ids)
+
+    def _draft_length(self, request: Request) -> int:
+        state = self._states.get(request.request_id)
+        return self.config.num_speculative_tokens if state is None else state.max_drafts
 
     def _record(self, request: Request, drafts: list[int], kept: list[int]) -> None:
         num_accepted = accepted_drafts(drafts, kept)
@@ -103,15 +112,15 @@ class Drafter:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def _propose(self, request: Request) -> list[int]:
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Up to `room` drafts for a decode (fewer after misses, none while it waits)."""
         if not request.params.speculative:
             return []
         state = self._states.get(request.request_id)
         if state is None:
             state = self._states[request.request_id] = _Drafts(max_drafts=self.config.num_speculative_tokens)
         # the output may not outgrow max_tokens: a draft past it could never be kept
-        room = request.params.max_tokens - len(request.output_token_ids) - 1
-        k = min(state.max_drafts, room)
+        k = min(state.max_drafts, room, request.params.max_tokens - len(request.output_token_ids) - 1)
         if k <= 0:
             return []
         if request.grammar is not None:

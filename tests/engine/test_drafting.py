@@ -46,9 +46,9 @@ def test_drafts_stop_at_max_tokens_and_in_large_batches():
     r = decoding([1, 2, 3, 4, 5, 6], [1], max_tokens=3)
     assert propose(d, r) == [2]  # the output may grow by 2: one draft and the draw after it
     crowd = [decoding([1, 2, 3, 1, 2], request_id=f"r{i}") for i in range(3)]
-    small = Drafter(SpeculativeConfig(prompt_lookup_min=2, max_batch_size=2))
+    small = Drafter(SpeculativeConfig(prompt_lookup_min=2, max_step_rows=3))
     small.after_step([], {}, {}, crowd)
-    assert all(r.draft_token_ids == [] for r in crowd)
+    assert all(r.draft_token_ids == [] for r in crowd)  # three decodes fill the step's rows
     prefilling = decoding([1, 2, 3, 1, 2])
     prefilling.num_computed_tokens = 2
     assert propose(Drafter(SpeculativeConfig(prompt_lookup_min=2)), prefilling) == []
@@ -81,3 +81,21 @@ def test_accepted_drafts_is_the_common_prefix():
     assert accepted_drafts([1, 2], [1, 2, 5]) == 2
     assert accepted_drafts([1, 2], [7]) == 0
     assert accepted_drafts([1, 2, 3], [1]) == 1  # the output ended at the first
+
+
+def test_a_step_shares_its_rows_best_acceptance_first():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, max_step_rows=7)
+    d = Drafter(config)
+    a, b, c = (decoding([1, 2, 3, 4, 5, 6, 1, 2], request_id=x) for x in "abc")
+    d.after_step([], {}, {}, [a, b, c])  # 3 decodes, 4 rows left for drafts: a, first, takes them all
+    assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([3, 4, 5, 6], [], [])
+
+    def verify(r, kept):
+        return ScheduledChunk(r, r.num_computed_tokens, 1 + len(r.draft_token_ids), True, False, r.draft_token_ids)
+
+    # a keeps none (it waits a step, then drafts one): b and c, untried, go first, in running order
+    d.after_step([verify(a, [9])], {"a": [9]}, {}, [a, b, c])
+    assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([], [3, 4, 5, 6], [])
+    # b keeps one (it would draft two next): c, untried, comes first and takes all four rows
+    d.after_step([verify(b, [3, 9])], {"b": [3, 9]}, {}, [a, b, c])
+    assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([], [], [3, 4, 5, 6])
