@@ -79,7 +79,8 @@ class Drafter:
             request.draft_token_ids = []
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         room = self.config.max_step_rows - len(decoding)
-        for request in sorted(decoding, key=self._draft_length, reverse=True):  # stable: ties in running order
+        # sorted is stable: ties keep their running order
+        for request in sorted(decoding, key=self._draft_length, reverse=True):
             if room <= 0:
                 break
             request.draft_token_ids = self._propose(request, room)

@@ -91,7 +91,8 @@ def test_a_step_shares_its_rows_best_acceptance_first():
     assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([3, 4, 5, 6], [], [])
 
     def verify(r, kept):
-        return ScheduledChunk(r, r.num_computed_tokens, 1 + len(r.draft_token_ids), True, False, r.draft_token_ids)
+        drafts = r.draft_token_ids
+        return ScheduledChunk(r, r.num_computed_tokens, 1 + len(drafts), True, False, drafts)
 
     # a keeps none (it waits a step, then drafts one): b and c, untried, go first, in running order
     d.after_step([verify(a, [9])], {"a": [9]}, {}, [a, b, c])
