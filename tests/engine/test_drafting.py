@@ -90,13 +90,13 @@ def test_a_step_shares_its_rows_best_acceptance_first():
     d.after_step([], {}, {}, [a, b, c])  # 3 decodes, 4 rows left for drafts: a, first, takes them all
     assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([3, 4, 5, 6], [], [])
 
-    def verify(r, kept):
+    def verify(r):
         drafts = r.draft_token_ids
         return ScheduledChunk(r, r.num_computed_tokens, 1 + len(drafts), True, False, drafts)
 
     # a keeps none (it waits a step, then drafts one): b and c, untried, go first, in running order
-    d.after_step([verify(a, [9])], {"a": [9]}, {}, [a, b, c])
+    d.after_step([verify(a)], {"a": [9]}, {}, [a, b, c])
     assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([], [3, 4, 5, 6], [])
     # b keeps one (it would draft two next): c, untried, comes first and takes all four rows
-    d.after_step([verify(b, [3, 9])], {"b": [3, 9]}, {}, [a, b, c])
+    d.after_step([verify(b)], {"b": [3, 9]}, {}, [a, b, c])
     assert (a.draft_token_ids, b.draft_token_ids, c.draft_token_ids) == ([], [], [3, 4, 5, 6])
