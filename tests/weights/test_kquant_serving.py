@@ -149,3 +149,22 @@ def test_the_layer_stack_runs_mixed_formats_with_the_loops_bits(tmp_path, byte_v
     b, cache_b = mixed_step(looped, config, tier_kernels, dtype)
     assert torch.equal(a, b) and a.abs().sum() > 0
     assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)
+
+
+@pytest.mark.timeout(300)
+def test_dequantize_gguf_writes_the_float32_reference_llama_perplexity_compares_with(tmp_path, byte_vocab):
+    """scripts/dequantize_gguf.py: the K-quant file's weights as float32, the metadata unchanged, so that
+    llama.cpp's KL divergence of a file is measured against the same reference as `kvserve bench-quality`'s."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    quantized, dequantized = tmp_path / "tiny.gguf", tmp_path / "tiny.F32.gguf"
+    write_kquant_gguf(quantized, byte_vocab)
+    script = Path(__file__).parents[2] / "scripts" / "dequantize_gguf.py"
+    subprocess.run([sys.executable, str(script), str(quantized), str(dequantized)], check=True)
+    assert not GGUFSource(dequantized).quantized and GGUFSource(quantized).quantized
+    ids = list(range(3, 40))
+    float32 = {"dtype": "float32", "kv_cache_dtype": "float32"}
+    reference = engine_for(quantized, quantization="none", **float32).score(ids)
+    assert torch.equal(engine_for(dequantized, **float32).score(ids), reference)

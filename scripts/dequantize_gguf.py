@@ -1,0 +1,41 @@
+"""Write a GGUF's weights dequantized to float32, its metadata unchanged: the float32 reference that
+llama.cpp's `llama-perplexity --kl-divergence-base` needs to measure a quantized file against its own weights,
+as `kvserve bench-quality` does in process.
+
+    python scripts/dequantize_gguf.py model.Q4_K_M.gguf model.dequantized.F32.gguf
+"""
+
+import sys
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+
+def dequantize_gguf(source: str, target: str) -> None:
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for field in reader.fields.values():
+        # the architecture and the GGUF.* fields are the writer's own; the file type changes
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub_kind = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_kind)
+    writer.add_key_value(gguf.Keys.General.FILE_TYPE, 0, gguf.GGUFValueType.UINT32)  # LLAMA_FTYPE_ALL_F32
+    for tensor in reader.tensors:
+        # GGUF lists dims fastest first; numpy wants them slowest first
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        writer.add_tensor(tensor.name, weights, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    dequantize_gguf(sys.argv[1], sys.argv[2])
