@@ -16,9 +16,10 @@ def dequantize_gguf(source: str, target: str) -> None:
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(target, arch)
+    # the writer writes the architecture itself; the file type is float32's now
+    rewritten = (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE)
     for field in reader.fields.values():
-        # the architecture and the GGUF.* fields are the writer's own; the file type changes
-        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+        if field.name in rewritten or field.name.startswith("GGUF."):  # GGUF.*: the file's own layout
             continue
         kind = field.types[0]
         sub_kind = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
