@@ -18,7 +18,8 @@ from server.engine.request import GrammarSpec, SamplingParams
 
 def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int], SamplingParams]]]:
     """name -> its requests (prompt ids, params): client/workloads.py's edit, quote, chat and json (the last
-    under its JSON schema), greedy."""
+    under its JSON schema), greedy; and chat-sampled, the chat prompts drawn at temperature 1, each with its own
+    seed (what drafts cost where they are mostly wrong)."""
     tok = engine.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -26,11 +27,18 @@ def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int]
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     person = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
-    params = {"json": dataclasses.replace(greedy, grammar=person)}
-    return {
-        name: [(chat(text), params.get(name, greedy)) for text in user_messages(name)]
-        for name in ("edit", "quote", "chat", "json")
+    requests = {
+        name: [(chat(text), params) for text in user_messages(name)]
+        for name, params in (
+            ("edit", greedy),
+            ("quote", greedy),
+            ("chat", greedy),
+            ("json", dataclasses.replace(greedy, grammar=person)),
+        )
     }
+    sampled = [dataclasses.replace(greedy, temperature=1.0, seed=i) for i in range(len(requests["chat"]))]
+    requests["chat-sampled"] = [(prompt, p) for (prompt, _), p in zip(requests["chat"], sampled, strict=True)]
+    return requests
 
 
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], tag: str) -> tuple[int, float]:
@@ -45,22 +53,29 @@ def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], tag: s
 
 
 def at_concurrency(requests: list[tuple[list[int], SamplingParams]], concurrency: int):
-    """`concurrency` requests cycling through the workload's; past one, each samples (temperature 0.7, its own
-    seed) so that they do not all write the same tokens."""
+    """`concurrency` requests cycling through the workload's; past one, each samples (at temperature 0.7 where
+    the workload is greedy) with its own seed, so that they do not all write the same tokens."""
     if concurrency == 1:
         return [[r] for r in requests]  # one at a time
     batch = []
     for i in range(concurrency):
         prompt, params = requests[i % len(requests)]
-        batch.append((prompt, dataclasses.replace(params, temperature=0.7, seed=i)))
+        batch.append((prompt, dataclasses.replace(params, temperature=params.temperature or 0.7, seed=i)))
     return [batch]
 
 
 def bench_spec(
-    engine: Engine, spec: SpeculativeConfig, concurrency: list[int], rounds: int, max_tokens: int
+    engine: Engine,
+    spec: SpeculativeConfig,
+    names: list[str],
+    concurrency: list[int],
+    rounds: int,
+    max_tokens: int,
 ) -> dict:
     results = []
-    for name, requests in workloads(engine, max_tokens).items():
+    requests_of = workloads(engine, max_tokens)
+    for name in names:
+        requests = requests_of[name]
         for c in concurrency:
             groups = at_concurrency(requests, c)
             tokens_per_s = {"off": [], "on": []}

@@ -226,6 +226,13 @@ BENCH_SPEC_FLAGS = (
     Flag("--concurrency", [1, 32], int, nargs="+", help="requests at once (1: one after another)"),
     Flag("--rounds", 3, int, help="on and off runs, alternated, after one warm-up round"),
     Flag("--max-tokens", 256, int),
+    Flag(
+        "--workloads",
+        ["edit", "quote", "chat", "chat-sampled", "json"],
+        nargs="+",
+        choices=("edit", "quote", "chat", "chat-sampled", "json"),
+        help="chat-sampled: the chat prompts drawn at temperature 1 (little to copy, most drafts rejected)",
+    ),
 )
 BENCH_STEPS_FLAGS = (  # bench-invariance and bench-kernels: two engines' decode steps interleaved
     Flag("--batch-sizes", [1, 32], int, nargs="+"),

@@ -254,7 +254,7 @@ def cmd_bench_spec(args) -> int:
 
     spec = speculative_config(args.speculative_config) or SpeculativeConfig()
     engine = build_engine(args, speculative=None)
-    print_json(bench_spec(engine, spec, args.concurrency, args.rounds, args.max_tokens))
+    print_json(bench_spec(engine, spec, args.workloads, args.concurrency, args.rounds, args.max_tokens))
     return 0
 
 
