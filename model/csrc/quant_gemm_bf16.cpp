@@ -2,9 +2,9 @@
 // bfloat16 activations are widened to float32 and take quant_gemm_f32.cpp).
 //
 // The integers are exact in bfloat16, so a group's sum runs on the exact weights: sum_k x_k q_k, from bfloat16
-// pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes), in two chains (the group's even and
-// odd pair vectors, added at the group's end: the same order for every row in every path), then times d (plus
-// m * sum_k x_k).
+// pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes; in groups of 32, two chains, the
+// group's even and odd pair vectors, added at the group's end: the same order for every row in every path), then
+// times d (plus m * sum_k x_k).
 // A 4- to 6-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
 // 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
 
@@ -103,11 +103,15 @@ struct Bf16Kernel {
   static constexpr bool LEVELS = NIB && !MIN;  // IQ4: q indexes IQ4_LEVELS; else 128 + q, the minimum's offset
                                               // taking the 128 back
   static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
+  static constexpr bool TWO_CHAINS = G == 32;  // a group's products in two chains (rows, below)
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
-  // is faster than storing the unpacked tile and reading it back)
-  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
+  // is faster than storing the unpacked tile and reading it back). Plain nibbles (no high bits, no levels)
+  // unpack in four instructions a chunk, off the products' pipes: up to four blocks (a 32-stream decode step)
+  // they stay packed (1 thread, gate_up 3072 x 576 at 32 rows: 620 us packed, 641 unpacked; at 128 rows, even)
+  static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
+  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > PACKED_BLOCKS * MAX_ROWS}; }
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
   using Unpacked = vuint;
   static constexpr int UNPACKED = VECS + 2;  // per group: its pair vectors, then d and the offset (float32)
@@ -147,9 +151,13 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
     vfloat super_d{}, super_m{};  // the current super-block's (SUPERS)
     for (int64_t g = 0; g < groups; ++g) {
-      // Two chains of products a row: the group's even pair vectors (a chunk's low: v = 2c) and its odd ones,
-      // added at the group's end. One chain waited on each product's latency (6 cycles on Zen 4, one a cycle
-      // issued): at one row, a chain each halves the wait.
+      // Groups of 32: two chains of products a row, the group's even pair vectors (a chunk's low: v = 2c) and
+      // its odd ones, added at the group's end (TWO_CHAINS). One chain waited on each product's latency (6 cycles
+      // on Zen 4, where one issues a cycle): a model of this loop, 1 thread, 3072 x 576 at 1 row: 36 us with two
+      // chains, 42 with one (2.4 and 2.8 cycles a product).
+      // Groups of 16 (Q6_K) keep one chain in `even`: 8 products a group, and their heavier unpack, wait less,
+      // and a second set of accumulators spilled at 8 rows (1 thread, 8192 x 2048 at 8 rows: 1747 us with one
+      // chain, 1965 with two).
       vfloat even[R], odd[R];
       for (int r = 0; r < R; ++r) even[r] = odd[r] = vfloat{};
       const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
@@ -158,7 +166,10 @@ struct Bf16Kernel {
       // pair vectors v and v + 1 of the group (v even)
       auto dot_rows = [&](vuint pairs_even, vuint pairs_odd, int64_t v) {
         for (int r = 0; r < R; ++r) even[r] = dot_pairs(even[r], pairs_even, xr[r][k0 + v]);
-        for (int r = 0; r < R; ++r) odd[r] = dot_pairs(odd[r], pairs_odd, xr[r][k0 + v + 1]);
+        if constexpr (TWO_CHAINS)
+          for (int r = 0; r < R; ++r) odd[r] = dot_pairs(odd[r], pairs_odd, xr[r][k0 + v + 1]);
+        else
+          for (int r = 0; r < R; ++r) even[r] = dot_pairs(even[r], pairs_odd, xr[r][k0 + v + 1]);
       };
       vfloat d, offset;
       if (unpacked) {
@@ -190,7 +201,7 @@ struct Bf16Kernel {
           group_scales<MIN>(w, t, g, d, offset);
         }
       }
-      for (int r = 0; r < R; ++r) y[r] += (even[r] + odd[r]) * d;
+      for (int r = 0; r < R; ++r) y[r] += (TWO_CHAINS ? even[r] + odd[r] : even[r]) * d;
       if constexpr (MIN)
         for (int r = 0; r < R; ++r) y[r] += offset * xsum[(m0 + r) * groups + g];
     }
