@@ -108,8 +108,9 @@ struct Bf16Kernel {
 
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
   // is faster than storing the unpacked tile and reading it back). Plain nibbles (no high bits, no levels)
-  // unpack in four instructions a chunk, off the products' pipes: up to four blocks (a 32-stream decode step)
-  // they stay packed (1 thread, gate_up 3072 x 576 at 32 rows: 620 us packed, 641 unpacked; at 128 rows, even)
+  // unpack in four instructions a chunk, three of them off the products' pipes: up to four blocks (a 32-stream
+  // decode step) they stay packed (1 thread, gate_up 3072 x 576 at 32 rows: 620 us packed, 641 unpacked; at 128
+  // rows, even)
   static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
   Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > PACKED_BLOCKS * MAX_ROWS}; }
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
