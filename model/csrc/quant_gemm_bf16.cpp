@@ -2,7 +2,9 @@
 // bfloat16 activations are widened to float32 and take quant_gemm_f32.cpp).
 //
 // The integers are exact in bfloat16, so a group's sum runs on the exact weights: sum_k x_k q_k, from bfloat16
-// pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes), then times d (plus m * sum_k x_k).
+// pair products (exact in float32, one vdpbf16ps per pair of k for 16 lanes; in groups of 32, two chains, the
+// group's even and odd pair vectors, added at the group's end: the same order for every row in every path), then
+// times d (plus m * sum_k x_k).
 // A 4- to 6-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
 // 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
 
@@ -14,7 +16,6 @@ namespace {
 
 static_assert(VL == TILE, "one 16-lane vector per tile");
 
-typedef uint8_t vbyte32 __attribute__((vector_size(32)));
 typedef uint16_t vword32 __attribute__((vector_size(64)));
 
 constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers)
@@ -35,11 +36,17 @@ alignas(64) constexpr uint16_t IQ4_BF16[32] = {
 // (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
 template <int HB, int G, bool LEVELS = false>
 inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
-  vbyte32 b;
-  __builtin_memcpy(&b, group + c * 32, 32);
-  const vuint w = bitcast<vuint>(__builtin_convertvector(b, vword32));  // lane j: byte 2j | byte 2j+1 << 16
-  low = w & 0x000F000Fu;
-  high = (w >> 4) & 0x000F000Fu;
+  // lane j: byte 2j | byte 2j+1 << 16. One vpmovzxbw: GCC's own widening of a byte vector took five
+  // instructions (two halves, an extract and an insert), and at few rows the unpack competes with the products
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c * 32)));
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+  if constexpr (HB == 0 && !LEVELS) {  // (w & nibble) | 128.0 in one vpternlogd each (0xEA: a & b | c)
+    low = bitcast<vuint>(_mm512_ternarylogic_epi32(w, nibble, bf16_128, 0xEA));
+    high = bitcast<vuint>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nibble, bf16_128, 0xEA));
+    return;
+  }
+  low = bitcast<vuint>(w & nibble);
+  high = bitcast<vuint>(_mm512_srli_epi32(w, 4) & nibble);
   if constexpr (HB > 0) {
     const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE;
     const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
@@ -96,11 +103,16 @@ struct Bf16Kernel {
   static constexpr bool LEVELS = NIB && !MIN;  // IQ4: q indexes IQ4_LEVELS; else 128 + q, the minimum's offset
                                               // taking the 128 back
   static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
+  static constexpr bool TWO_CHAINS = G == 32;  // a group's products in two chains (rows, below)
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // one tile at a time; past two blocks of rows, unpacked once (measured: up to two, unpacking in each block
-  // is faster than storing the unpacked tile and reading it back)
-  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > 2 * MAX_ROWS}; }
+  // is faster than storing the unpacked tile and reading it back). Plain nibbles (no high bits, no levels)
+  // unpack in four instructions a chunk, three of them off the products' pipes: up to four blocks (a 32-stream
+  // decode step) they stay packed (1 thread, gate_up 3072 x 576 at 32 rows: 620 us packed, 641 unpacked; at 128
+  // rows, even)
+  static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
+  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > PACKED_BLOCKS * MAX_ROWS}; }
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
   using Unpacked = vuint;
   static constexpr int UNPACKED = VECS + 2;  // per group: its pair vectors, then d and the offset (float32)
@@ -140,18 +152,30 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
     vfloat super_d{}, super_m{};  // the current super-block's (SUPERS)
     for (int64_t g = 0; g < groups; ++g) {
-      vfloat acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = vfloat{};
+      // Groups of 32: two chains of products a row, the group's even pair vectors (a chunk's low: v = 2c) and
+      // its odd ones, added at the group's end (TWO_CHAINS). One chain waited on each product's latency (6 cycles
+      // on Zen 4, where one issues a cycle): a model of this loop, 1 thread, 3072 x 576 at 1 row: 36 us with two
+      // chains, 42 with one (2.4 and 2.8 cycles a product).
+      // Groups of 16 (Q6_K) keep one chain in `even`: 8 products a group, and their heavier unpack, wait less,
+      // and a second set of accumulators spilled at 8 rows (1 thread, 8192 x 2048 at 8 rows: 1747 us with one
+      // chain, 1965 with two).
+      vfloat even[R], odd[R];
+      for (int r = 0; r < R; ++r) even[r] = odd[r] = vfloat{};
       const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
       if (next)
         for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
-      auto dot_rows = [&](vuint pairs, int64_t k) {
-        for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], pairs, xr[r][k]);
+      // pair vectors v and v + 1 of the group (v even)
+      auto dot_rows = [&](vuint pairs_even, vuint pairs_odd, int64_t v) {
+        for (int r = 0; r < R; ++r) even[r] = dot_pairs(even[r], pairs_even, xr[r][k0 + v]);
+        if constexpr (TWO_CHAINS)
+          for (int r = 0; r < R; ++r) odd[r] = dot_pairs(odd[r], pairs_odd, xr[r][k0 + v + 1]);
+        else
+          for (int r = 0; r < R; ++r) even[r] = dot_pairs(even[r], pairs_odd, xr[r][k0 + v + 1]);
       };
       vfloat d, offset;
       if (unpacked) {
         const vuint* u = unpacked + g * UNPACKED;
-        for (int v = 0; v < VECS; ++v) dot_rows(u[v], k0 + v);
+        for (int v = 0; v < VECS; v += 2) dot_rows(u[v], u[v + 1], v);
         d = bitcast<vfloat>(u[VECS]);
         offset = bitcast<vfloat>(u[VECS + 1]);
       } else {
@@ -160,11 +184,10 @@ struct Bf16Kernel {
           for (int c = 0; c < G / 4; ++c) {
             vuint low, high;
             unpack_nibbles<HB, G, LEVELS>(wg, c, low, high);
-            dot_rows(low, k0 + 2 * c);
-            dot_rows(high, k0 + 2 * c + 1);
+            dot_rows(low, high, 2 * c);
           }
         } else {
-          for (int c = 0; c < VECS; ++c) dot_rows(unpack_q8(wg + c * 32), k0 + c);
+          for (int c = 0; c < VECS; c += 2) dot_rows(unpack_q8(wg + c * 32), unpack_q8(wg + c * 32 + 32), c);
         }
         if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
           if (g % (SUPER / G) == 0) {
@@ -179,7 +202,7 @@ struct Bf16Kernel {
           group_scales<MIN>(w, t, g, d, offset);
         }
       }
-      for (int r = 0; r < R; ++r) y[r] += acc[r] * d;
+      for (int r = 0; r < R; ++r) y[r] += (TWO_CHAINS ? even[r] + odd[r] : even[r]) * d;
       if constexpr (MIN)
         for (int r = 0; r < R; ++r) y[r] += offset * xsum[(m0 + r) * groups + g];
     }
