@@ -13,14 +13,18 @@ Two sources, both free to propose:
 - grammar fast-forward: where the request's grammar allows one continuation only (a JSON key, a tool call's
   fixed fields), those tokens.
 
-Drafts cost where they are rejected, so each request adapts: after a verify it proposes one more than it had
-accepted (up to num_speculative_tokens), and after a verify that accepted nothing it waits 1, 2, 4 ... steps
-before proposing again (reset by the next acceptance). And each step adapts: its decodes plus their drafts stay
-within SpeculativeConfig.max_step_rows, the rows its GEMMs compute at about the cost of one (a one-row GEMM waits
-on memory, a many-row one on arithmetic, where every draft costs what a decode does). The requests whose latest
-verifies kept the most draft first; a step with that many decodes drafts nothing.
+Drafts cost where they are rejected, so each request adapts. It keeps a running estimate a of how often a draft
+is kept where the ones before it were (decayed hits over hits plus misses: each verify adds the drafts it kept
+and, if it stopped early, one miss); the k-th draft of a run is kept with probability about a^k, and pays where
+that beats what one more row costs the step (ROW_COST, measured: ~15% of a one-row step here) times the tokens the
+step makes anyway, its decodes. So a lone stream drafts while a >= ~0.15 per position, four streams only while
+drafts are kept more often than not, and eight or more almost never. A verify that kept nothing, or an estimate
+that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it tries one draft again (reset by
+the next acceptance). The step's decodes plus drafts also stay within SpeculativeConfig.max_step_rows; the
+requests most likely to be right draft first. Grammar-forced tokens are always kept, and cost their rows only.
 """
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,6 +34,10 @@ from server.engine.request_state import Request
 from server.engine.scheduler import ScheduledChunk
 
 MAX_BACKOFF = 64  # steps a request may wait before drafting again
+# A draft row's cost, as a share of a one-row decode step (the 135M default on Zen 4, 2026-11-27: 5.8 ms for one
+# token, +0.3 to +1.3 ms for each draft up to 8): a draft pays where a^k > ROW_COST * the step's decodes
+ROW_COST = 0.15
+DECAY = 0.8  # the weight of a request's older verifies in its acceptance estimate, per verify
 
 
 @dataclass(slots=True)
@@ -39,9 +47,16 @@ class _Drafts:
     # an n-gram -> the position right after its latest occurrence that has a token after it
     index: dict[tuple[int, ...], int] = field(default_factory=dict)
     num_indexed: int = 0  # n-grams ending before this position are in the index
-    max_drafts: int = 0
+    # decayed drafts kept, and verifies that stopped before their last draft; the prior, a = 0.8, lets a new
+    # request draft in full alone and two drafts beside three others
+    hits: float = 2.0
+    misses: float = 0.5
     wait: int = 0  # steps to skip before drafting again
-    backoff: int = 1  # the next wait after a verify that accepted nothing
+    backoff: int = 1  # the next wait
+    trial: bool = False  # after the wait, one draft to test the estimate
+
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
 
 
 def accepted_drafts(drafts: list[int], emitted: list[int]) -> int:
@@ -78,17 +93,25 @@ class Drafter:
         for request in running:
             request.draft_token_ids = []
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        bar = ROW_COST * len(decoding)  # what the k-th draft's chance a^k must beat
         room = self.config.max_step_rows - len(decoding)
         # sorted is stable: ties keep their running order
-        for request in sorted(decoding, key=self._draft_length, reverse=True):
+        for request in sorted(decoding, key=self._acceptance, reverse=True):
             if room <= 0:
                 break
-            request.draft_token_ids = self._propose(request, room)
+            request.draft_token_ids = self._propose(request, room, self._worth(request, bar))
             room -= len(request.draft_token_ids)
 
-    def _draft_length(self, request: Request) -> int:
+    def _acceptance(self, request: Request) -> float:
         state = self._states.get(request.request_id)
-        return self.config.num_speculative_tokens if state is None else state.max_drafts
+        return (state or _Drafts()).acceptance()
+
+    def _worth(self, request: Request, bar: float) -> int:
+        """How many drafts pay for their rows: the largest k with a^k > bar (all of them where a = 1)."""
+        a, k_max = self._acceptance(request), self.config.num_speculative_tokens
+        if bar >= 1.0 or a <= bar:
+            return 0
+        return k_max if a >= 1.0 else min(k_max, int(math.log(bar) / math.log(a)))
 
     def _record(self, request: Request, drafts: list[int], kept: list[int]) -> None:
         num_accepted = accepted_drafts(drafts, kept)
@@ -97,41 +120,52 @@ class Drafter:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-        self._adapt(request, num_accepted)
-
-    def _adapt(self, request: Request, num_accepted: int) -> None:
-        """The request's next draft length and wait, from what its latest verify accepted."""
         state = self._states.get(request.request_id)
         if state is None:
             return
-        state.max_drafts = min(self.config.num_speculative_tokens, num_accepted + 1)
+        state.hits = DECAY * state.hits + num_accepted
+        state.misses = DECAY * state.misses + (num_accepted < len(drafts))
         if num_accepted == 0:
-            state.wait, state.backoff = state.backoff, min(2 * state.backoff, MAX_BACKOFF)
+            self._back_off(state)
         else:
             state.backoff = 1
+
+    @staticmethod
+    def _back_off(state: _Drafts) -> None:
+        state.wait, state.backoff, state.trial = state.backoff, min(2 * state.backoff, MAX_BACKOFF), True
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def _propose(self, request: Request, room: int) -> list[int]:
-        """Up to `room` drafts for a decode (fewer after misses, none while it waits)."""
+    def _propose(self, request: Request, room: int, worth: int) -> list[int]:
+        """A decode's drafts, at most `room`: the tokens its grammar forces (always kept), else up to `worth`
+        n-gram drafts; none while it waits, and one, to try, once a wait is over."""
         if not request.params.speculative:
             return []
         state = self._states.get(request.request_id)
         if state is None:
-            state = self._states[request.request_id] = _Drafts(max_drafts=self.config.num_speculative_tokens)
+            state = self._states[request.request_id] = _Drafts()
         # the output may not outgrow max_tokens: a draft past it could never be kept
-        k = min(state.max_drafts, room, request.params.max_tokens - len(request.output_token_ids) - 1)
-        if k <= 0:
+        room = min(
+            room,
+            self.config.num_speculative_tokens,
+            request.params.max_tokens - len(request.output_token_ids) - 1,
+        )
+        if room <= 0:
             return []
         if request.grammar is not None:
-            forced = request.grammar.forced_tokens()[:k]
+            forced = request.grammar.forced_tokens()[:room]
             if forced:
                 return forced
         if state.wait > 0:
             state.wait -= 1
             return []
-        drafts = self._lookup(request, state, k)
+        if state.trial:
+            state.trial, worth = False, max(worth, 1)
+        elif worth == 0:  # no draft pays now: wait, then try one
+            self._back_off(state)
+            return []
+        drafts = self._lookup(request, state, min(worth, room))
         if drafts and request.grammar is not None:  # the grammar must allow them: a mask needs a valid past
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
