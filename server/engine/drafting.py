@@ -19,8 +19,8 @@ and, if it stopped early, one miss); the k-th draft of a run is kept with probab
 that beats what one more row costs the step (ROW_COST, measured: ~15% of a one-row step here) times the tokens the
 step makes anyway, its decodes. So a lone stream drafts while a >= ~0.15 per position, four streams only while
 drafts are kept more often than not, and eight or more almost never. A verify that kept nothing, or an estimate
-that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it tries one draft again (reset by
-the next acceptance). The step's decodes plus drafts also stay within SpeculativeConfig.max_step_rows; the
+that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it drafts again, at least one
+(the wait resets with the next acceptance). The step's decodes plus drafts also stay within SpeculativeConfig.max_step_rows; the
 requests most likely to be right draft first. Grammar-forced tokens are always kept, and cost their rows only.
 """
 
