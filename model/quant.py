@@ -32,8 +32,8 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 class QuantizedTensor:
     """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
     (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8).
-    d and m are float16 per group (`scale`, `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales and sub-minimums per group times a
-    float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
+    d and m are float16 per group (`scale`, `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales
+    and sub-minimums per group times a float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
     products are exact in float32.
 
     Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0

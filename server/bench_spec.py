@@ -36,8 +36,10 @@ def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int]
             ("json", dataclasses.replace(greedy, grammar=person)),
         )
     }
-    sampled = [dataclasses.replace(greedy, temperature=1.0, seed=i) for i in range(len(requests["chat"]))]
-    requests["chat-sampled"] = [(prompt, p) for (prompt, _), p in zip(requests["chat"], sampled, strict=True)]
+    requests["chat-sampled"] = [
+        (prompt, dataclasses.replace(greedy, temperature=1.0, seed=i))
+        for i, (prompt, _) in enumerate(requests["chat"])
+    ]
     return requests
 
 

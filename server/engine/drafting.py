@@ -20,8 +20,8 @@ that beats what one more row costs the step (ROW_COST, measured: ~15% of a one-r
 step makes anyway, its decodes. So a lone stream drafts while a >= ~0.15 per position, four streams only while
 drafts are kept more often than not, and eight or more almost never. A verify that kept nothing, or an estimate
 that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it drafts again, at least one
-(the wait resets with the next acceptance). The step's decodes plus drafts also stay within SpeculativeConfig.max_step_rows; the
-requests most likely to be right draft first. Grammar-forced tokens are always kept, and cost their rows only.
+(the wait resets with the next acceptance). The step's decodes plus drafts also stay within
+SpeculativeConfig.max_step_rows; the requests most likely to be right draft first. Grammar-forced tokens are always kept, and cost their rows only.
 """
 
 import math
@@ -57,6 +57,9 @@ class _Drafts:
 
     def acceptance(self) -> float:
         return self.hits / (self.hits + self.misses)
+
+
+PRIOR_ACCEPTANCE = _Drafts().acceptance()  # a request's estimate before its first verify
 
 
 def accepted_drafts(drafts: list[int], emitted: list[int]) -> int:
@@ -104,14 +107,14 @@ class Drafter:
 
     def _acceptance(self, request: Request) -> float:
         state = self._states.get(request.request_id)
-        return (state or _Drafts()).acceptance()
+        return state.acceptance() if state is not None else PRIOR_ACCEPTANCE
 
     def _worth(self, request: Request, bar: float) -> int:
-        """How many drafts pay for their rows: the largest k with a^k > bar (all of them where a = 1)."""
-        a, k_max = self._acceptance(request), self.config.num_speculative_tokens
+        """How many drafts pay for their rows: the largest k with a^k > bar (a < 1: misses never decay to 0)."""
+        a = self._acceptance(request)
         if bar >= 1.0 or a <= bar:
             return 0
-        return k_max if a >= 1.0 else min(k_max, int(math.log(bar) / math.log(a)))
+        return min(self.config.num_speculative_tokens, int(math.log(bar) / math.log(a)))
 
     def _record(self, request: Request, drafts: list[int], kept: list[int]) -> None:
         num_accepted = accepted_drafts(drafts, kept)
@@ -139,7 +142,7 @@ class Drafter:
 
     def _propose(self, request: Request, room: int, worth: int) -> list[int]:
         """A decode's drafts, at most `room`: the tokens its grammar forces (always kept), else up to `worth`
-        n-gram drafts; none while it waits, and one, to try, once a wait is over."""
+        n-gram drafts; none while it waits, and at least one, to try, once a wait is over."""
         if not request.params.speculative:
             return []
         state = self._states.get(request.request_id)
