@@ -33,8 +33,8 @@ class QuantizedTensor:
     """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
     (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8).
     d and m are float16 per group (`scale`, `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales
-    and sub-minimums per group times a float16 scale and minimum per super-block of 256 (`supers`, `super_mins`: the file's d and -dmin), whose
-    products are exact in float32.
+    and sub-minimums per group times a float16 scale and minimum per super-block of 256 (`supers`, `super_mins`:
+    the file's d and -dmin), whose products are exact in float32.
 
     Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
     (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.625; Q6_K 6.625 (6 +

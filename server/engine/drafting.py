@@ -21,7 +21,8 @@ step makes anyway, its decodes. So a lone stream drafts while a >= ~0.15 per pos
 drafts are kept more often than not, and eight or more almost never. A verify that kept nothing, or an estimate
 that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it drafts again, at least one
 (the wait resets with the next acceptance). The step's decodes plus drafts also stay within
-SpeculativeConfig.max_step_rows; the requests most likely to be right draft first. Grammar-forced tokens are always kept, and cost their rows only.
+SpeculativeConfig.max_step_rows; the requests most likely to be right draft first. Grammar-forced tokens are
+always kept, and cost their rows only.
 """
 
 import math
