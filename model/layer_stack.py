@@ -1,46 +1,46 @@
-"""A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for plain Llama blocks (`covers`) whose
-GEMMs all run on quantized weights with kvserve's CPU kernels: the default model's path.
+"""A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
+Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3) whose GEMMs all run on quantized weights with kvserve's CPU
+kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
 have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the
 kernels take ~5 ms and the Python around their ~270 calls (module calls, argument conversion, views) took
-~0.9 ms more (README, Benchmarks); a 512-token prefill step (~0.4 s) barely notices either way.
+~0.9 ms more (README, Benchmarks); Gemma 3 270M's 18 blocks, with twice the norms, ~3 ms of a ~17 ms step.
+A 512-token prefill step (~0.4 s) barely notices either way.
 """
 
 from model.attention_cpu import KERNEL_CHUNK
 
 
 class LayerStack:
-    """The model's blocks as one call: (x, rope, kv_cache, meta) -> (last block's output, residual stream).
-    meta must be the CPU kernel's metadata (model/attention_cpu.py), as it is wherever the kernels run."""
+    """The model's blocks as one call: (x, rope tables, kv_cache, meta) -> (last block's output, residual
+    stream). meta must be the CPU kernel's metadata (model/attention_cpu.py), as it is wherever the kernels run."""
 
-    def __init__(self, stack, window: int | None):
-        self.stack = stack  # the compiled LayerStack, holding every layer's packed weights
-        self.window = window or 0  # every layer's sliding window (0: none)
+    def __init__(self, stack, ropes: list):
+        self.stack = stack  # the compiled LayerStack, holding every layer's packed weights and norms
+        self.ropes = ropes  # the distinct Ropes, in the order of the layers' indices into them
 
-    def __call__(self, x, rope, kv_cache, meta):
-        cos, sin = rope if rope is not None else (None, None)
+    def __call__(self, x, ropes: dict, kv_cache, meta):
+        """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope)."""
+        tables = [ropes[rope] for rope in self.ropes]
         return self.stack.forward(
             x, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.block_tables, meta.seqs, meta.block_size,
-            self.window, KERNEL_CHUNK, cos, sin,
+            KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
         )  # fmt: skip
 
 
 def covers(config) -> bool:
-    """Whether the C++ loop computes exactly this model's blocks: an allow-list of what it does (pre-norm
-    RMSNorm, SwiGLU, no q/k norms, one window and one full-width RoPE for every layer, no scalars or caps).
-    Anything else runs as the Python loop, never as a C++ loop that skips a norm or a scale."""
-    spec = config.layers[0]
+    """Whether the C++ loop computes exactly this model's blocks: an allow-list of what it does (RMSNorm before
+    each branch, and after it too in Gemma's sandwich; q/k norms per head or none; SwiGLU or GeGLU; full-width
+    RoPE in every layer, each layer with its own tables and window; an attention soft-cap; no residual
+    scalars). Anything else runs as the Python loop, never as a C++ loop that skips a norm or a scale."""
     return (
         config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and config.block == "pre"
-        and not config.qk_norm
+        and config.mlp in ("swiglu", "geglu")
+        and config.block in ("pre", "sandwich")
+        and config.qk_norm in ("", "head")
         and config.residual_scale == 1.0
-        and config.attn_softcap is None
-        and all(layer == spec for layer in config.layers)
-        and spec.rope is not None
-        and spec.rope.dim == config.head_dim
+        and all(spec.rope is not None and spec.rope.dim == config.head_dim for spec in config.layers)
     )
 
 
@@ -50,17 +50,24 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
     config = model.config
     if not covers(config):
         return None
+    ropes = list(dict.fromkeys(spec.rope for spec in config.layers))
     layers = []
-    for block in model.layers:
-        linears = (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down)
+    for block, spec in zip(model.layers, config.layers, strict=True):
+        attn, linears = block.attn, (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down)
         if any(getattr(linear, "bits", None) is None for linear in linears):
             return None
-        gemms = [linear.gemm for linear in linears]  # model/quant.py's QuantizedLinear.prepare
-        layers.append(kernels.Layer(block.norm1.weight, *gemms[:2], block.norm2.weight, *gemms[2:]))
+        qk = (attn.q_norm.weight, attn.k_norm.weight) if config.qk_norm else (None, None)
+        post = (block.post_attn_norm, block.post_mlp_norm)
+        layers.append(kernels.Layer(
+            block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, block.mlp.up.gemm,
+            block.mlp.down.gemm, *qk, *(norm.weight if norm is not None else None for norm in post),
+            spec.window or 0, ropes.index(spec.rope),
+        ))  # fmt: skip
     attn = model.layers[0].attn
     return LayerStack(
         kernels.LayerStack(
-            layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale
+            layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale,
+            config.attn_softcap or 0.0, config.mlp == "geglu",
         ),
-        config.layers[0].window,
-    )
+        ropes,
+    )  # fmt: skip

@@ -84,8 +84,8 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        if self.kernel is not None:
-            return self.kernel(x, None, self.weight, self.eps)[0]
+        if self.kernel is not None:  # rows of any shape: [T, hidden], or [T, heads, head_dim] for q/k norms
+            return self.kernel(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
     __call__ = forward  # without nn.Module's hook machinery, as Linear: see Block
@@ -129,8 +129,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             per_head = self.qk_norm == "head"
-            self.q_norm = Norm(self.head_dim if per_head else q_size, config)
-            self.k_norm = Norm(self.head_dim if per_head else kv_size, config)
+            self.q_norm = Norm(self.head_dim if per_head else q_size, config, ops.rms_norm)
+            self.k_norm = Norm(self.head_dim if per_head else kv_size, config, ops.rms_norm)
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -254,7 +254,7 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
         if self.layer_stack is not None:
-            x, residual = self.layer_stack(x, ropes[self.config.layers[0].rope], kv_cache, meta)
+            x, residual = self.layer_stack(x, ropes, kv_cache, meta)
         else:
             residual = None
             for i, layer in enumerate(self.layers):

@@ -47,13 +47,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
         return QuantGemm{std::move(segments), bias, n};
       }));
-  py::class_<Layer>(m, "Layer", py::module_local(), "one llama-style decoder layer's weights")
+  py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
       .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, QuantGemm up,
-                       QuantGemm down) { return Layer{norm1, qkv, o, norm2, up, down}; }));
+                       QuantGemm down, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                       std::optional<at::Tensor> post_attn_norm, std::optional<at::Tensor> post_mlp_norm,
+                       int64_t window, int64_t rope) {
+             return Layer{norm1, qkv, o, norm2, up, down, q_norm, k_norm, post_attn_norm, post_mlp_norm,
+                          window, rope};
+           }),
+           py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("up"), py::arg("down"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"), py::arg("post_mlp_norm"),
+           py::arg("window"), py::arg("rope"));
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       double eps, double scale) {
-        return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale};
-      }))
+                       double eps, double scale, double softcap, bool gelu) {
+             return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale, softcap, gelu};
+           }),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"), py::arg("softcap"), py::arg("gelu"))
       .def("forward", &LayerStack::forward, no_gil());
 }

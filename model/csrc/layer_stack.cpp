@@ -1,29 +1,50 @@
 // A step's decoder layers in one call: RMSNorm, the qkv GEMM, attention (RoPE, K/V written, paged attention),
-// the o GEMM, the residual add and RMSNorm, the [gate, up] GEMM, SwiGLU and the down GEMM, layer after layer,
-// for llama-style models whose GEMMs all run on quantized weights.
+// the o GEMM, the residual add and RMSNorm, the [gate, up] GEMM, the gated activation and the down GEMM, layer
+// after layer, for llama-style models whose GEMMs all run on quantized weights; with q/k norms per head (Qwen3,
+// Gemma 3), norms after each branch (Gemma's sandwich), GeGLU, and each layer's own window and rotary tables.
 //
-// It calls the very kernels the Python layers call (quant_gemm.cpp, paged_attention.cpp, rms_norm.cpp,
-// activation.cpp), with the same arguments in the same order, so its outputs have the same bits as
-// model/transformer.py's loop. What it saves is the loop itself: a lone decode step makes ~270 kernel calls, and
-// each one made from Python costs a few microseconds of argument conversion and module dispatch (~0.9 ms of a
-// ~7 ms lone step for SmolLM2-135M, measured: README, Benchmarks).
+// It calls the very kernels and ops the Python layers call (quant_gemm.cpp, paged_attention.cpp, rms_norm.cpp,
+// activation.cpp, ATen's gelu), with the same arguments in the same order, so its outputs have the same bits
+// as model/transformer.py's loop. What it saves is the loop itself: a lone decode step makes ~270 kernel calls,
+// and each one made from Python costs a few microseconds of argument conversion and module dispatch (~0.9 ms of
+// a ~7 ms lone step for SmolLM2-135M, measured: README, Benchmarks).
 
 #include "layer_stack.h"
 
+#include <ATen/ops/gelu.h>
+
 #include "kernels.h"
 
+namespace {
+
+// RMSNorm over each head of t [T, heads, D], as model/transformer.py's Norm does it on q and k
+at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) {
+  return rms_norm(t.reshape({-1, t.size(2)}), std::nullopt, weight, eps)[0].view(t.sizes());
+}
+
+// GeGLU's activation, with the ops and rounding of model/transformer.py's MLP.activation: gelu_tanh(gate) * up
+at::Tensor gelu_mul(const at::Tensor& h) {
+  const auto parts = h.chunk(2, -1);
+  return at::gelu(parts[0], "tanh").mul(parts[1]);
+}
+
+}  // namespace
+
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers, KVH, slots, D]; slots, block_tables, seqs, block_size,
-// window, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin [T, D] or none. Returns the last
-// block's output and the residual stream it adds to (the final norm adds them), as the Python loop does.
+// chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
+// each, read by index (Layer::rope). Returns the last block's output and the residual stream it adds to (the
+// final norm adds them), as the Python loop does.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                at::Tensor slots, at::Tensor block_tables, at::Tensor seqs,
-                                               int64_t block_size, int64_t window, int64_t chunk,
-                                               std::optional<at::Tensor> cos, std::optional<at::Tensor> sin) const {
+                                               int64_t block_size, int64_t chunk, std::vector<at::Tensor> cos,
+                                               std::vector<at::Tensor> sin) const {
   TORCH_CHECK(x.dim() == 2 && k_cache.size(0) == static_cast<int64_t>(layers.size()), "one cache per layer");
+  TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
   const int64_t T = x.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
   at::Tensor residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& layer = layers[i];
+    TORCH_CHECK(layer.rope >= 0 && layer.rope < static_cast<int64_t>(cos.size()), "no rotary table for a layer");
     at::Tensor h;
     if (residual.defined()) {
       auto normed = rms_norm(x, residual, layer.norm1, eps);
@@ -34,12 +55,21 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       residual = x;
     }
     const auto qkv = layer.qkv(h).view({T, H + 2 * KVH, D});
-    const auto attended = paged_attention(qkv.narrow(1, 0, H), k_cache[i], v_cache[i], block_tables, seqs, block_size,
-                                          scale, window, 0.0, chunk, qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH),
-                                          slots, cos, sin);
-    auto normed = rms_norm(layer.o(attended.view({T, H * D})), residual, layer.norm2, eps);
+    auto q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, KVH);
+    if (layer.q_norm) {
+      q = head_norm(q, *layer.q_norm, eps);
+      k = head_norm(k, *layer.k_norm, eps);
+    }
+    const auto attended = paged_attention(q, k_cache[i], v_cache[i], block_tables, seqs, block_size, scale,
+                                          layer.window, softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots,
+                                          cos[layer.rope], sin[layer.rope]);
+    auto out = layer.o(attended.view({T, H * D}));
+    if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
+    auto normed = rms_norm(out, residual, layer.norm2, eps);
     residual = normed[1];
-    x = layer.down(silu_mul(layer.up(normed[0])));
+    const auto up = layer.up(normed[0]);
+    x = layer.down(gelu ? gelu_mul(up) : silu_mul(up));
+    if (layer.post_mlp_norm) x = rms_norm(x, std::nullopt, *layer.post_mlp_norm, eps)[0];
   }
   return {x, residual};
 }

@@ -27,15 +27,20 @@ struct Layer {
   QuantGemm qkv, o;
   at::Tensor norm2;
   QuantGemm up, down;  // up: [gate; up] fused
+  // Qwen3 and Gemma: RMSNorm over each head of q and k, before RoPE; Gemma: RMSNorm of each branch's output,
+  // before its residual add. None where the family has no such norm.
+  std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;
+  int64_t window;  // keys further back than this are not attended (0: none)
+  int64_t rope;    // which of the step's rotary tables (cos, sin) this layer reads
 };
 
 struct LayerStack {
   std::vector<Layer> layers;
   int64_t num_heads, num_kv_heads, head_dim;
-  double eps, scale;  // RMSNorm's epsilon, attention's score scale
+  double eps, scale, softcap;  // RMSNorm's epsilon, attention's score scale and soft-cap (0: none)
+  bool gelu;                   // the MLP's gate: gelu_tanh (GeGLU) rather than silu (SwiGLU)
 
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
-                                     at::Tensor block_tables, at::Tensor seqs, int64_t block_size,
-                                     int64_t window, int64_t chunk, std::optional<at::Tensor> cos,
-                                     std::optional<at::Tensor> sin) const;
+                                     at::Tensor block_tables, at::Tensor seqs, int64_t block_size, int64_t chunk,
+                                     std::vector<at::Tensor> cos, std::vector<at::Tensor> sin) const;
 };

@@ -45,8 +45,20 @@ def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     return hidden, cache
 
 
-# qwen2: q/k/v biases, an untied LM head; mistral: a sliding window shorter than the sequences
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
+# qwen2: q/k/v biases, an untied LM head; mistral: a sliding window shorter than the sequences; qwen3: q/k norms
+# per head; gemma2: sandwich norms, GeGLU, attention soft-cap, windowed and full layers; gemma3: q/k norms and
+# two rotary tables too (local and global theta)
+ARCHS = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mistral", {"sliding_window": 8}),
+    ("qwen3", {}),
+    ("gemma2", {"sliding_window": 8}),
+    ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", ARCHS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, overrides, bits, dtype):
@@ -61,6 +73,22 @@ def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, 
     assert a.abs().sum() > 0
 
 
+def test_gemma3s_layers_differ_as_the_stack_is_told():
+    """The gemma3 case above tests what it says: a windowed layer and a full one, with different rotary tables."""
+    from model.config import ModelConfig
+
+    overrides = dict(ARCHS)["gemma3"]
+    config = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4, **overrides})  # fmt: skip
+    windows, ropes = [spec.window for spec in config.layers], {spec.rope for spec in config.layers}
+    assert windows == [8, None] and len(ropes) == 2
+
+
 def test_the_stack_only_covers_quantized_llama_style_blocks(tiny_model_factory):
     assert load(tiny_model_factory("llama"), bits=None)[0].layer_stack is None  # dense bfloat16 GEMMs
     assert load(tiny_model_factory("gpt2"), bits=8)[0].layer_stack is None  # LayerNorm, GELU
+    assert load(tiny_model_factory("olmo2"), bits=8)[0].layer_stack is None  # norms after branches only
+    granite = tiny_model_factory("granite", residual_multiplier=0.5)
+    assert load(granite, bits=8)[0].layer_stack is None  # residual scalars
