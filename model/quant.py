@@ -153,39 +153,22 @@ class QuantizedTensor:
         q = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
         return QuantizedTensor(4, q, parts["scale"], parts["min"], kind="Q4_0/Q4_1")
 
-    def pack(self) -> dict[str, torch.Tensor | None]:
-        """The kernel's layout (model/csrc/quant_gemm.cpp): rows in tiles of 16, padded with zero rows."""
+    def pack(self, kernels) -> dict[str, torch.Tensor | None]:
+        """The kernel's layout (model/csrc/quant_gemm.h): rows in tiles of 16, padded with zero rows; q packed by
+        the compiled module's pack_quant (model/csrc/quant_pack.cpp), the per-group scales here."""
         N, K = self.shape
         pad = -N % TILE
-        T, G = (N + pad) // TILE, K // self.group
+        T = (N + pad) // TILE
 
-        def tiles(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [T, 16, ...], zero rows added
-            return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)).view(T, TILE, *x.shape[1:])
+        def per_group(x: torch.Tensor | None) -> torch.Tensor | None:  # [N, G] -> [T, G, 16], zero rows added
+            if x is None:
+                return None
+            return torch.nn.functional.pad(x, (0, 0, 0, pad)).view(T, TILE, -1).permute(0, 2, 1).contiguous()
 
-        def per_group(x: torch.Tensor | None) -> torch.Tensor | None:  # [N, G] -> [T, G, 16]
-            return None if x is None else tiles(x).permute(0, 2, 1).contiguous()
-
-        if self.bits < 8:  # nibbles: chunk c, byte 2j + i: lane j's q[4c + i] | q[4c + 2 + i] << 4
-            q = tiles(self.q).view(T, TILE, G, self.group // 4, 4)
-            nibbles = q & 15
-            packed = (nibbles[..., 0:2] | (nibbles[..., 2:4] << 4)).permute(0, 2, 3, 1, 4).contiguous()
-            packed = packed.view(T, G, 8 * self.group)
-            if (
-                self.bits > 4
-            ):  # then the high bits: chunk c's from bit 4 HB c of lane j's bytes (quant_gemm.h)
-                HB, high = self.bits - 4, (q >> 4).int()
-                chunk = high[..., 0] | high[..., 2] << HB | high[..., 1] << 2 * HB | high[..., 3] << 3 * HB
-                per_byte = 2 // HB  # chunks a byte holds
-                chunk = chunk.view(T, TILE, G, -1, per_byte) << (4 * HB * torch.arange(per_byte))
-                rows = chunk.sum(-1).to(torch.uint8).permute(0, 2, 3, 1)  # [T, G, rows, 16 lanes]
-                packed = torch.cat([packed, rows.reshape(T, G, -1)], dim=-1)
-        else:  # chunk c, byte 2j + i: lane j's q[2c + i]
-            packed = tiles(self.q).view(T, TILE, G, self.group // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
-            packed = packed.view(torch.uint8).view(T, G, 16 * self.group)
         scales = per_group(self.scale)
         mins = scales if self.min is self.scale else per_group(self.min)
-        return {"packed": packed, "scales": scales, "mins": mins, "supers": per_group(self.supers),
-                "super_mins": per_group(self.super_mins)}  # fmt: skip
+        return {"packed": kernels.pack_quant(self.q, self.bits, self.group), "scales": scales, "mins": mins,
+                "supers": per_group(self.supers), "super_mins": per_group(self.super_mins)}  # fmt: skip
 
 
 class QuantizedLinear:
@@ -217,7 +200,7 @@ class QuantizedLinear:
         layer.kinds = [s.kind for s in segments]
         gemms = []
         for i, segment in enumerate(segments):
-            packed = segment.pack()
+            packed = segment.pack(self.kernels)
             for name, tensor in packed.items():  # CPU only: the kernel is kvserve's CPU kernel
                 if tensor is not None:
                     layer.register_buffer(name if i == 0 else f"{name}_{i}", tensor, persistent=False)

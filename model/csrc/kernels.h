@@ -18,3 +18,4 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residua
 struct QuantGemm;
 at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out);
 at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);
+at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group);
