@@ -8,8 +8,9 @@ draft, so a draft costs compute but never changes a bit of the output.
 
 Two sources, both free to propose:
 - n-gram (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n
-  tokens, n from prompt_lookup_max down to prompt_lookup_min. Copy-heavy work (edits of a given file, answers
-  quoting their sources) repeats long runs of its prompt.
+  tokens, n from prompt_lookup_max down to prompt_lookup_min (where those run into the end, the run since the
+  occurrence, repeated). Copy-heavy work (edits of a given file, answers quoting their sources) repeats long
+  runs of its prompt.
 - grammar fast-forward: where the request's grammar allows one continuation only (a JSON key, a tool call's
   fixed fields), those tokens.
 
@@ -176,7 +177,7 @@ class Drafter:
 
     def _lookup(self, request: Request, state: _Drafts, k: int) -> list[int]:
         """The k tokens after the latest earlier occurrence of the longest suffix (of the allowed lengths)
-        that occurred before."""
+        that occurred before, the run up to the end repeated where they reach it."""
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         length = request.num_tokens
         # index every n-gram that ends at least one token before the last: each has a token after it
@@ -190,5 +191,8 @@ class Drafter:
             # < length: only n-grams before the suffix are indexed
             after = state.index.get(tuple(suffix[-n:]))
             if after is not None:
-                return request.token_slice(after, min(after + k, length))
+                run = request.token_slice(after, min(after + k, length))
+                # A match that reaches the end overlaps the suffix: the sequence repeats with period
+                # length - after (a loop, a rule of dashes, a column of zeros), so its drafts repeat the run
+                return [run[i % len(run)] for i in range(k)]
         return []

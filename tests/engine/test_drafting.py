@@ -25,9 +25,11 @@ def test_the_tokens_after_the_latest_match_of_the_longest_suffix():
     # suffix (5, 6, 7) occurred once, followed by 8 9 10; the shorter (6, 7) also at the end of the prompt
     r = decoding([5, 6, 7, 8, 9, 10, 11, 1, 6, 7, 42, 5, 6, 7])
     assert propose(d, r) == [8, 9, 10]
-    # the latest occurrence wins, and the drafts may run to the last token
+    # the latest occurrence wins, and drafts that reach the last token repeat the run since the occurrence
     r = decoding([1, 2, 3, 1, 2, 4, 1, 2])
-    assert propose(Drafter(SpeculativeConfig(prompt_lookup_min=2)), r) == [4, 1, 2]
+    assert propose(Drafter(SpeculativeConfig(prompt_lookup_min=2)), r) == [4, 1, 2, 4]
+    r = decoding([7, 1, 0, 0, 0, 0])  # a run of zeros: its suffix (0, 0) occurred one token back
+    assert propose(Drafter(SpeculativeConfig(prompt_lookup_min=2)), r) == [0, 0, 0, 0]
     assert propose(Drafter(SpeculativeConfig()), decoding([1, 2, 3, 4, 5])) == []  # nothing repeats
     assert propose(Drafter(SpeculativeConfig()), decoding([1, 2, 1, 2], speculative=False)) == []
 
