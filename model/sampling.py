@@ -6,6 +6,7 @@ host read, so the runner reads the sampled ids back once per step. The draw is G
 (seed, position, token id), so a row's token depends neither on its batch nor on its row index.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -311,17 +312,19 @@ def uniform_noise(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
     return bits.float().add_(0.5).mul_(2**-53).clamp_(max=_BELOW_ONE)
 
 
-def draw(logits: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
-    """logits [B, V] f32 (-inf = banned) -> [B] ids, one sample of softmax(logits) per row by Gumbel-max."""
-    u = uniform_noise(seeds, positions, logits.shape[1])  # [B, V]
+def draw(logits: Tensor, seeds: Tensor, positions: Tensor, noise: Callable = uniform_noise) -> Tensor:
+    """logits [B, V] f32 (-inf = banned) -> [B] ids, one sample of softmax(logits) per row by Gumbel-max.
+    noise: uniform_noise, or a kernel computing its very bits (model/csrc/noise.cpp)."""
+    u = noise(seeds, positions, logits.shape[1])  # [B, V]
     # G = -log(E) with E = -log(1 - u) ~ Exp(1); log1p keeps float32 precision where E is small and G large,
     # the tail that lets unlikely tokens win.
     gumbel = u.neg_().log1p_().neg_().log_().neg_()
     return gumbel.add_(logits).argmax(dim=-1)
 
 
-def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
-    """logits [B, V] of any float dtype (left untouched) -> one token per row plus raw logprobs.
+def sample(logits: Tensor, t: SamplingTensors, noise: Callable = uniform_noise) -> SampleOutput:
+    """logits [B, V] of any float dtype (left untouched) -> one token per row plus raw logprobs. noise: the
+    draw's uniforms (see draw).
 
     Peak memory beyond the input is the draw's: the working f32 logits plus the noise's two int64, about
     20 bytes per element (640 MiB at B=256, V=128k); the top-p sort needs a little less.
@@ -358,7 +361,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleOutput:
             x = apply_top_k_top_p(x, top_k, t.top_p if t.any_top_p else None, t.filter_width)
         if t.any_min_p:
             x = apply_min_p(x, t.min_p)
-        token_ids = torch.where(t.temperature > 0, draw(x, t.seeds, t.positions), token_ids)
+        token_ids = torch.where(t.temperature > 0, draw(x, t.seeds, t.positions, noise), token_ids)
 
     logprobs = None if lse is None else logits.gather(1, token_ids[:, None]).squeeze(1).float() - lse
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)

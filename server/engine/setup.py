@@ -20,6 +20,7 @@ from model.kv_cache import KVCache
 from model.linear import Linear, OneDnnLinear, PlainLinear
 from model.loader import load_model, model_name, stores_quantized
 from model.quant import QuantizedLinear
+from model.sampling import uniform_noise
 from model.transformer import Ops
 from server.engine.config import EngineConfig
 from server.engine.model_runner import ModelRunner
@@ -89,7 +90,9 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
             config.block_size, mc.num_kv_heads, num_blocks, device, mc.windows, min_query_len
         )
         log.info("attention pads queries to %d", min_query_len)
-    return ModelRunner(model, model_config, kv_cache, attention, device, dtype)
+    # the sampler's noise: the kernel's bits are uniform_noise's
+    noise = cpu_kernels.uniform_noise if cpu_kernels is not None else uniform_noise
+    return ModelRunner(model, model_config, kv_cache, attention, device, dtype, noise)
 
 
 def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTier | None:

@@ -432,6 +432,20 @@ def test_uniform_noise_is_a_pure_roughly_uniform_hash():
 
 
 @pytest.mark.timeout(60)
+def test_the_cpu_kernels_noise_has_the_same_bits(tier_kernels):
+    """model/csrc/noise.cpp against uniform_noise: every bit, at extreme seeds and positions, over rows that
+    straddle the kernel's parallel chunks (16,384 elements), and a row alone as in a batch."""
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, 42])
+    positions = torch.tensor([0, 0, 5, 7, 1_000_000, -3, 2**40])
+    for vocab_size in (1, 31, 4099, 49152):
+        ours = tier_kernels.uniform_noise(seeds, positions, vocab_size)
+        assert torch.equal(ours, uniform_noise(seeds, positions, vocab_size)), vocab_size
+        assert torch.equal(tier_kernels.uniform_noise(seeds[2:3], positions[2:3], vocab_size)[0], ours[2])
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert tier_kernels.uniform_noise(empty, empty, 8).shape == (0, 8)
+
+
+@pytest.mark.timeout(60)
 def test_stop_ids_are_suppressed_before_min_tokens():
     vocab_size, n = 50, 2000
     logits = torch.zeros(3, vocab_size)
