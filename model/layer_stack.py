@@ -1,6 +1,6 @@
 """A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
-Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3) whose GEMMs all run on quantized weights with kvserve's CPU
-kernels: the default model's path, and every GGUF file's of those families.
+Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3 with full rotary) whose GEMMs all run on quantized weights with
+kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
 have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the
