@@ -139,9 +139,9 @@ struct Bf16Kernel {
     }
   }
 
-  // With next set, each group asks for the following tile's matching bytes ahead: a step reads its weights
-  // from memory (tens of MB), and the hardware's prefetcher alone stalls at each tile's start (measured on the
-  // default model's GEMMs, cold: 1.10-1.24x at 1-8 rows, 1.04x at 32-64).
+  // With next set, each group asks for a later tile's matching bytes ahead (quant_gemm.h, PREFETCH_STEPS): a
+  // step reads its weights from memory (tens of MB), and the hardware's prefetcher alone stalls at each tile's
+  // start (measured on the default model's GEMMs, cold: 1.10-1.24x at 1-8 rows, 1.04x at 32-64).
   template <int R>
   void rows(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
     const uint8_t* wt = w.tile(t);
@@ -163,7 +163,7 @@ struct Bf16Kernel {
       for (int r = 0; r < R; ++r) even[r] = odd[r] = vfloat{};
       const int64_t k0 = g * VECS;  // the group's first bfloat16 pair
       if (next)
-        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
       // pair vectors v and v + 1 of the group (v even)
       auto dot_rows = [&](vuint pairs_even, vuint pairs_odd, int64_t v) {
         for (int r = 0; r < R; ++r) even[r] = dot_pairs(even[r], pairs_even, xr[r][k0 + v]);

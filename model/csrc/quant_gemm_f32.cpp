@@ -184,7 +184,7 @@ struct F32Kernel {
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next step's tiles' bytes, group by group, asked for ahead: see quant_gemm_bf16.cpp
         for (int tt = 0; tt < TT; ++tt)
-          for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + (tt * groups + g) * GROUP_BYTES + i);
+          for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + (tt * groups + g) * GROUP_BYTES + i);
       vfloat acc[R][TT][NV] = {};
       const float* xk = x + m0 * w.K + g * G;
 #pragma GCC unroll 16

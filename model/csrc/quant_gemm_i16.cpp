@@ -200,7 +200,7 @@ struct I16Kernel {
       for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       if (next)  // the next tile's bytes, asked for ahead: see quant_gemm_bf16.cpp
-        for (int64_t i = 0; i < GROUP_BYTES; i += 64) __builtin_prefetch(next + g * GROUP_BYTES + i);
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
       __m256i acc[R][HALVES];
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_si256();
