@@ -129,10 +129,23 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
   auto row = [&](const C* base, int64_t pos) {
     return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * D;
   };
+  // The rows of keys (or values) [t0, t0 + KT), asked for into L2 two tiles ahead of their use: the block table
+  // scatters a sequence's rows over the cache, and the hardware's prefetcher stops at each block's few KB
+  // (Qwen3-0.6B's heads, one sequence of 1,000 tokens: each row's loads waited on memory; 5.2 -> 4.5 ms a step's
+  // attention; 32 of 200: 39 -> 35 ms, on a noisy host)
+  auto prefetch_tile = [&](const C* base, int64_t t0) {
+    for (int64_t pos = t0; pos < std::min(t0 + KT, pos_last + 1); ++pos) {
+      const char* r = reinterpret_cast<const char*>(row(base, pos));
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) prefetch_l2(r + b);
+    }
+  };
+  prefetch_tile(k_head, lo);
+  prefetch_tile(k_head, lo + KT);
 
   // scores, a tile of KT keys at a time: per key a vector of partial sums over the head, then one tree
   // reduces the KT vectors into the KT scores
   for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
+    prefetch_tile(k_head, t0 + 2 * KT);
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
     float* kf = reinterpret_cast<float*>(keys.data());
     for (int64_t l = 0; l < KT; ++l) {  // lanes past D stay 0; keys past the last are 0 (their scores are masked)
@@ -157,6 +170,9 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
       }
     }
   }
+
+  prefetch_tile(v_head, lo);
+  prefetch_tile(v_head, lo + KT);
 
   // softmax of each query over its keys [a, b), whole tiles at a time: the rest of a tile is masked
   for (int64_t v = 0; v < nq; ++v) {
@@ -184,6 +200,7 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
 
   // weighted sum of the values, keys in ascending order
   for (int64_t t0 = lo; t0 <= pos_last; t0 += KT) {
+    prefetch_tile(v_head, t0 + 2 * KT);
     const int64_t n = std::min<int64_t>(KT, pos_last + 1 - t0);
     for (int64_t l = 0; l < n; ++l) {
       const C* val = row(v_head, t0 + l);

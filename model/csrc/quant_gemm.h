@@ -188,7 +188,6 @@ struct Plan {
 // L1 kept the loads waiting on memory (1 row, cold, Q4_K 4096 x 1024 .. 16384 x 2048, Q4_1, Q6_K, Q8_0, 2
 // threads on Zen 4: 21-27 GB/s, 23-37 GB/s this way; AVX2's kernel alike; 4 and 32 rows no slower)
 constexpr int64_t PREFETCH_STEPS = 2;
-inline void prefetch_l2(const uint8_t* p) { __builtin_prefetch(p, 0, 2); }
 
 template <class Kernel>
 void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& out) {
