@@ -128,9 +128,11 @@ MODEL_FLAGS = (
     ),
     Flag(
         "--speculative-config",
+        "auto",
         env=True,
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default; the output is the same either way)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; off; auto (the default: n-gram drafts where the '
+        "run's steps are batch-invariant, as on CPU, so the output is the same either way)",
     ),
     Flag("--chat-template", help="a Jinja chat template, or a file", env=True),
     log_level("info", from_env=True),

@@ -69,11 +69,14 @@ def engine_config(args, **overrides):
 
 
 def speculative_config(text: str | None):
-    """--speculative-config's JSON object as a SpeculativeConfig (None when not given); exits naming the flag
-    when it is not one."""
+    """--speculative-config: "auto" (or not given) as it is (the engine decides: server/engine/setup.py,
+    select_speculation), "off" as None, a JSON object as a SpeculativeConfig; exits naming the flag when it is
+    none of them."""
     from server.engine.config import SpeculativeConfig
 
-    if not text:
+    if not text or text.strip() == "auto":
+        return "auto"
+    if text.strip() == "off":
         return None
     try:
         fields = json.loads(text)
@@ -252,7 +255,8 @@ def cmd_bench_spec(args) -> int:
     from server.bench_spec import bench_spec
     from server.engine.config import SpeculativeConfig
 
-    spec = speculative_config(args.speculative_config) or SpeculativeConfig()
+    spec = speculative_config(args.speculative_config)
+    spec = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig()
     engine = build_engine(args, speculative=None)
     print_json(bench_spec(engine, spec, args.workloads, args.concurrency, args.rounds, args.max_tokens))
     return 0
@@ -264,7 +268,8 @@ def cmd_bench_model(args) -> int:
     dtypes = args.dtypes or ([args.dtype] if args.dtype != "auto" else ["float32", "bfloat16"])
     for dtype in dtypes:
         args.dtype = dtype
-        engine = build_engine(args, max_num_seqs=1)
+        # the step benchmarks time or compare plain decode steps: no drafts, whatever --speculative-config says
+        engine = build_engine(args, max_num_seqs=1, speculative=None)
         print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
         del engine
     return 0
@@ -273,7 +278,7 @@ def cmd_bench_model(args) -> int:
 def cmd_bench_profile(args) -> int:
     from server.bench import bench_profile, print_json
 
-    engine = build_engine(args, max_num_seqs=max(args.batch_sizes))
+    engine = build_engine(args, max_num_seqs=max(args.batch_sizes), speculative=None)
     for b in args.batch_sizes:
         print_json(bench_profile(engine, b, args.context_len, args.steps, args.reps))
     return 0
@@ -283,10 +288,10 @@ def cmd_bench_quality(args) -> int:
     from server.bench import DEFAULT_QUALITY_TEXT, bench_quality, print_json
 
     text = Path(args.text or DEFAULT_QUALITY_TEXT).read_text(encoding="utf-8")
-    test = build_engine(args, max_num_seqs=1)
+    test = build_engine(args, max_num_seqs=1, speculative=None)
     # the same weights, dequantized, in float32
     reference = build_engine(
-        args, max_num_seqs=1, dtype="float32", quantization="none", batch_invariant=False
+        args, max_num_seqs=1, dtype="float32", quantization="none", batch_invariant=False, speculative=None
     )
     config = test.config
     result = bench_quality(test, reference, text, args.window)
@@ -315,7 +320,7 @@ def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
     """One engine per named setting, their decode steps interleaved; a JSON line per batch size."""
     from server.bench import bench_steps, print_json
 
-    kv = {"max_num_seqs": max(args.batch_sizes)}
+    kv = {"max_num_seqs": max(args.batch_sizes), "speculative": None}
     engines = {name: build_engine(args, **s, **kv) for name, s in settings.items()}
     dtype = str(next(iter(engines.values())).runner.dtype).removeprefix("torch.")
     for b in args.batch_sizes:

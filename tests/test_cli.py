@@ -114,3 +114,15 @@ def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
         assert r["rest_ms"] == pytest.approx(r["step_ms"] - sum(r[p] for p in parts), abs=0.02)
         # the tiny llama's four block GEMMs, named with their shapes (out x in)
         assert list(r["gemm_us_per_call"]) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128"]
+
+
+def test_speculative_config_is_auto_unless_turned_off_or_given():
+    from server.commands import speculative_config
+    from server.engine.config import SpeculativeConfig
+
+    assert speculative_config(None) == speculative_config("auto") == "auto"
+    assert speculative_config("off") is None
+    assert speculative_config('{"num_speculative_tokens": 2}') == SpeculativeConfig(num_speculative_tokens=2)
+    for bad in ('{"method": "eagle"}', "[1]", "on"):
+        with pytest.raises(SystemExit, match="--speculative-config"):
+            speculative_config(bad)

@@ -118,8 +118,8 @@ class Sampling(Body):
     min_tokens: int = Field(0, ge=0)
     speculative: bool = Field(
         True,
-        description="false: no speculative drafts for this request where the server runs with "
-        "--speculative-config. The output is the same either way; drafts only change its speed.",
+        description="false: no speculative drafts for this request (the server drafts by default on CPU, and "
+        "as --speculative-config says). The output is the same either way; drafts only change its speed.",
     )
     logit_bias: dict[int, float] | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; at most 300."

@@ -50,4 +50,6 @@ class EngineConfig:
     cpu_tier: str = (
         "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | avx512bf16 | avx512 | avx2 | generic
     )
-    speculative: SpeculativeConfig | None = None  # None = no speculative decoding
+    # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
+    # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change
+    speculative: SpeculativeConfig | str | None = None

@@ -18,7 +18,7 @@ from server.engine.output_processor import OutputProcessor
 from server.engine.request import ParamError, RequestOutput, SamplingParams
 from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
-from server.engine.setup import build_runner, context_length
+from server.engine.setup import build_runner, context_length, select_speculation
 from server.engine.stats import EngineStats
 
 
@@ -40,6 +40,8 @@ class Engine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        if config.speculative == "auto":
+            self.config = config = dataclasses.replace(config, speculative=select_speculation(self.runner))
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

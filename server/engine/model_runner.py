@@ -43,10 +43,12 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         noise: Callable = uniform_noise,  # the sampler's uniforms: PyTorch ops, or the CPU kernel's same bits
+        batch_invariant: bool = False,  # whether a token's logits never depend on what shares its step
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
         self.attention, self.device, self.dtype = attention, device, dtype
         self.noise = noise
+        self.batch_invariant = batch_invariant
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
 
     @property

@@ -22,7 +22,7 @@ from model.loader import load_model, model_name, stores_quantized
 from model.quant import QuantizedLinear
 from model.sampling import uniform_noise
 from model.transformer import Ops
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,23 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         log.info("attention pads queries to %d", min_query_len)
     # the sampler's noise: the kernel's bits are uniform_noise's
     noise = cpu_kernels.uniform_noise if cpu_kernels is not None else uniform_noise
-    return ModelRunner(model, model_config, kv_cache, attention, device, dtype, noise)
+    # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
+    # by the kernel or padded. On GPUs kvserve does not make them so.
+    gemms_invariant = invariant or all(getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear))
+    batch_invariant = device.type == "cpu" and gemms_invariant and (cpu_kernels is not None or invariant)
+    return ModelRunner(model, model_config, kv_cache, attention, device, dtype, noise, batch_invariant)
+
+
+def select_speculation(runner: ModelRunner) -> SpeculativeConfig | None:
+    """--speculative-config auto: n-gram drafts where every step op is batch-invariant, so that a drafted token
+    is kept exactly when plain decoding would have produced it; off elsewhere. Logged with why."""
+    if runner.batch_invariant:
+        log.info("speculative decoding: n-gram drafts (auto: this run's steps are batch-invariant, so the output "
+                 "is the same with or without them; --speculative-config off turns them off)")
+        return SpeculativeConfig()
+    log.info("speculative decoding: off (auto: this run's steps are not batch-invariant, so drafts could change "
+             "the output)")
+    return None
 
 
 def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTier | None:

@@ -116,3 +116,16 @@ def test_after_preemption(default_model_dir):
     assert drafted == plain
     assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
     assert stats.num_accepted_tokens > 0
+
+
+def test_auto_drafts_only_where_steps_are_batch_invariant(default_model_dir, tiny_llama_dir):
+    """--speculative-config's default, "auto": drafts for the default model on CPU (its quantized GEMMs and the
+    attention kernel give a token the same bits in any batch), none where a step's float32 GEMMs and attention
+    are left unpadded (a draft could then change the output)."""
+    on = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=32 << 20, speculative="auto"))
+    assert on.runner.batch_invariant
+    assert on.config.speculative == SpeculativeConfig() and on.drafter is not None
+    off = Engine(str(tiny_llama_dir), EngineConfig(kv_cache_memory=32 << 20, speculative="auto", dtype="float32",
+                                                   batch_invariant=False, cpu_kernels="off"))  # fmt: skip
+    assert not off.runner.batch_invariant
+    assert off.config.speculative is None and off.drafter is None
