@@ -74,10 +74,9 @@ def speculative_config(text: str | None):
     none of them."""
     from server.engine.config import SpeculativeConfig
 
-    if not text or text.strip() == "auto":
-        return "auto"
-    if text.strip() == "off":
-        return None
+    text = (text or "auto").strip()
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else None
     try:
         fields = json.loads(text)
         if not isinstance(fields, dict):

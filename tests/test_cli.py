@@ -111,7 +111,8 @@ def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
     for r in rows:
         parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms")
         assert r["step_ms"] > 0 and all(r[p] > 0 for p in parts)
-        assert r["rest_ms"] == pytest.approx(r["step_ms"] - sum(r[p] for p in parts), abs=0.02)
+        # six figures, each rounded to 0.01 ms on its own: up to 0.03 apart (0.02 failed on 0.53 against 0.51)
+        assert r["rest_ms"] == pytest.approx(r["step_ms"] - sum(r[p] for p in parts), abs=0.031)
         # the tiny llama's four block GEMMs, named with their shapes (out x in)
         assert list(r["gemm_us_per_call"]) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128"]
 

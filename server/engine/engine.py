@@ -40,9 +40,7 @@ class Engine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        if config.speculative == "auto":
-            self.config = config = dataclasses.replace(config, speculative=select_speculation(self.runner))
-        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self.drafter = self._drafter()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
@@ -128,7 +126,13 @@ class Engine:
             raise RuntimeError("the engine still has requests")
         self.config = dataclasses.replace(self.config, **changes)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
-        self.drafter = Drafter(self.config.speculative) if self.config.speculative is not None else None
+        self.drafter = self._drafter()
+
+    def _drafter(self) -> Drafter | None:
+        """The drafter config.speculative asks for, "auto" resolved against this runner (and kept resolved)."""
+        if self.config.speculative == "auto":
+            self.config = dataclasses.replace(self.config, speculative=select_speculation(self.runner))
+        return Drafter(self.config.speculative) if self.config.speculative is not None else None
 
     def stats(self) -> EngineStats:
         stats = dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)
