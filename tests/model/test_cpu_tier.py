@@ -70,7 +70,14 @@ def test_each_tier_is_compiled_for_its_own_instructions():
 
 
 @pytest.fixture
-def empty_install(tmp_path, monkeypatch):
+def installed_kernels() -> str | None:
+    """Where this install's kernels are built as the suite found it: KVSERVE_KERNELS_DIR's folder (an install
+    may be told to build there), or None for the install's own."""
+    return os.environ.get("KVSERVE_KERNELS_DIR")
+
+
+@pytest.fixture
+def empty_install(installed_kernels, tmp_path, monkeypatch):
     """A kernels folder with nothing built in it, and load()'s cache cleared before and after."""
     monkeypatch.setenv("KVSERVE_KERNELS_DIR", str(tmp_path))
     kernels.load.cache_clear()
@@ -162,7 +169,9 @@ def test_the_engine_runs_as_any_tier_this_cpu_has(tiny_model_factory, tier, capl
 
 
 @pytest.mark.timeout(30)
-def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(empty_install, caplog):
+def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(
+    installed_kernels, empty_install, caplog
+):
     """An image built on another host (or an install told to build fewer tiers) starts on the best tier it
     has and says so; a tier named outright that is not built is the install command's error."""
     import shutil
@@ -174,8 +183,11 @@ def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(empty_ins
         pytest.skip("this CPU's best tier is the generic one: nothing weaker to have built")
     real = kernels.build_folder(generic).name
     kernels.load.cache_clear()
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("KVSERVE_KERNELS_DIR")
+    with pytest.MonkeyPatch.context() as env:  # the generic build of this install, wherever it was made
+        if installed_kernels:
+            env.setenv("KVSERVE_KERNELS_DIR", installed_kernels)
+        else:
+            env.delenv("KVSERVE_KERNELS_DIR")
         shutil.copytree(kernels.build_folder(generic), empty_install / real)
     cpu = torch.device("cpu")
     with caplog.at_level("INFO"):
