@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("group"), no_gil());
   m.def("uniform_noise", &uniform_noise, "the sampler's noise, bit for bit (noise.cpp; model/sampling.py)",
         py::arg("seeds"), py::arg("positions"), py::arg("vocab_size"), no_gil());
+  m.def("argmax_rows", &argmax_rows, "torch.argmax of each row of [B, V] float32 (argmax.cpp; model/sampling.py)",
+        py::arg("x"), no_gil());
   py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "one format's run of a weight's rows, packed")
       .def(py::init([](at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
                        std::optional<at::Tensor> supers, std::optional<at::Tensor> super_mins, int64_t bits,

@@ -20,3 +20,4 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out);
 at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);
 at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group);
 at::Tensor uniform_noise(at::Tensor seeds, at::Tensor positions, int64_t vocab_size);
+at::Tensor argmax_rows(at::Tensor x);

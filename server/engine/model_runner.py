@@ -1,14 +1,13 @@
 """ModelRunner: a SchedulerOutput in, a ModelOutput out. Owns the model, the KV cache and the attention backend;
 keeps nothing per request. server/engine/setup.py builds it."""
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.sampling import SamplingTensors, row_logsumexp, sample, uniform_noise
+from model.sampling import TORCH_SAMPLER, SamplerKernels, SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
 from server.engine.grammar import fill_bitmasks
 from server.engine.request import TokenLogprob
@@ -42,12 +41,12 @@ class ModelRunner:
         attention,  # the attention backend (model/attention.py): builds each step's metadata
         device: torch.device,
         dtype: torch.dtype,
-        noise: Callable = uniform_noise,  # the sampler's uniforms: PyTorch ops, or the CPU kernel's same bits
+        sampler: SamplerKernels = TORCH_SAMPLER,  # noise and argmax: PyTorch's ops, or the kernels' same bits
         batch_invariant: bool = False,  # whether a token's logits never depend on what shares its step
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
         self.attention, self.device, self.dtype = attention, device, dtype
-        self.noise = noise
+        self.sampler = sampler
         self.batch_invariant = batch_invariant
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
 
@@ -120,7 +119,7 @@ class ModelRunner:
         decode would with the output grown by its first j drafts (penalties, bans, grammar, position)."""
         rows = [(c.request, c.drafts[:j]) for c in chunks for j in range(len(c.drafts) + 1)]
         logits = self.model.compute_logits(hidden)
-        result = sample(logits, self._sampling_tensors(rows, chunks), self.noise)
+        result = sample(logits, self._sampling_tensors(rows, chunks), self.sampler)
         token_ids = result.token_ids.tolist()  # the one host read per step
         logprobs = [None] * len(token_ids)
         if result.top_ids is not None:

@@ -20,7 +20,7 @@ from model.kv_cache import KVCache
 from model.linear import Linear, OneDnnLinear, PlainLinear
 from model.loader import load_model, model_name, stores_quantized
 from model.quant import QuantizedLinear
-from model.sampling import uniform_noise
+from model.sampling import TORCH_SAMPLER, SamplerKernels
 from model.transformer import Ops
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.model_runner import ModelRunner
@@ -90,13 +90,15 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
             config.block_size, mc.num_kv_heads, num_blocks, device, mc.windows, min_query_len
         )
         log.info("attention pads queries to %d", min_query_len)
-    # the sampler's noise: the kernel's bits are uniform_noise's
-    noise = cpu_kernels.uniform_noise if cpu_kernels is not None else uniform_noise
+    # the sampler's noise and argmax: the kernels' bits are PyTorch's
+    sampler = TORCH_SAMPLER
+    if cpu_kernels is not None:
+        sampler = SamplerKernels(cpu_kernels.uniform_noise, cpu_kernels.argmax_rows)
     # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
     # by the kernel or padded. On GPUs kvserve does not make them so.
     gemms_invariant = invariant or all(getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear))
     batch_invariant = device.type == "cpu" and gemms_invariant and (cpu_kernels is not None or invariant)
-    return ModelRunner(model, model_config, kv_cache, attention, device, dtype, noise, batch_invariant)
+    return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
 
 
 def select_speculation(runner: ModelRunner) -> SpeculativeConfig | None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model.sampling import (
+    SamplerKernels,
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p,
@@ -443,6 +444,44 @@ def test_the_cpu_kernels_noise_has_the_same_bits(tier_kernels):
         assert torch.equal(tier_kernels.uniform_noise(seeds[2:3], positions[2:3], vocab_size)[0], ours[2])
     empty = torch.zeros(0, dtype=torch.int64)
     assert tier_kernels.uniform_noise(empty, empty, 8).shape == (0, 8)
+
+
+@pytest.mark.timeout(60)
+def test_the_cpu_kernels_argmax_is_torchs(tier_kernels):
+    """model/csrc/argmax.cpp against torch.argmax on every row: the first of equal maxima, a NaN over any number
+    (the first NaN), infinities, rows of -inf only, maxima in the vector part and in the tail past it, widths
+    around the vector's (16 lanes with AVX-512, 8 with AVX2, 4 on the baseline); and a row alone as in a batch."""
+    g = torch.Generator().manual_seed(0)
+    for width in [*range(1, 40), 4099, 49152]:
+        rows = torch.randn(12, width, generator=g)
+        rows[1] = rows[1].round()  # many ties
+        rows[2] = float("-inf")
+        rows[3, width // 3] = rows[3, width - 1] = float("nan")
+        rows[4, width - 1] = float("nan")  # in the tail
+        rows[5, width // 2] = float("inf")
+        rows[6] = 7.0  # all equal
+        rows[7, [width // 4, width - 1]] = 1e9  # the same maximum twice, the second in the tail
+        rows[8] = float("nan")
+        rows[9, torch.randint(width, (3,), generator=g)] = float("nan")
+        rows[10, 0] = float("inf")
+        rows[10, width - 1] = float("nan")
+        ours = tier_kernels.argmax_rows(rows)
+        assert torch.equal(ours, rows.argmax(dim=-1)), width
+        assert tier_kernels.argmax_rows(rows[5:6]).item() == ours[5].item()
+        assert torch.equal(tier_kernels.argmax_rows(rows.t().contiguous().t()), ours)  # strided rows
+    with pytest.raises(RuntimeError, match="float32"):
+        tier_kernels.argmax_rows(torch.zeros(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.timeout(60)
+def test_the_sampler_picks_the_same_tokens_with_the_cpu_kernels(tier_kernels):
+    """sample() with the kernels' noise and argmax: the same tokens as with PyTorch's ops, greedy and drawn."""
+    vocab_size, n = 4099, 16
+    logits = torch.randn(n, vocab_size, generator=torch.Generator().manual_seed(1)) * 3
+    kernels = SamplerKernels(tier_kernels.uniform_noise, tier_kernels.argmax_rows)
+    for temperature in (0.0, 0.7, 1.0):
+        t = make(vocab_size, n, temperature=[temperature] * n, seeds=list(range(n)))
+        assert torch.equal(sample(logits, t, kernels).token_ids, sample(logits, t).token_ids), temperature
 
 
 @pytest.mark.timeout(60)
