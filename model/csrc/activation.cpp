@@ -24,12 +24,10 @@ at::Tensor silu_mul(at::Tensor x) {
         const scalar_t* up = gate + F;
         scalar_t* y_t = yp + t * F;
         int64_t f = 0;
-        for (; f + VL <= F; f += VL) {  // 16 at a time, with the vectorised exp
-          vfloat g;
-          for (int l = 0; l < VL; ++l) g[l] = to_float(gate[f + l]);
+        for (; f + VL <= F; f += VL) {  // a vector at a time, with the vectorised exp
+          const vfloat g = load_floats(gate + f);
           const vfloat silu = g / (1.0f + vexp(-g));
-          for (int l = 0; l < VL; ++l)
-            y_t[f + l] = static_cast<scalar_t>(to_float(static_cast<scalar_t>(silu[l])) * to_float(up[f + l]));
+          store_floats(round_to<scalar_t>(silu) * load_floats(up + f), y_t + f);
         }
         for (; f < F; ++f) {
           const float g = to_float(gate[f]);

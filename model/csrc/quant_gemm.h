@@ -131,17 +131,6 @@ inline void add_high(V h, V& low, V& high) {
   high |= (t << (4 - HB)) & mask;
 }
 
-typedef uint16_t vhalfword __attribute__((vector_size(VL * sizeof(uint16_t))));
-
-// VL float32 -> bfloat16 with c10's rounding (to nearest even, NaN to 0x7FC0), so the bits are what
-// static_cast<c10::BFloat16> gives, VL at a time
-inline vhalfword to_bf16(vfloat v) {
-  const vuint u = bitcast<vuint>(v);
-  const vuint rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
-  const vuint nan = bitcast<vuint>(v != v);
-  return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), vhalfword);
-}
-
 // Where a GEMM's outputs go: [M, N] float32 (the logits, float32 models) or bfloat16, one of the two set
 struct Output {
   float* f32;
