@@ -10,7 +10,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 
 namespace {
@@ -30,13 +29,11 @@ int64_t row_argmax(const float* x, int64_t V) {
   if (V >= VL) {
     // Lane l keeps the winner among x[l], x[l + VL], ...: a later value replaces it only when larger, or a NaN
     // where it is not one, so each lane keeps its first winner; the lanes' winners then meet by `wins`.
-    vfloat kept;
-    std::memcpy(&kept, x, sizeof(kept));
+    vfloat kept = load_floats(x);
     vint kept_i, at;
     for (int l = 0; l < VL; ++l) kept_i[l] = at[l] = l;
     for (i = VL; i + VL <= V; i += VL) {
-      vfloat v;
-      std::memcpy(&v, x + i, sizeof(v));
+      const vfloat v = load_floats(x + i);
       at += VL;
       const vint take = (v > kept) | ((v != v) & (kept == kept));
       kept = take ? v : kept;
