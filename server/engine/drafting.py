@@ -16,18 +16,22 @@ Two sources, both free to propose:
 
 Drafts cost where they are rejected, so each request adapts. It keeps a running estimate a of how often a draft
 is kept where the ones before it were (decayed hits over hits plus misses: each verify adds the drafts it kept
-and, if it stopped early, one miss); the k-th draft of a run is kept with probability about a^k, and pays where
-that beats what one more row costs the step (ROW_COST, measured: ~15% of a one-row step here) times the tokens the
-step makes anyway, its decodes. So a lone stream drafts while a >= ~0.15 per position, four streams only while
-drafts are kept more often than not, and eight or more almost never. A verify that kept nothing, or an estimate
-that allows no draft at all, makes the request wait 1, 2, 4 ... steps before it drafts again, at least one
-(the wait resets with the next acceptance). The step's decodes plus drafts also stay within
-SpeculativeConfig.max_step_rows; the requests most likely to be right draft first. Grammar-forced tokens are
-always kept, and cost their rows only.
+and, if it stopped early, one miss); the k-th draft of a run is kept with probability about a^k. What a row
+costs depends on the host: a draft row adds ~15% to a one-row step where the CPU multiplies bfloat16 (Zen 4),
+~40% where the int16 products of an AVX2 core are the limit (Zen 3), and more once a step's rows leave the
+GEMMs' few-row path. So the drafter times the steps it sees: StepCosts keeps the recent seconds of decode-only
+steps by their decodes and drafts, and each step verifies the number of drafts, most likely first, that makes
+the most tokens a second by those costs (the step's decodes plus the drafts' chances, over the seconds of such a
+step). Steps not timed yet cost ROW_COST a row, an optimistic guess that gets them tried and timed.
+A request whose drafts were all left out, or whose verify kept nothing, waits 1, 2, 4 ... steps before it
+drafts again (a verify that keeps any halves the next wait); after a wait its first draft counts as sure, so that it
+is tried wherever a kept draft would pay, and its verify updates the estimate. Grammar-forced tokens are sure
+drafts, verified wherever a sure token pays for its row. The step's decodes plus drafts stay within
+SpeculativeConfig.max_step_rows.
 """
 
-import math
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from server.engine.config import SpeculativeConfig
@@ -36,10 +40,44 @@ from server.engine.request_state import Request
 from server.engine.scheduler import ScheduledChunk
 
 MAX_BACKOFF = 64  # steps a request may wait before drafting again
-# A draft row's cost, as a share of a one-row decode step (the 135M default on Zen 4, 2026-11-27: 5.8 ms for one
-# token, +0.3 to +1.3 ms for each draft up to 8): a draft pays where a^k > ROW_COST * the step's decodes
+# A draft row's cost, as a share of a one-row decode step, for step sizes not yet timed (the 135M default on Zen 4,
+# 2026-11-27: 5.8 ms for one token, +0.3 to +1.3 ms for each draft up to 8): low, so that they get tried
 ROW_COST = 0.15
 DECAY = 0.8  # the weight of a request's older verifies in its acceptance estimate, per verify
+TIMED_STEPS = 15  # a step's cost: the median of the latest this many decode-only steps of its shape
+MIN_TIMED = 3  # ... once it has this many (one slow step, a collection or the host's noise, cannot decide)
+
+
+class StepCosts:
+    """Seconds of the latest decode-only steps, by their decodes and drafts. A draft row costs a little more
+    than a decode's (its sequence's attention has one more query: units of work split less evenly), so the two
+    are kept apart (Zen 3, four sampled streams: 3 decodes + 1 draft 9.7 ms, 4 decodes 9.0 ms)."""
+
+    def __init__(self):
+        self._seconds: dict[tuple[int, int], deque[float]] = {}
+
+    def record(self, decodes: int, drafts: int, seconds: float) -> None:
+        self._seconds.setdefault((decodes, drafts), deque(maxlen=TIMED_STEPS)).append(seconds)
+
+    def timed(self, decodes: int, drafts: int) -> float | None:
+        """The median seconds of such a step, once MIN_TIMED of them were seen."""
+        times = self._seconds.get((decodes, drafts))
+        return statistics.median(times) if times is not None and len(times) >= MIN_TIMED else None
+
+    def seconds(self, decodes: int, drafts: int, most: int) -> float:
+        """What a step of `decodes` decodes and `drafts` drafts costs: its timed seconds; else those of the
+        nearest timed step of as many decodes (up to `most` drafts, the fewer first) grown or shrunk by ROW_COST
+        of a one-row step a row; in units of a one-row step where none is. So every size a decision compares
+        (one number of decodes) is on one scale."""
+        t = self.timed(decodes, drafts)
+        if t is not None:
+            return t
+        guess = 1 + ROW_COST * (decodes + drafts - 1)
+        for k in sorted(range(most + 1), key=lambda k: (abs(k - drafts), k)):
+            t = self.timed(decodes, k)
+            if t is not None:
+                return t * guess / (1 + ROW_COST * (decodes + k - 1))
+        return guess
 
 
 @dataclass(slots=True)
@@ -74,9 +112,20 @@ def accepted_drafts(drafts: list[int], emitted: list[int]) -> int:
     return n
 
 
+@dataclass(slots=True)
+class _Proposal:
+    """A decode's candidate drafts for the next step, with each one's chance of being kept."""
+
+    request: Request
+    drafts: list[int]
+    chances: list[float]  # a^k for the k-th; 1 for a grammar's forced tokens and a trial's first
+    forced: bool  # the grammar's
+
+
 class Drafter:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, costs: StepCosts | None = None):
         self.config = config
+        self.costs = costs if costs is not None else StepCosts()  # the engine's, which outlives a drafter
         self._states: dict[str, _Drafts] = {}
         # decodes verified with drafts, their drafts, the drafts kept, kept drafts by position (0 = first)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -88,35 +137,58 @@ class Drafter:
         kept: dict[str, list[int]],
         finished: dict[str, FinishReason],
         running: list[Request],
+        seconds: float | None = None,
     ) -> None:
-        """Learn what the step's verifies kept, then draft for the next step."""
+        """Learn what the step's verifies kept and, for a step of decodes only, what its `seconds` say a step of
+        its rows costs; then draft for the next step."""
         for c in chunks:
             if c.drafts:
                 self._record(c.request, c.drafts, kept.get(c.request.request_id, []))
+        if seconds is not None and chunks and all(c.num_tokens == 1 + len(c.drafts) for c in chunks):
+            self.costs.record(len(chunks), sum(len(c.drafts) for c in chunks), seconds)
         for request_id in finished:
             self.forget(request_id)
         for request in running:
             request.draft_token_ids = []
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        bar = ROW_COST * len(decoding)  # what the k-th draft's chance a^k must beat
         room = self.config.max_step_rows - len(decoding)
+        if room <= 0:
+            return
         # sorted is stable: ties keep their running order
-        for request in sorted(decoding, key=self._acceptance, reverse=True):
-            if room <= 0:
-                break
-            request.draft_token_ids = self._propose(request, room, self._worth(request, bar))
-            room -= len(request.draft_token_ids)
+        proposals = [self._propose(r, room) for r in sorted(decoding, key=self._acceptance, reverse=True)]
+        # every candidate, most likely first (a request's in its own order: its chances fall), as many as pay
+        candidates = sorted(
+            ((chance, i) for i, p in enumerate(proposals) for chance in p.chances), key=lambda c: -c[0]
+        )[:room]
+        counts = [0] * len(proposals)
+        for _, i in candidates[: self._most_tokens_a_second(len(decoding), [c for c, _ in candidates])]:
+            counts[i] += 1
+        for p, n in zip(proposals, counts, strict=True):
+            p.request.draft_token_ids = p.drafts[:n]
+            if p.forced or not p.drafts:
+                continue
+            state = self._states[p.request.request_id]
+            if n == 0:  # none paid: wait, then try one
+                self._back_off(state)
+            else:
+                state.trial = False
+
+    def _most_tokens_a_second(self, decodes: int, chances: list[float]) -> int:
+        """How many of the drafts (their chances, highest first) a step of `decodes` decodes should verify: the
+        number that makes the most tokens a second, by StepCosts."""
+        most = self.config.max_step_rows - decodes
+        tokens = float(decodes)
+        best, best_rate = 0, tokens / self.costs.seconds(decodes, 0, most)
+        for n, chance in enumerate(chances, 1):
+            tokens += chance
+            rate = tokens / self.costs.seconds(decodes, n, most)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def _acceptance(self, request: Request) -> float:
         state = self._states.get(request.request_id)
         return state.acceptance() if state is not None else PRIOR_ACCEPTANCE
-
-    def _worth(self, request: Request, bar: float) -> int:
-        """How many drafts pay for their rows: the largest k with a^k > bar (a < 1: misses never decay to 0)."""
-        a = self._acceptance(request)
-        if bar >= 1.0 or a <= bar:
-            return 0
-        return min(self.config.num_speculative_tokens, int(math.log(bar) / math.log(a)))
 
     def _record(self, request: Request, drafts: list[int], kept: list[int]) -> None:
         num_accepted = accepted_drafts(drafts, kept)
@@ -132,8 +204,8 @@ class Drafter:
         state.misses = DECAY * state.misses + (num_accepted < len(drafts))
         if num_accepted == 0:
             self._back_off(state)
-        else:
-            state.backoff = 1
+        else:  # halved, not reset: where half the verifies keep nothing, the waits grow
+            state.backoff = max(state.backoff // 2, 1)
 
     @staticmethod
     def _back_off(state: _Drafts) -> None:
@@ -142,11 +214,13 @@ class Drafter:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def _propose(self, request: Request, room: int, worth: int) -> list[int]:
-        """A decode's drafts, at most `room`: the tokens its grammar forces (always kept), else up to `worth`
-        n-gram drafts; none while it waits, and at least one, to try, once a wait is over."""
+    def _propose(self, request: Request, room: int) -> _Proposal:
+        """A decode's candidate drafts, at most `room`: the tokens its grammar forces (sure to be kept), else its
+        n-gram drafts; none while it waits. Once a wait is over, the first draft counts as sure, so that it is
+        tried wherever a kept draft would pay (its verify then updates the estimate)."""
+        none = _Proposal(request, [], [], False)
         if not request.params.speculative:
-            return []
+            return none
         state = self._states.get(request.request_id)
         if state is None:
             state = self._states[request.request_id] = _Drafts()
@@ -157,23 +231,22 @@ class Drafter:
             request.params.max_tokens - len(request.output_token_ids) - 1,
         )
         if room <= 0:
-            return []
+            return none
         if request.grammar is not None:
             forced = request.grammar.forced_tokens()[:room]
             if forced:
-                return forced
+                return _Proposal(request, forced, [1.0] * len(forced), True)
         if state.wait > 0:
             state.wait -= 1
-            return []
-        if state.trial:
-            state.trial, worth = False, max(worth, 1)
-        elif worth == 0:  # no draft pays now: wait, then try one
-            self._back_off(state)
-            return []
-        drafts = self._lookup(request, state, min(worth, room))
+            return none
+        drafts = self._lookup(request, state, room)
         if drafts and request.grammar is not None:  # the grammar must allow them: a mask needs a valid past
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
-        return drafts
+        a = state.acceptance()
+        chances = [a ** (k + 1) for k in range(len(drafts))]
+        if state.trial and chances:
+            chances[0] = 1.0
+        return _Proposal(request, drafts, chances, False)
 
     def _lookup(self, request: Request, state: _Drafts, k: int) -> list[int]:
         """The k tokens after the latest earlier occurrence of the longest suffix (of the allowed lengths)

@@ -7,12 +7,13 @@ which tokens run       what they computed    deltas, and who      advance, appen
 
 import dataclasses
 import random
+import time
 
 import torch
 
 from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig
-from server.engine.drafting import Drafter
+from server.engine.drafting import Drafter, StepCosts
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import ParamError, RequestOutput, SamplingParams
@@ -40,6 +41,7 @@ class Engine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.step_costs = StepCosts()  # what this host's steps cost by their rows: kept across resets
         self.drafter = self._drafter()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -99,6 +101,7 @@ class Engine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -107,7 +110,9 @@ class Engine:
         kept = {o.request_id: o.new_token_ids for o in outputs}
         self.scheduler.update(scheduled, kept, finished)
         if self.drafter is not None:
-            self.drafter.after_step(scheduled.chunks, kept, finished, self.scheduler.running)
+            # what this step cost: the drafter sizes the next ones by it
+            seconds = time.perf_counter() - start
+            self.drafter.after_step(scheduled.chunks, kept, finished, self.scheduler.running, seconds)
         return outputs
 
     def score(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
@@ -132,7 +137,8 @@ class Engine:
         """The drafter config.speculative asks for, "auto" resolved against this runner (and kept resolved)."""
         if self.config.speculative == "auto":
             self.config = dataclasses.replace(self.config, speculative=select_speculation(self.runner))
-        return Drafter(self.config.speculative) if self.config.speculative is not None else None
+        spec = self.config.speculative
+        return Drafter(spec, self.step_costs) if spec is not None else None
 
     def stats(self) -> EngineStats:
         stats = dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)
