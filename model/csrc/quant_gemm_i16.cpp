@@ -26,9 +26,19 @@
 namespace {
 
 constexpr int HALVES = TILE / 8;  // 8-lane vectors per tile
-// Rows of x computed together: 2 accumulators a row, 2 weight vectors and x's broadcast: 15 of 16 registers
+// Rows of x computed together from unpacked tiles: 2 accumulators a row, 2 weight vectors and x's broadcast: 15
+// of 16 registers
 constexpr int BLOCK_ROWS = 6;
-constexpr int PACKED_ROWS = 4;  // up to this many rows, from the packed weights (measured: 5 and 6 unpack faster)
+// Up to PACKED_ROWS rows, from the packed weights, in blocks of up to PACKED_BLOCK rows
+#if defined(__AVX512F__)
+constexpr int PACKED_ROWS = 4, PACKED_BLOCK = BLOCK_ROWS;  // 32 registers (measured: 5 and 6 unpack faster)
+#else
+// 16 registers: a block of 5 or 6 rows spills, and unpacking costs more than it saves below ~12 rows (Zen 3,
+// the default model's GEMMs, 2 threads: 5 rows 10.1-10.4 -> 8.4-8.6 ms, 6 rows 11.3 -> 9.4-9.5, 8 rows
+// 13.4-14.1 -> 12.1-12.4; 12 rows the same either way, 16 and 32 unpacked faster). A lone stream's verify of
+// its drafts runs at these sizes.
+constexpr int PACKED_ROWS = 8, PACKED_BLOCK = 4;
+#endif
 
 // A tile's q pairs of chunk c, lanes 8h .. 8h + 7: 4-bit, pairs 2c (a) and 2c + 1 (b); 8-bit, pair c (a)
 inline void pairs4(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
@@ -134,13 +144,13 @@ struct I16Kernel {
       pairs4(group + c * 32, h, a, b);
   }
 
-  // Blocks of rows from the packed weights while one block holds them all. Past that, the tiles are unpacked
+  // Blocks of rows from the packed weights up to PACKED_ROWS rows. Past that, the tiles are unpacked
   // once and each block of rows runs over several of them, so that its rows of x stay in L1 while they are
   // reused: as many tiles as fit in ~256 KB of L2 unpacked, and few enough that every thread gets 4 steps
   // (measured: one tile at a time, the rows of x came from L3 for every tile, and the 512-row GEMMs ran at
   // half the speed of their inner loop alone).
   Plan plan(int64_t M) const {
-    if (M <= PACKED_ROWS) return {BLOCK_ROWS, 1, false};
+    if (M <= PACKED_ROWS) return {PACKED_BLOCK, 1, false};
     const int64_t fit = (256 << 10) / (w.groups() * UNPACKED * sizeof(__m256i));
     const int64_t spread = (w.tiles() + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
     return {BLOCK_ROWS, static_cast<int>(std::clamp<int64_t>(std::min(fit, spread), 1, MAX_TILES)), true};

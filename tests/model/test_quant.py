@@ -99,8 +99,8 @@ def test_bias_is_added_in_float32(tier_kernels, dtype):
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype):
-    """Every kernel path (one row over several tiles, blocks of rows from the packed weights, blocks of rows
-    over a tile unpacked once) gives a row the same bits."""
+    """Every kernel path (one row over several tiles, blocks of rows from the packed weights, one or several
+    (5 to 8 rows with AVX2 alone), blocks of rows over a tile unpacked once) gives a row the same bits."""
     qt, _ = gguf_weight(kind, 100, 192)
     layer = layer_for(qt, kernels=tier_kernels)
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -109,7 +109,8 @@ def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype):
         full = layer(x)
         logits = layer.logits(x)
         for rows in (slice(0, 1), slice(5, 6), slice(0, 2), slice(0, 3), slice(3, 12), slice(8, 25),
-                     slice(36, 37), slice(1, 70), slice(3, 4)):  # fmt: skip
+                     slice(36, 37), slice(1, 70), slice(3, 4), slice(10, 15), slice(20, 26), slice(30, 37),
+                     slice(40, 48)):  # fmt: skip
             assert torch.equal(layer(x[rows]), full[rows]), rows
             assert torch.equal(layer.logits(x[rows]), logits[rows]), rows
 
