@@ -257,6 +257,7 @@ def test_cpu_kernel_gives_each_query_the_same_bits_in_any_batch_or_chunking(tier
         ([1] * n, 2),
         ([5, 1, 1, 16, 52], 1),
         ([17, 17, 41], 4),
+        ([3, 5, 2, 65], 0),  # a lone sequence's few queries: the kernel splits them into smaller units
     ):
         assert torch.equal(run(chunks, neighbours), full), (chunks, neighbours)
 
