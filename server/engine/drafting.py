@@ -67,7 +67,7 @@ class StepCosts:
     def seconds(self, decodes: int, drafts: int, most: int) -> float:
         """What a step of `decodes` decodes and `drafts` drafts costs: its timed seconds; else those of the
         nearest timed step of as many decodes (up to `most` drafts, the fewer first) grown or shrunk by ROW_COST
-        of a one-row step a row; in units of a one-row step where none is. So every size a decision compares
+        of a one-row step a row; in units of a one-row step where none is. So every shape one decision compares
         (one number of decodes) is on one scale."""
         t = self.timed(decodes, drafts)
         if t is not None:
@@ -119,7 +119,7 @@ class _Proposal:
     request: Request
     drafts: list[int]
     chances: list[float]  # a^k for the k-th; 1 for a grammar's forced tokens and a trial's first
-    forced: bool  # the grammar's
+    forced: bool  # the grammar's forced tokens: no wait or trial to keep track of
 
 
 class Drafter:
@@ -139,8 +139,8 @@ class Drafter:
         running: list[Request],
         seconds: float | None = None,
     ) -> None:
-        """Learn what the step's verifies kept and, for a step of decodes only, what its `seconds` say a step of
-        its rows costs; then draft for the next step."""
+        """Learn what the step's verifies kept and, for a step of decodes only, what a step of its shape costs
+        (its `seconds`); then draft for the next step."""
         for c in chunks:
             if c.drafts:
                 self._record(c.request, c.drafts, kept.get(c.request.request_id, []))
