@@ -57,7 +57,10 @@ def assert_same_with_drafts(engine: Engine, requests) -> None:
         assert drafted[rid] == plain[rid], rid
     assert stats.num_accepted_tokens > 0, "no draft was kept: the test would show nothing"
     # the engine timed its decode-only steps, by which the drafter sized its later ones
-    assert any(engine.drafter.costs.timed(n, 0) is not None for n in range(1, SPEC.max_step_rows + 1))
+    rows = SPEC.max_step_rows
+    assert any(
+        engine.drafter.costs.timed(n, k) is not None for n in range(1, rows + 1) for k in range(rows - n + 1)
+    )
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     engine.scheduler.block_manager.check_invariants()
 
