@@ -11,7 +11,7 @@ import torch
 
 from model.attention import flat_layout
 
-# The kernel's unit of work: one KV head of this many queries of one sequence.
+# The kernel's unit of work: one KV head of this many queries of one sequence (fewer where a step has few units).
 KERNEL_CHUNK = 16
 
 

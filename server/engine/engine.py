@@ -41,7 +41,7 @@ class Engine:
         )
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.step_costs = StepCosts()  # what this host's steps cost by their rows: kept across resets
+        self.step_costs = StepCosts()  # what this host's steps cost by decodes and drafts: kept across resets
         self.drafter = self._drafter()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
