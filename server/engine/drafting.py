@@ -64,20 +64,22 @@ class StepCosts:
         times = self._seconds.get((decodes, drafts))
         return statistics.median(times) if times is not None and len(times) >= MIN_TIMED else None
 
-    def seconds(self, decodes: int, drafts: int, most: int) -> float:
-        """What a step of `decodes` decodes and `drafts` drafts costs: its timed seconds; else those of the
-        nearest timed step of as many decodes (up to `most` drafts, the fewer first) grown or shrunk by ROW_COST
-        of a one-row step a row; in units of a one-row step where none is. So every shape one decision compares
-        (one number of decodes) is on one scale."""
-        t = self.timed(decodes, drafts)
-        if t is not None:
-            return t
-        guess = 1 + ROW_COST * (decodes + drafts - 1)
-        for k in sorted(range(most + 1), key=lambda k: (abs(k - drafts), k)):
-            t = self.timed(decodes, k)
-            if t is not None:
-                return t * guess / (1 + ROW_COST * (decodes + k - 1))
-        return guess
+    def seconds(self, decodes: int, most: int) -> list[float]:
+        """What a step of `decodes` decodes costs with 0 .. `most` drafts: each one's timed seconds; else those of
+        the nearest timed one (the fewer drafts first) grown or shrunk by ROW_COST of a one-row step a row; in
+        units of a one-row step where none is. So every shape one decision compares is on one scale."""
+        timed = [self.timed(decodes, k) for k in range(most + 1)]
+        guess = [1 + ROW_COST * (decodes + k - 1) for k in range(most + 1)]
+        known = [k for k, t in enumerate(timed) if t is not None]
+        if not known:
+            return guess
+        costs = []
+        for k, t in enumerate(timed):
+            if t is None:
+                j = min(known, key=lambda j: (abs(j - k), j))
+                t = timed[j] * guess[k] / guess[j]
+            costs.append(t)
+        return costs
 
 
 @dataclass(slots=True)
@@ -160,6 +162,8 @@ class Drafter:
         candidates = sorted(
             ((chance, i) for i, p in enumerate(proposals) for chance in p.chances), key=lambda c: -c[0]
         )[:room]
+        if not candidates:
+            return
         counts = [0] * len(proposals)
         for _, i in candidates[: self._most_tokens_a_second(len(decoding), [c for c, _ in candidates])]:
             counts[i] += 1
@@ -176,14 +180,13 @@ class Drafter:
     def _most_tokens_a_second(self, decodes: int, chances: list[float]) -> int:
         """How many of the drafts (their chances, highest first) a step of `decodes` decodes should verify: the
         number that makes the most tokens a second, by StepCosts."""
-        most = self.config.max_step_rows - decodes
+        seconds = self.costs.seconds(decodes, self.config.max_step_rows - decodes)
         tokens = float(decodes)
-        best, best_rate = 0, tokens / self.costs.seconds(decodes, 0, most)
+        best, best_rate = 0, tokens / seconds[0]
         for n, chance in enumerate(chances, 1):
             tokens += chance
-            rate = tokens / self.costs.seconds(decodes, n, most)
-            if rate > best_rate:
-                best, best_rate = n, rate
+            if tokens / seconds[n] > best_rate:
+                best, best_rate = n, tokens / seconds[n]
         return best
 
     def _acceptance(self, request: Request) -> float:

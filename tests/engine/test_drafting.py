@@ -153,10 +153,10 @@ def test_step_costs_are_medians_of_decode_only_steps():
         d.costs.record(2, 1, 0.020)
     assert d.costs.timed(2, 1) is None  # two are not enough
     # untimed: the nearest timed step of as many decodes (the fewer drafts first), 0.15 of a row-step a row
-    assert d.costs.seconds(1, 1, 7) == 0.011 * 1.15 and d.costs.seconds(1, 3, 7) == 0.015 / 1.3 * 1.45
-    assert d.costs.seconds(2, 1, 6) == 1.3  # none of two decodes timed: in units of a one-row step
+    assert d.costs.seconds(1, 7)[1] == 0.011 * 1.15 and d.costs.seconds(1, 7)[3] == 0.015 / 1.3 * 1.45
+    assert d.costs.seconds(2, 6)[1] == 1.3  # none of two decodes timed: in units of a one-row step
     d.costs.record(2, 1, 0.020)
-    assert d.costs.seconds(2, 1, 6) == 0.020 and d.costs.seconds(2, 0, 6) == 0.020 / 1.3 * 1.15
+    assert d.costs.seconds(2, 6)[1] == 0.020 and d.costs.seconds(2, 6)[0] == 0.020 / 1.3 * 1.15
 
 
 def test_a_request_whose_drafts_do_not_pay_waits_then_tries_one():
