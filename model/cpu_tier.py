@@ -2,7 +2,9 @@
 numbers each tier computes in.
 
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
-instruction, so activations and dense weights are bfloat16 there. Everywhere else bfloat16 arithmetic is a
+instruction, so activations and dense weights are bfloat16 there; with AMX (Intel Xeons since Sapphire Rapids)
+a tile of 16 x 16 x 32 bfloat16 products is one, eight times a core's AVX-512 rate, and the quantized GEMMs run
+on tiles at every batch size. Everywhere else bfloat16 arithmetic is a
 conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs multiply the
 exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones (baseline).
 The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to
@@ -15,6 +17,7 @@ torch's ATEN_CPU_CAPABILITY and oneDNN's ONEDNN_MAX_CPU_ISA set to the tier's `a
 whole process computes as it would on that tier's CPU.
 """
 
+import ctypes
 import platform
 from dataclasses import dataclass
 from functools import cache
@@ -35,9 +38,10 @@ class CpuTier:
     aten: str  # torch's ATEN_CPU_CAPABILITY for the same instructions
     onednn: str  # oneDNN's ONEDNN_MAX_CPU_ISA for the same instructions
     summary: str  # what is native, for the start-up log and the README
+    tiles: bool = False  # AMX: runs only where Linux grants the process the tile state (amx_granted)
 
     def runs_on(self, flags: frozenset[str]) -> bool:
-        return set(self.needs) <= flags
+        return set(self.needs) <= flags and (not self.tiles or amx_granted())
 
 
 def _m(flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -46,6 +50,17 @@ def _m(flags: tuple[str, ...]) -> tuple[str, ...]:
 
 # Best first.
 TIERS = (
+    CpuTier(
+        "amx",
+        (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16", *_AVX2),
+        (*_m((*_AVX512, "avx512_bf16", *_AVX2)), "-mamx-tile", "-mamx-bf16"),
+        torch.bfloat16,
+        torch.bfloat16,
+        "avx512",
+        "AVX512_CORE_AMX",
+        "AMX tiles and AVX-512 with bfloat16: bfloat16 activations and KV cache, quantized GEMMs on tiles",
+        tiles=True,
+    ),
     CpuTier(
         "avx512bf16",
         (*_AVX512, "avx512_bf16", *_AVX2),
@@ -116,6 +131,20 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@cache
+def amx_granted() -> bool:
+    """Whether Linux grants this process AMX's tile state (8 KiB a thread, handed out only on request:
+    arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)). Asked once; the grant covers every thread."""
+    if platform.system() != "Linux" or not _x86():
+        return False
+    sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def torch_capability() -> str:
     """torch's own dispatch level as ATEN_CPU_CAPABILITY names it: avx512, avx2 or default."""
     level = torch.backends.cpu.get_cpu_capability().lower()
@@ -138,12 +167,15 @@ def select(name: str = "auto") -> tuple[CpuTier, str]:
         why = f"the best this CPU runs ({have[0].name})"
         if tier is not have[0]:
             why += f", capped by torch's ATEN_CPU_CAPABILITY={capability}"
+        refused = [t.name for t in TIERS if set(t.needs) <= flags and t not in have]
+        if refused:
+            why += f"; {', '.join(refused)}: Linux refused this process the tile state"
         return tier, why
     if name not in BY_NAME:
         raise ValueError(f"unknown CPU tier {name!r}: use auto or one of {', '.join(BY_NAME)}")
     tier = BY_NAME[name]
     if tier not in have:
-        missing = ", ".join(f for f in tier.needs if f not in flags)
+        missing = ", ".join(f for f in tier.needs if f not in flags) or "the tile state, which Linux refused it"
         raise ValueError(
             f"CPU tier {name!r} needs {missing}, which this CPU lacks; it runs {', '.join(t.name for t in have)}"
         )

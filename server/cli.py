@@ -122,7 +122,7 @@ MODEL_FLAGS = (
     Flag(
         "--cpu-tier",
         ENGINE.cpu_tier,
-        choices=("auto", "avx512bf16", "avx512", "avx2", "generic"),
+        choices=("auto", "amx", "avx512bf16", "avx512", "avx2", "generic"),
         env=True,
         help="the instructions and numbers to run with on CPU (auto: the best this CPU has; see the README)",
     ),

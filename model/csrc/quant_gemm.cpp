@@ -8,7 +8,8 @@
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
 // row of x for every output): nothing is rounded to a 16-bit weight. Two kernels, by what the CPU multiplies
-// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp), float32 activations
+// natively (model/cpu_tier.py): bfloat16 activations on AMX's tiles (quant_gemm_amx.cpp) or AVX512-BF16
+// (quant_gemm_bf16.cpp), float32 activations
 // everywhere (quant_gemm_f32.cpp, quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU
 // has no bfloat16 arithmetic).
 //
@@ -108,7 +109,13 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
     const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
     const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
                    out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+    if (bf16) {
+      gemm_amx(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
+      n0 += s.n;
+      continue;
+    }
+#elif defined(__AVX512BF16__)
     if (bf16) {
       gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
       n0 += s.n;

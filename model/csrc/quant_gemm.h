@@ -160,6 +160,7 @@ struct Output {
 struct Plan {
   int rows, tiles;
   bool unpack;
+  bool full_blocks = false;  // blocks of `rows` from row 0, the last one shorter (else of as equal a size as can be)
 };
 
 // The loop every kernel runs in: steps of plan.tiles tiles in parallel; in each, the rows of x in blocks of as
@@ -178,12 +179,23 @@ struct Plan {
 // threads on Zen 4: 21-27 GB/s, 23-37 GB/s this way; AVX2's kernel alike; 4 and 32 rows no slower)
 constexpr int64_t PREFETCH_STEPS = 2;
 
+// A kernel's state per thread for one loop (AMX's tile configuration), where it has one
+template <class Kernel>
+auto thread_scope(const Kernel& kernel, int) -> decltype(kernel.thread_scope()) {
+  return kernel.thread_scope();
+}
+template <class Kernel>
+int thread_scope(const Kernel&, long) {
+  return 0;
+}
+
 template <class Kernel>
 void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& out) {
   const Plan plan = kernel.plan(M);
   const int64_t steps = (w.tiles() + plan.tiles - 1) / plan.tiles;
   const int64_t per_tile = w.groups() * Kernel::UNPACKED;
   at::parallel_for(0, steps, 1, [&](int64_t s0, int64_t s1) {
+    [[maybe_unused]] const auto scope = thread_scope(kernel, 0);
     std::vector<typename Kernel::Unpacked> unpacked(plan.unpack ? plan.tiles * per_tile : 0);
     alignas(64) float y[Kernel::MAX_ROWS * Kernel::MAX_TILES * TILE];
     const int64_t blocks = (M + plan.rows - 1) / plan.rows;
@@ -193,7 +205,7 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
       if (plan.unpack)
         for (int64_t i = 0; i < nt; ++i) kernel.unpack(t + i, unpacked.data() + i * per_tile);
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-        const int R = static_cast<int>((M - m0) / (blocks - b));
+        const int R = static_cast<int>(plan.full_blocks ? std::min<int64_t>(plan.rows, M - m0) : (M - m0) / (blocks - b));
         const int64_t ahead = std::min<int64_t>(PREFETCH_STEPS, s1 - 1 - s);
         const uint8_t* next = b == 0 && ahead > 0 ? w.tile(t + ahead * plan.tiles) : nullptr;  // once a step
         kernel.rows(R, static_cast<int>(nt), t, m0, plan.unpack ? unpacked.data() : nullptr, next, y);
@@ -205,7 +217,7 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
 }
 
 // The kernels, each over x [M, K] (row-major): float32 activations as int16 (AVX2) or as they are (baseline);
-// bfloat16 ones as they are where the CPU multiplies them (AVX512-BF16)
+// bfloat16 ones as they are where the CPU multiplies them (AVX512-BF16; on AMX's tiles where it has them)
 #if defined(__AVX2__)
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out);
 #else
@@ -213,4 +225,7 @@ void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out);
 #endif
 #if defined(__AVX512BF16__)
 void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
+#endif
+#if defined(__AMX_BF16__)
+void gemm_amx(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
 #endif

@@ -8,15 +8,13 @@
 // A 4- to 6-bit q is turned into a bfloat16 by writing it into the mantissa of 128.0, which gives 128 + q; the
 // 128 * sum_k x_k that adds is taken back with the offset m - 128 d.
 
-#include "quant_gemm.h"
+#include "quant_gemm_bf16.h"
 
 #if defined(__AVX512BF16__)
 
 namespace {
 
-static_assert(VL == TILE, "one 16-lane vector per tile");
-
-typedef uint16_t vword32 __attribute__((vector_size(64)));
+using namespace bf16_groups;
 
 constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers)
 
@@ -25,73 +23,6 @@ constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept i
 inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
   return bitcast<vfloat>(_mm512_dpbf16_ps(bitcast<__m512>(acc), bitcast<__m512bh>(w),
                                           bitcast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)))));
-}
-
-// IQ4_LEVELS as bfloat16 bits (exact), twice over: vpermw indexes 32 words
-alignas(64) constexpr uint16_t IQ4_BF16[32] = {
-    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2,
-    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2};
-
-// Chunk c of a group's nibble layout -> two vectors of 16 bfloat16 pairs, 128 + q each: (q[4c], q[4c + 1]),
-// (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
-template <int HB, int G, bool LEVELS = false>
-inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
-  // lane j: byte 2j | byte 2j+1 << 16. One vpmovzxbw: GCC's own widening of a byte vector took five
-  // instructions (two halves, an extract and an insert), and at few rows the unpack competes with the products
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c * 32)));
-  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
-  if constexpr (HB == 0 && !LEVELS) {  // (w & nibble) | 128.0 in one vpternlogd each (0xEA: a & b | c)
-    low = bitcast<vuint>(_mm512_ternarylogic_epi32(w, nibble, bf16_128, 0xEA));
-    high = bitcast<vuint>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4), nibble, bf16_128, 0xEA));
-    return;
-  }
-  low = bitcast<vuint>(w & nibble);
-  high = bitcast<vuint>(_mm512_srli_epi32(w, 4) & nibble);
-  if constexpr (HB > 0) {
-    const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE;
-    const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-    add_high<HB>(h >> high_shift(HB, c), low, high);
-  }
-  if constexpr (LEVELS) {  // q indexes IQ4_LEVELS: their bfloat16 bits, one vpermw a vector (exact: |level| < 256)
-    const __m512i table = _mm512_loadu_si512(IQ4_BF16);
-    low = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(low), table));
-    high = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(high), table));
-  } else {
-    low |= 0x43004300u;
-    high |= 0x43004300u;
-  }
-}
-
-// 32 int8 -> 16 bfloat16 pairs (exact: |q| < 256): each half to 16 float32, then both to bfloat16 in one
-// instruction that keeps the bytes' order
-inline vuint unpack_q8(const uint8_t* p) {
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return bitcast<vuint>(_mm512_cvtne2ps_pbh(high, low));
-}
-
-// A group's scale d and offset: m - 128 d (nibble layouts with a minimum: 128 + q), else 0; float32
-template <bool WITH_128>
-inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
-  d = w.group_scale(t, g, 0);
-  offset = WITH_128 ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
-}
-
-// the sum of G (32 or 16) bfloat16 in float32, in a fixed order: each pair, then a tree over the pair sums
-template <int G>
-inline float group_sum(const c10::BFloat16* x) {
-  if constexpr (G == 32) {
-    vword32 h;
-    __builtin_memcpy(&h, x, sizeof(h));
-    const vuint w = bitcast<vuint>(h);  // lane j: x[2j] | x[2j + 1] << 16
-    return hsum(bitcast<vfloat>(w << 16) + bitcast<vfloat>(w & 0xFFFF0000u));
-  } else {
-    float pairs[G / 2];
-    for (int j = 0; j < G / 2; ++j) pairs[j] = to_float(x[2 * j]) + to_float(x[2 * j + 1]);
-    for (int width = G / 4; width > 0; width /= 2)
-      for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
-    return pairs[0];
-  }
 }
 
 // BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
@@ -122,21 +53,7 @@ struct Bf16Kernel {
   const float* xsum;  // [M, K / G] (with a minimum)
 
   void unpack(int64_t t, vuint* out) const {
-    const uint8_t* wt = w.tile(t);
-    for (int64_t g = 0; g < w.groups(); ++g) {
-      const uint8_t* wg = wt + g * GROUP_BYTES;
-      vuint* o = out + g * UNPACKED;
-      for (int c = 0; c < (NIB ? G / 4 : VECS); ++c) {
-        if constexpr (NIB)
-          unpack_nibbles<HB, G, LEVELS>(wg, c, o[2 * c], o[2 * c + 1]);
-        else
-          o[c] = unpack_q8(wg + c * 32);
-      }
-      vfloat d, offset;
-      group_scales<MIN>(w, t, g, d, offset);
-      o[VECS] = bitcast<vuint>(d);
-      o[VECS + 1] = bitcast<vuint>(offset);
-    }
+    for (int64_t g = 0; g < w.groups(); ++g) unpack_group<BITS, G, MIN>(w, t, g, out + g * UNPACKED);
   }
 
   // With next set, each group asks for a later tile's matching bytes ahead (quant_gemm.h, PREFETCH_STEPS): a
@@ -223,12 +140,7 @@ struct Bf16Kernel {
 void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
   const auto* pairs = reinterpret_cast<const uint32_t*>(x);
   dispatch(w, [&](auto bits, auto g, auto min) {
-    // each row's sum over each group (the minimum's term): once per row of x, for every output row
-    std::vector<float> xsum(min() ? M * w.groups() : 0);
-    if constexpr (min())
-      at::parallel_for(0, M * w.groups(), 64, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) xsum[i] = group_sum<g()>(x + i * g());
-      });
+    const std::vector<float> xsum = min() ? group_sums<g()>(x, M, w.groups()) : std::vector<float>();
     if (w.sub)
       run_tiles(Bf16Kernel<bits(), g(), min(), true>{w, pairs, xsum.data()}, w, M, out);
     else

@@ -48,7 +48,7 @@ class EngineConfig:
     quantization: str = "auto"
     cpu_kernels: str = "auto"  # C++ kernels on CPU: auto (where they built at install) | on | off
     cpu_tier: str = (
-        "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | avx512bf16 | avx512 | avx2 | generic
+        "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | amx | avx512bf16 | avx512 | avx2 | generic
     )
     # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
     # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change

@@ -14,15 +14,17 @@ from server.engine.engine import Engine
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.fixture
 def cpu(monkeypatch):
     """Pretend to be a CPU with the given flags and torch dispatch level."""
 
-    def pretend(flags: frozenset[str], capability: str = "avx512"):
+    def pretend(flags: frozenset[str], capability: str = "avx512", tiles_granted: bool = True):
         monkeypatch.setattr(cpu_tier, "cpu_flags", lambda: flags)
         monkeypatch.setattr(cpu_tier, "torch_capability", lambda: capability)
+        monkeypatch.setattr(cpu_tier, "amx_granted", lambda: tiles_granted)
 
     return pretend
 
@@ -39,6 +41,35 @@ def test_each_cpu_gets_its_best_tier_and_its_own_numbers(cpu):
     assert [t.name for t in cpu_tier.runnable()] == ["avx2", "generic"]
     cpu(frozenset())  # another architecture, or no /proc/cpuinfo
     assert cpu_tier.select()[0].name == "generic"
+
+
+@pytest.mark.timeout(10)
+def test_a_xeon_with_amx_runs_on_tiles_where_linux_grants_them(cpu):
+    cpu(SAPPHIRE_RAPIDS)
+    tier, why = cpu_tier.select()
+    assert tier.name == "amx" and tier.dtype == tier.kv_dtype == torch.bfloat16 and "refused" not in why
+    assert [t.name for t in cpu_tier.runnable()] == ["amx", "avx512bf16", "avx512", "avx2", "generic"]
+    cpu(SAPPHIRE_RAPIDS, tiles_granted=False)  # a kernel (or a sandbox) that keeps the tile state to itself
+    tier, why = cpu_tier.select()
+    assert tier.name == "avx512bf16" and "amx: Linux refused this process the tile state" in why
+    with pytest.raises(ValueError, match="CPU tier 'amx' needs the tile state, which Linux refused it"):
+        cpu_tier.select("amx")
+    cpu(ZEN4)  # AVX-512 BF16 without AMX: nothing refused, nothing said
+    tier, why = cpu_tier.select()
+    assert tier.name == "avx512bf16" and "refused" not in why
+    with pytest.raises(ValueError, match="needs amx_tile, amx_bf16"):
+        cpu_tier.select("amx")
+
+
+@pytest.mark.timeout(10)
+def test_the_grant_is_asked_of_linux_once(monkeypatch):
+    """The real request (arch_prctl), made at most once per process; its answer matches the CPU's flags where
+    Linux has AMX at all (a CPU without it is always refused)."""
+    cpu_tier.amx_granted.cache_clear()
+    granted = cpu_tier.amx_granted()
+    assert cpu_tier.amx_granted() is granted and cpu_tier.amx_granted.cache_info().misses == 1
+    if "amx_tile" not in cpu_tier.cpu_flags():
+        assert not granted
 
 
 @pytest.mark.timeout(10)
@@ -67,6 +98,8 @@ def test_each_tier_is_compiled_for_its_own_instructions():
     assert "-mavx512bf16" in flags["avx512bf16"] and "-mavx512bf16" not in flags["avx512"]
     assert "-mavx512f" in flags["avx512"] and not any("avx512" in f for f in flags["avx2"])
     assert {"-mavx2", "-mfma", "-mf16c"} <= set(flags["avx2"]) and flags["generic"] == ()
+    assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(flags["amx"])
+    assert not any("amx" in f for t in cpu_tier.TIERS if t.name != "amx" for f in t.cflags)
 
 
 @pytest.fixture
