@@ -175,7 +175,9 @@ def select(name: str = "auto") -> tuple[CpuTier, str]:
         raise ValueError(f"unknown CPU tier {name!r}: use auto or one of {', '.join(BY_NAME)}")
     tier = BY_NAME[name]
     if tier not in have:
-        missing = ", ".join(f for f in tier.needs if f not in flags) or "the tile state, which Linux refused it"
+        missing = (
+            ", ".join(f for f in tier.needs if f not in flags) or "the tile state, which Linux refused it"
+        )
         raise ValueError(
             f"CPU tier {name!r} needs {missing}, which this CPU lacks; it runs {', '.join(t.name for t in have)}"
         )
