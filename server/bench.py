@@ -275,6 +275,59 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     }
 
 
+def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
+    """The model's GEMMs at `rows` rows (a decode step's batch, or a prefill chunk's tokens): each block GEMM
+    shape (the first layer's) and the LM head as the engine runs them, and torch's oneDNN bfloat16 GEMM on the
+    same weights dequantized, packed once (what the CPU gives without quantization: on AMX, oneDNN's tiles);
+    alternated, medians of `reps`. block_gemms_ms is a whole step's: each shape times the layers."""
+    from model.linear import OneDnnLinear
+
+    model = engine.runner.model
+    linears = {name: getattr(getattr(model.layers[0], a), b) for name, (a, b) in GEMMS.items()}
+    linears["lm_head"] = model.lm_head
+    compare = OneDnnLinear.available(torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    times: dict[str, dict[str, list[float]]] = {}
+    with torch.inference_mode():
+        for name, linear in linears.items():
+            x = torch.randn(rows, linear.in_features, generator=g).to(engine.runner.dtype)
+            runs = {"kvserve": lambda linear=linear, x=x: linear(x)}
+            if compare and getattr(linear, "bits", None):  # quantized: its exact weights, dense in bfloat16
+                dense = linear.rows(torch.arange(linear.out_features), torch.float32).to(torch.bfloat16)
+                packed = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+                xb = x.to(torch.bfloat16)
+                runs["onednn_bf16"] = lambda packed=packed, xb=xb: torch.ops.mkldnn._linear_pointwise(
+                    xb, packed, None, "none", [], ""
+                )
+            times[name] = {k: [] for k in runs}
+            for _ in range(reps + 1):  # the first is a warm-up
+                for k, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    times[name][k].append(time.perf_counter() - start)
+    ms = {name: {k: 1e3 * statistics.median(ts[1:]) for k, ts in by.items()} for name, by in times.items()}
+    layers = len(model.layers)
+    result = {"rows": rows, "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+    for k in ("kvserve", "onednn_bf16"):
+        if all(k in by for name, by in ms.items() if name != "lm_head"):
+            result[f"{k}_block_gemms_ms"] = round(
+                layers * sum(by[k] for n, by in ms.items() if n != "lm_head"), 3
+            )
+        if k in ms["lm_head"]:
+            result[f"{k}_lm_head_ms"] = round(ms["lm_head"][k], 3)
+    if "onednn_bf16_block_gemms_ms" in result:
+        result["block_gemms_speedup"] = round(
+            result["onednn_bf16_block_gemms_ms"] / result["kvserve_block_gemms_ms"], 2
+        )
+    result["us_per_call"] = {
+        f"{name} {linears[name].out_features}x{linears[name].in_features}": {
+            k: round(1e3 * v, 1) for k, v in by.items()
+        }
+        for name, by in ms.items()
+    }
+    return result
+
+
 DEFAULT_QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"  # ~3,000 tokens of varied English
 FRANCE = "What is the capital of France?"
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from server.api.config import ServerConfig
 from server.commands import (
     cmd_bench,
+    cmd_bench_gemms,
     cmd_bench_invariance,
     cmd_bench_kernels,
     cmd_bench_model,
@@ -247,6 +248,12 @@ BENCH_PROFILE_FLAGS = (
     Flag("--steps", 200, int, help="engine steps timed per batch size"),
     Flag("--reps", 20, int, help="replays of the step's parts per batch size"),
 )
+BENCH_GEMMS_FLAGS = (
+    Flag(
+        "--rows", [1, 16, 32, 128, 512], int, nargs="+", help="rows of x: a decode batch or a prefill chunk"
+    ),
+    Flag("--reps", 20, int, help="timed calls of each GEMM per row count"),
+)
 BENCH_QUALITY_FLAGS = (
     Flag("--text", help="a UTF-8 text file (default: ~3,000 tokens shipped with kvserve)"),
     Flag("--window", 512, int, help="tokens per sequence the text is cut into"),
@@ -336,6 +343,11 @@ def commands() -> dict[str, Command]:
             cmd_bench_profile,
             "where a decode step's time goes: the step, and its parts replayed on the model's own weights",
             (model, ("benchmark", BENCH_PROFILE_FLAGS)),
+        ),
+        "bench-gemms": Command(
+            cmd_bench_gemms,
+            "the model's GEMMs at given row counts, against oneDNN's bfloat16 GEMM on the same weights",
+            (model, ("benchmark", BENCH_GEMMS_FLAGS)),
         ),
         "bench-quality": Command(
             cmd_bench_quality,

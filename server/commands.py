@@ -286,6 +286,15 @@ def cmd_bench_profile(args) -> int:
     return 0
 
 
+def cmd_bench_gemms(args) -> int:
+    from server.bench import bench_gemms, print_json
+
+    engine = build_engine(args, max_num_seqs=1, speculative=None)
+    for rows in args.rows:
+        print_json(bench_gemms(engine, rows, args.reps))
+    return 0
+
+
 def cmd_bench_quality(args) -> int:
     from server.bench import DEFAULT_QUALITY_TEXT, bench_quality, print_json
 

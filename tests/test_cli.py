@@ -117,6 +117,26 @@ def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
         assert list(r["gemm_us_per_call"]) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128"]
 
 
+def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_llama_dir):
+    import json
+
+    out = kvserve("bench-gemms", "--model", str(tiny_llama_dir), "--quantization", "int4", "--rows", "1", "17",
+                  "--reps", "2", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["rows"] for r in rows] == [1, 17]
+    for r in rows:
+        calls = r["us_per_call"]
+        assert list(calls) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128", "lm_head 300x64"]
+        assert all(t["kvserve"] > 0 and t["onednn_bf16"] > 0 for t in calls.values())
+        # a step's block GEMMs: each shape once per layer (the tiny llama has 2)
+        block = sum(t["kvserve"] for name, t in calls.items() if not name.startswith("lm_head")) * 2 / 1e3
+        assert r["kvserve_block_gemms_ms"] == pytest.approx(block, rel=0.01, abs=0.002)
+        assert r["block_gemms_speedup"] == pytest.approx(
+            r["onednn_bf16_block_gemms_ms"] / r["kvserve_block_gemms_ms"], rel=0.01
+        )
+
+
 def test_speculative_config_is_auto_unless_turned_off_or_given():
     from server.commands import speculative_config
     from server.engine.config import SpeculativeConfig
