@@ -41,11 +41,11 @@ inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg
 #define TILE_LOAD(tmm, base, stride) \
   asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm : : "r"(base), "r"(static_cast<long>(stride)) : "memory")
 
-// The tile registers: four C, so that a group's sums are scaled while the next three groups' products run
-// (TDPBF16PS takes tens of cycles, and a tile's store reaches the loads that read it back only once it retires:
-// two in flight ran at a quarter of the tiles' rate), and two pairs of A and B, alternating
-constexpr int IN_FLIGHT = 4;
-enum Tile { C0, C1, C2, C3, A0, B0, A1, B1 };
+// The tile registers: a group's products for two blocks of 16 rows (A) by two tiles of 16 outputs (B), each
+// block and tile's sums in its own C. One A tile then serves two products and one B tile two: read from L2,
+// a block's A and a tile's B for every product, the tile loads held each group's products to ~60 ns (16 x 16
+// x 32; 1 thread), twice this way's
+enum Tile { C00, C01, C10, C11, A0, A1, B0, B1 };
 
 // Linux hands out the tile state (8 KiB per thread) only to a process that asks (arch_prctl
 // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); model/cpu_tier.py asks before choosing this tier, and this asks
@@ -63,15 +63,18 @@ struct AmxKernel {
   static constexpr int VECS = G / 2;  // pair vectors (B's rows) per group
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
-  // a block is one A tile, 16 rows; a tile's weights are unpacked once where more than one block reads them,
-  // else each group into a scratch tile as it comes (it stays in L1)
-  static constexpr int MAX_ROWS = TILE, MAX_TILES = 1;
-  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > MAX_ROWS, true}; }
+  // a block of rows is two A tiles (32 rows), a step two tiles of outputs; the step's tiles are unpacked once
+  // where more than one block reads them, else each group into scratch as it comes (it stays in L1)
+  static constexpr int MAX_ROWS = 2 * TILE, MAX_TILES = 2;
+  Plan plan(int64_t M) const {
+    if (M <= TILE) return {TILE, 1, false, true};  // one block: one tile a step, its sums in registers
+    return {MAX_ROWS, MAX_TILES, M > MAX_ROWS, true};
+  }
   using Unpacked = vuint;
   static constexpr int UNPACKED = VECS + 2;  // per group: its pair vectors, then d and the offset (float32)
 
   const Packed& w;
-  const c10::BFloat16* x;  // x's A tiles one after the other: [blocks, K / G, tile_rows, G] (a_tiles)
+  const c10::BFloat16* x;  // x's A tiles one after the other: [blocks of 16 rows, K / G, tile_rows, G] (a_tiles)
   const float* xsum;       // [M, K / G] (with a minimum)
   int64_t M;
   int tile_rows;  // A's and C's rows: 16, or M where fewer
@@ -80,7 +83,7 @@ struct AmxKernel {
   struct ThreadScope {
     explicit ThreadScope(int rows) {
       TileConfig config;
-      for (int t : {C0, C1, C2, C3}) config.rows[t] = rows, config.colsb[t] = TILE * sizeof(float);
+      for (int t : {C00, C01, C10, C11}) config.rows[t] = rows, config.colsb[t] = TILE * sizeof(float);
       for (int t : {A0, A1}) config.rows[t] = rows, config.colsb[t] = G * sizeof(c10::BFloat16);
       for (int t : {B0, B1}) config.rows[t] = VECS, config.colsb[t] = TILE * sizeof(uint32_t);
       load_tile_config(config);
@@ -94,103 +97,158 @@ struct AmxKernel {
     for (int64_t g = 0; g < w.groups(); ++g) unpack_group<BITS, G, MIN>(w, t, g, out + g * UNPACKED);
   }
 
-  // C = A B into c (16 rows of 16 float32), on C tile I (A and B: pair I % 2): b the group's unpacked pair
-  // vectors, a the A tile's first row of x at the group's first column
-  template <int I>
-  void product(const vuint* b, const c10::BFloat16* a, float* c) const {
-    // GCC's tile intrinsics take their registers as literals (they are pasted into the assembly)
-#define PRODUCT(C, A, B)                          \
-  TILE_LOAD(B, b, TILE * sizeof(uint32_t));       \
-  TILE_LOAD(A, a, G * sizeof(c10::BFloat16));    \
-  _tile_zero(C);                                   \
-  _tile_dpbf16ps(C, A, B);                         \
-  _tile_stored(C, c, TILE * sizeof(float));
-    static_assert(C0 == 0 && C3 == 3 && A0 == 4 && B0 == 5 && A1 == 6 && B1 == 7);
-    if constexpr (I == 0) {
-      PRODUCT(0, 4, 5)
-    } else if constexpr (I == 1) {
-      PRODUCT(1, 6, 7)
-    } else if constexpr (I == 2) {
-      PRODUCT(2, 4, 5)
-    } else {
-      PRODUCT(3, 6, 7)
+  // One group's products, C = A B from zero, for `blocks` A tiles (a: the first's; the second follows) by
+  // `tiles` B tiles (b), stored into c[block][tile] (16 rows of 16 float32 each). GCC's tile intrinsics take
+  // their registers as literals (they are pasted into the assembly).
+  static void products(int blocks, int tiles, const c10::BFloat16* a0, const c10::BFloat16* a1, const vuint* b0,
+                       const vuint* b1, float (*c)[2][TILE * TILE]) {
+    constexpr long a_stride = G * sizeof(c10::BFloat16), b_stride = TILE * sizeof(uint32_t);
+    constexpr long c_stride = TILE * sizeof(float);
+    static_assert(C00 == 0 && C01 == 1 && C10 == 2 && C11 == 3 && A0 == 4 && A1 == 5 && B0 == 6 && B1 == 7);
+    TILE_LOAD(4, a0, a_stride);
+    TILE_LOAD(6, b0, b_stride);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 4, 6);
+    if (tiles > 1) {
+      TILE_LOAD(7, b1, b_stride);
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 4, 7);
     }
-#undef PRODUCT
+    if (blocks > 1) {
+      TILE_LOAD(5, a1, a_stride);
+      _tile_zero(2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (tiles > 1) {
+        _tile_zero(3);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0][0], c_stride);
+    if (tiles > 1) _tile_stored(1, c[0][1], c_stride);
+    if (blocks > 1) {
+      _tile_stored(2, c[1][0], c_stride);
+      if (tiles > 1) _tile_stored(3, c[1][1], c_stride);
+    }
   }
 
-  // Rows m0 .. m0 + R - 1: block m0 / 16, whose A tiles hold tile_rows rows of x from `first` (a_tiles), the
-  // block's rows among them.
+  // Rows m0 .. m0 + R - 1 (R <= 32) of tiles t .. t + nt - 1 (nt <= 2) into out ([R][nt * 16]): blocks m0 / 16
+  // and the next, whose A tiles hold tile_rows rows of x from their `first` (a_tiles), the block's rows among
+  // them. The sums accumulate in `out`, in L1: the four tiles' 64 vectors are twice the registers there are.
   //
-  // Three stages run at once over the groups: a group is unpacked (unless the tile was, once, for all blocks)
-  // UNPACK_AHEAD groups before its sums are scaled, its products issued IN_FLIGHT - 1 before. A tile load of
-  // B right after the vector stores that wrote it waited for them (1 row: 43 ns a group, 17 with the unpack
-  // three groups earlier; measured in isolation on the Xeon this tier was written on).
-  static constexpr int UNPACK_AHEAD = 2 * IN_FLIGHT - 2, RING = 2 * IN_FLIGHT;
-  template <int R>
-  void rows(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
-    const int64_t first = std::min<int64_t>(m0, M - tile_rows), skip = m0 - first;
+  // Unpacked as it goes, a group is unpacked UNPACK_AHEAD groups before its products: a tile load of B right
+  // after the vector stores that wrote it waited for them (1 row: 43 ns a group, 17 with the unpack three
+  // groups earlier, in isolation).
+  static constexpr int UNPACK_AHEAD = 6, RING = 8;
+  void rows(int R, int nt, int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
+    if (R <= TILE && nt == 1) {
+      switch (R) {
+#define ROWS(n) \
+  case n: return rows_in_registers<n>(t, m0, unpacked, next, out);
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+      }
+    }
     const int64_t groups = w.groups();
-    const c10::BFloat16* block = x + m0 / TILE * groups * tile_rows * G;
-    alignas(64) vuint scratch[unpacked ? 1 : RING][UNPACKED];
-    alignas(64) float c[IN_FLIGHT][TILE * TILE];
-    auto group = [&](int64_t g) {  // group g's unpacked vectors
-      return unpacked ? unpacked + g * UNPACKED : scratch[g % RING];
+    const int blocks = R > TILE ? 2 : 1;
+    const int64_t block = m0 / TILE;
+    int rows_of[2], skip[2];  // per block: its rows of this call, and where they start in its A tiles
+    for (int i = 0; i < blocks; ++i) {
+      const int64_t row = m0 + i * TILE, first = std::min<int64_t>(row, M - tile_rows);
+      rows_of[i] = static_cast<int>(std::min<int64_t>(TILE, m0 + R - row));
+      skip[i] = static_cast<int>(row - first);
+    }
+    const c10::BFloat16* a = x + block * groups * tile_rows * G;
+    const int64_t a_block = groups * tile_rows * G;  // from one block's A tiles to the next's
+    const int64_t per_tile = groups * UNPACKED;
+    alignas(64) vuint scratch[unpacked ? 1 : RING][MAX_TILES][UNPACKED];
+    alignas(64) float c[2][2][TILE * TILE];
+    auto group = [&](int64_t g, int j) {  // group g's unpacked vectors of the step's tile j
+      return unpacked ? unpacked + j * per_tile + g * UNPACKED : scratch[g % RING][j];
     };
-    auto unpack = [&](int64_t g) {
+    auto unpack_ahead = [&](int64_t g) {
+      if (g >= groups) return;
+      for (int j = 0; j < nt; ++j) {
+        if (next)
+          for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + (j * groups + g) * GROUP_BYTES + i);
+        if (!unpacked) unpack_group<BITS, G, MIN>(w, t + j, g, scratch[g % RING][j]);
+      }
+    };
+    const int width = nt * TILE;
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < width; l += VL) store_floats(vfloat{}, out + r * width + l);
+    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
+    for (int64_t g = 0; g < groups; ++g) {
+      unpack_ahead(g + UNPACK_AHEAD);
+      products(blocks, nt, a + g * tile_rows * G, a + a_block + g * tile_rows * G, group(g, 0), group(g, 1), c);
+      for (int j = 0; j < nt; ++j) {
+        const vuint* u = group(g, j);
+        const vfloat d = bitcast<vfloat>(u[VECS]), offset = bitcast<vfloat>(u[VECS + 1]);
+        for (int i = 0; i < blocks; ++i) {
+          const float* cg = c[i][j] + skip[i] * TILE;
+          float* y = out + i * TILE * width + j * TILE;
+          const float* xs = xsum + (m0 + i * TILE) * groups + g;
+          for (int r = 0; r < rows_of[i]; ++r) {
+            vfloat v = load_floats(y + r * width) + load_floats(cg + r * TILE) * d;
+            if constexpr (MIN) v += offset * xs[r * groups];
+            store_floats(v, y + r * width);
+          }
+        }
+      }
+    }
+  }
+
+  // The same sums for one block of R <= 16 rows and one tile, in registers: a decode step's few rows, where
+  // the stores and loads of sums in L1 cost more than the tiles they would spare (1 row, 4096 x 2048: 0.43 ms
+  // this way, 0.53 through L1)
+  template <int R>
+  void rows_in_registers(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
+    const int64_t groups = w.groups();
+    const int64_t skip = m0 - std::min<int64_t>(m0, M - tile_rows);
+    const c10::BFloat16* a = x + m0 / TILE * groups * tile_rows * G;
+    alignas(64) vuint scratch[unpacked ? 1 : RING][UNPACKED];
+    alignas(64) float c[2][2][TILE * TILE];
+    auto group = [&](int64_t g) { return unpacked ? unpacked + g * UNPACKED : scratch[g % RING]; };
+    auto unpack_ahead = [&](int64_t g) {
+      if (g >= groups) return;
       if (next)
         for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
       if (!unpacked) unpack_group<BITS, G, MIN>(w, t, g, scratch[g % RING]);
     };
-    auto issue = [&](int64_t g) {  // group g's products, on C tile g % IN_FLIGHT
-      const vuint* b = group(g);
-      const c10::BFloat16* a = block + g * tile_rows * G;
-      switch (g % IN_FLIGHT) {
-        case 0: return product<0>(b, a, c[0]);
-        case 1: return product<1>(b, a, c[1]);
-        case 2: return product<2>(b, a, c[2]);
-        default: return product<3>(b, a, c[3]);
-      }
-    };
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
-    for (int64_t g = 0; g < std::min<int64_t>(UNPACK_AHEAD, groups); ++g) unpack(g);
-    for (int64_t g = 0; g < std::min<int64_t>(IN_FLIGHT - 1, groups); ++g) issue(g);
+    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
     for (int64_t g = 0; g < groups; ++g) {
-      if (g + UNPACK_AHEAD < groups) unpack(g + UNPACK_AHEAD);
-      if (g + IN_FLIGHT - 1 < groups) issue(g + IN_FLIGHT - 1);
+      unpack_ahead(g + UNPACK_AHEAD);
       const vuint* u = group(g);
+      products(1, 1, a + g * tile_rows * G, nullptr, u, nullptr, c);
       const vfloat d = bitcast<vfloat>(u[VECS]), offset = bitcast<vfloat>(u[VECS + 1]);
-      const float* cg = c[g % IN_FLIGHT] + skip * TILE;
-      for (int r = 0; r < R; ++r) y[r] += load_floats(cg + r * TILE) * d;
-      if constexpr (MIN)
-        for (int r = 0; r < R; ++r) y[r] += offset * xsum[(m0 + r) * groups + g];
+      const float* cg = c[0][0] + skip * TILE;
+      const float* xs = xsum + m0 * groups + g;
+      for (int r = 0; r < R; ++r) {
+        vfloat v = y[r] + load_floats(cg + r * TILE) * d;
+        if constexpr (MIN) v += offset * xs[r * groups];
+        y[r] = v;
+      }
     }
-    for (int r = 0; r < R; ++r) __builtin_memcpy(out + r * TILE, &y[r], sizeof(y[r]));
-  }
-
-  void rows(int R, int /* one tile */, int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next,
-            float* out) const {
-    switch (R) {
-#define ROWS(n) \
-  case n: return rows<n>(t, m0, unpacked, next, out);
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-      ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
-#undef ROWS
-    }
+    for (int r = 0; r < R; ++r) store_floats(y[r], out + r * TILE);
   }
 };
 
 // x [M, K] as its A tiles, one after the other: block b's tiles hold rows first .. first + tile_rows - 1 of
 // x (first = 16 b, or M - 16 for a block that ends x: x has no rows past M to read), [groups, tile_rows, G]
 // each, 1 KiB read at once. Read from x itself, 16 rows K * 2 bytes apart, the 512-row products of a
-// 2,048-wide x ran at 16 ns a group (1 thread, 4096 x 2048 at 512 rows: 36 ms against 28 ms this way)
-std::vector<c10::BFloat16> a_tiles(const c10::BFloat16* x, int64_t M, int64_t K, int G, int tile_rows) {
+// 2,048-wide x ran at 16 ns a group (1 thread, 4096 x 2048 at 512 rows: 36 ms against 28 ms this way). In
+// vectors, so that a tile's rows start on cache lines (a tile load of rows that straddle two ran ~1.6x slower).
+std::vector<vuint> a_tiles(const c10::BFloat16* x, int64_t M, int64_t K, int G, int tile_rows) {
   const int64_t blocks = (M + TILE - 1) / TILE, groups = K / G;
-  std::vector<c10::BFloat16> tiles(blocks * groups * tile_rows * G);
+  const int64_t per_block = groups * tile_rows * G;  // bfloat16
+  std::vector<vuint> tiles((blocks * per_block * sizeof(c10::BFloat16) + sizeof(vuint) - 1) / sizeof(vuint));
+  auto* out = reinterpret_cast<c10::BFloat16*>(tiles.data());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = std::min<int64_t>(b * TILE, M - tile_rows);
-      c10::BFloat16* dst = tiles.data() + b * groups * tile_rows * G;
+      c10::BFloat16* dst = out + b * per_block;
       for (int64_t g = 0; g < groups; ++g)
         for (int r = 0; r < tile_rows; ++r) std::copy_n(x + (first + r) * K + g * G, G, dst + (g * tile_rows + r) * G);
     }
@@ -205,8 +263,9 @@ void gemm_amx(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& 
   const int tile_rows = static_cast<int>(std::min<int64_t>(M, TILE));
   dispatch(w, [&](auto bits, auto g, auto min) {
     const std::vector<float> xsum = min() ? group_sums<g()>(x, M, w.groups()) : std::vector<float>();
-    const std::vector<c10::BFloat16> tiles = a_tiles(x, M, w.K, g(), tile_rows);
-    run_tiles(AmxKernel<bits(), g(), min()>{w, tiles.data(), xsum.data(), M, tile_rows}, w, M, out);
+    const std::vector<vuint> tiles = a_tiles(x, M, w.K, g(), tile_rows);
+    const auto* a = reinterpret_cast<const c10::BFloat16*>(tiles.data());
+    run_tiles(AmxKernel<bits(), g(), min()>{w, a, xsum.data(), M, tile_rows}, w, M, out);
   });
 }
 
