@@ -34,7 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("gemm_bfloat16_as") = "float32";
 #endif
-#if defined(__AVX2__)
+#if defined(__AMX_BF16__)
+  m.attr("gemm_float32_as") = "bfloat16x2";  // two bfloat16 parts, high and low: 16 bits (quant_gemm_amx.cpp)
+#elif defined(__AVX2__)
   m.attr("gemm_float32_as") = "int16";
 #else
   m.attr("gemm_float32_as") = "float32";

@@ -103,6 +103,10 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
   const bool bf16 = false;
 #endif
   x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
+#if defined(__AMX_BF16__)
+  const c10::BFloat16* x_bf16 = bf16 ? reinterpret_cast<const c10::BFloat16*>(x.data_ptr()) : nullptr;
+  const float* x_f32 = bf16 ? nullptr : x.data_ptr<float>();
+#endif
   int64_t n0 = 0;
   for (const QuantSegment& s : gemm.segments) {
     TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
@@ -110,11 +114,12 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
     const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
                    out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
 #if defined(__AMX_BF16__)
-    if (bf16) {
-      gemm_amx(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
-      n0 += s.n;
-      continue;
-    }
+    if (bf16)
+      gemm_amx(w, x_bf16, M, o);
+    else
+      gemm_amx(w, x_f32, M, o);
+    n0 += s.n;
+    continue;
 #elif defined(__AVX512BF16__)
     if (bf16) {
       gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);

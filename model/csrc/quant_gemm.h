@@ -228,4 +228,5 @@ void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output&
 #endif
 #if defined(__AMX_BF16__)
 void gemm_amx(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
+void gemm_amx(const Packed& w, const float* x, int64_t M, const Output& out);  // x as two bfloat16 parts
 #endif

@@ -74,10 +74,12 @@ struct AmxKernel {
   static constexpr int UNPACKED = VECS + 2;  // per group: its pair vectors, then d and the offset (float32)
 
   const Packed& w;
-  const c10::BFloat16* x;  // x's A tiles one after the other: [blocks of 16 rows, K / G, tile_rows, G] (a_tiles)
-  const float* xsum;       // [M, K / G] (with a minimum)
+  const c10::BFloat16* x;  // x's A tiles: [blocks of 16 rows, K / G, parts, tile_rows, G] (a_tiles)
+  const float* xsum;       // [M, K / G]: the sums of x's parts (with a minimum)
   int64_t M;
   int tile_rows;  // A's and C's rows: 16, or M where fewer
+  int parts;      // 1 (bfloat16 x), or 2 (float32 x: high and low bfloat16 parts)
+  int64_t group_tiles() const { return parts * tile_rows * G; }  // bfloat16 of one group's A tiles
 
   // Per thread, for the loop's duration (run_tiles): the tile configuration, then its release
   struct ThreadScope {
@@ -100,27 +102,27 @@ struct AmxKernel {
   // One group's products, C = A B from zero, for `blocks` A tiles (a: the first's; the second follows) by
   // `tiles` B tiles (b), stored into c[block][tile] (16 rows of 16 float32 each). GCC's tile intrinsics take
   // their registers as literals (they are pasted into the assembly).
-  static void products(int blocks, int tiles, const c10::BFloat16* a0, const c10::BFloat16* a1, const vuint* b0,
-                       const vuint* b1, float (*c)[2][TILE * TILE]) {
+  // x's parts (float32 x) add into the same C, the high part's products first.
+  void products(int blocks, int tiles, const c10::BFloat16* a0, const c10::BFloat16* a1, const vuint* b0,
+                const vuint* b1, float (*c)[2][TILE * TILE]) const {
     constexpr long a_stride = G * sizeof(c10::BFloat16), b_stride = TILE * sizeof(uint32_t);
     constexpr long c_stride = TILE * sizeof(float);
     static_assert(C00 == 0 && C01 == 1 && C10 == 2 && C11 == 3 && A0 == 4 && A1 == 5 && B0 == 6 && B1 == 7);
-    TILE_LOAD(4, a0, a_stride);
     TILE_LOAD(6, b0, b_stride);
+    if (tiles > 1) TILE_LOAD(7, b1, b_stride);
     _tile_zero(0);
-    _tile_dpbf16ps(0, 4, 6);
-    if (tiles > 1) {
-      TILE_LOAD(7, b1, b_stride);
-      _tile_zero(1);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (blocks > 1) {
-      TILE_LOAD(5, a1, a_stride);
-      _tile_zero(2);
-      _tile_dpbf16ps(2, 5, 6);
-      if (tiles > 1) {
-        _tile_zero(3);
-        _tile_dpbf16ps(3, 5, 7);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int part = 0; part < parts; ++part) {
+      const int64_t at = part * tile_rows * G;
+      TILE_LOAD(4, a0 + at, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (tiles > 1) _tile_dpbf16ps(1, 4, 7);
+      if (blocks > 1) {
+        TILE_LOAD(5, a1 + at, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (tiles > 1) _tile_dpbf16ps(3, 5, 7);
       }
     }
     _tile_stored(0, c[0][0], c_stride);
@@ -158,8 +160,8 @@ struct AmxKernel {
       rows_of[i] = static_cast<int>(std::min<int64_t>(TILE, m0 + R - row));
       skip[i] = static_cast<int>(row - first);
     }
-    const c10::BFloat16* a = x + block * groups * tile_rows * G;
-    const int64_t a_block = groups * tile_rows * G;  // from one block's A tiles to the next's
+    const c10::BFloat16* a = x + block * groups * group_tiles();
+    const int64_t a_block = groups * group_tiles();  // from one block's A tiles to the next's
     const int64_t per_tile = groups * UNPACKED;
     alignas(64) vuint scratch[unpacked ? 1 : RING][MAX_TILES][UNPACKED];
     alignas(64) float c[2][2][TILE * TILE];
@@ -180,7 +182,7 @@ struct AmxKernel {
     for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
     for (int64_t g = 0; g < groups; ++g) {
       unpack_ahead(g + UNPACK_AHEAD);
-      products(blocks, nt, a + g * tile_rows * G, a + a_block + g * tile_rows * G, group(g, 0), group(g, 1), c);
+      products(blocks, nt, a + g * group_tiles(), a + a_block + g * group_tiles(), group(g, 0), group(g, 1), c);
       for (int j = 0; j < nt; ++j) {
         const vuint* u = group(g, j);
         const vfloat d = bitcast<vfloat>(u[VECS]), offset = bitcast<vfloat>(u[VECS + 1]);
@@ -205,7 +207,7 @@ struct AmxKernel {
   void rows_in_registers(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
     const int64_t groups = w.groups();
     const int64_t skip = m0 - std::min<int64_t>(m0, M - tile_rows);
-    const c10::BFloat16* a = x + m0 / TILE * groups * tile_rows * G;
+    const c10::BFloat16* a = x + m0 / TILE * groups * group_tiles();
     alignas(64) vuint scratch[unpacked ? 1 : RING][UNPACKED];
     alignas(64) float c[2][2][TILE * TILE];
     auto group = [&](int64_t g) { return unpacked ? unpacked + g * UNPACKED : scratch[g % RING]; };
@@ -221,7 +223,7 @@ struct AmxKernel {
     for (int64_t g = 0; g < groups; ++g) {
       unpack_ahead(g + UNPACK_AHEAD);
       const vuint* u = group(g);
-      products(1, 1, a + g * tile_rows * G, nullptr, u, nullptr, c);
+      products(1, 1, a + g * group_tiles(), nullptr, u, nullptr, c);
       const vfloat d = bitcast<vfloat>(u[VECS]), offset = bitcast<vfloat>(u[VECS + 1]);
       const float* cg = c[0][0] + skip * TILE;
       const float* xs = xsum + m0 * groups + g;
@@ -236,37 +238,74 @@ struct AmxKernel {
 };
 
 // x [M, K] as its A tiles, one after the other: block b's tiles hold rows first .. first + tile_rows - 1 of
-// x (first = 16 b, or M - 16 for a block that ends x: x has no rows past M to read), [groups, tile_rows, G]
-// each, 1 KiB read at once. Read from x itself, 16 rows K * 2 bytes apart, the 512-row products of a
-// 2,048-wide x ran at 16 ns a group (1 thread, 4096 x 2048 at 512 rows: 36 ms against 28 ms this way). In
+// x (first = 16 b, or M - 16 for a block that ends x: x has no rows past M to read), [groups, parts,
+// tile_rows, G] each, 1 KiB read at once. Read from x itself, 16 rows K * 2 bytes apart, the 512-row products of
+// a 2,048-wide x ran at 16 ns a group (1 thread, 4096 x 2048 at 512 rows: 36 ms against 28 ms this way). In
 // vectors, so that a tile's rows start on cache lines (a tile load of rows that straddle two ran ~1.6x slower).
-std::vector<vuint> a_tiles(const c10::BFloat16* x, int64_t M, int64_t K, int G, int tile_rows) {
+//
+// A float32 x is split into two bfloat16 parts, x = high + low + e with high = x rounded, low = x - high rounded
+// (|e| <= 2^-17 |x|: 16 of float32's 24 bits), each multiplied on tiles; bfloat16 activations everywhere (the
+// avx512bf16 tier's) lost top-1 agreement with float32 on the default model (kvserve bench-quality: 97.9%). The
+// sums of x per group (the minimum's term, which takes back the 128 that each q carries) are of the parts that
+// were multiplied, so the two cancel. Returns the tiles and the sums.
+template <typename T>
+std::pair<std::vector<vuint>, std::vector<float>> a_tiles(const T* x, int64_t M, int64_t K, int G, int tile_rows) {
+  constexpr int parts = std::is_same_v<T, float> ? 2 : 1;
   const int64_t blocks = (M + TILE - 1) / TILE, groups = K / G;
-  const int64_t per_block = groups * tile_rows * G;  // bfloat16
+  const int64_t per_block = groups * parts * tile_rows * G;  // bfloat16
   std::vector<vuint> tiles((blocks * per_block * sizeof(c10::BFloat16) + sizeof(vuint) - 1) / sizeof(vuint));
+  std::vector<float> sums(M * groups);
   auto* out = reinterpret_cast<c10::BFloat16*>(tiles.data());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = std::min<int64_t>(b * TILE, M - tile_rows);
-      c10::BFloat16* dst = out + b * per_block;
       for (int64_t g = 0; g < groups; ++g)
-        for (int r = 0; r < tile_rows; ++r) std::copy_n(x + (first + r) * K + g * G, G, dst + (g * tile_rows + r) * G);
+        for (int r = 0; r < tile_rows; ++r) {
+          const T* src = x + (first + r) * K + g * G;
+          c10::BFloat16* high = out + b * per_block + (g * parts * tile_rows + r) * G;
+          for (int k = 0; k < G; ++k) high[k] = static_cast<c10::BFloat16>(src[k]);
+          if constexpr (parts == 2) {
+            c10::BFloat16* low = high + tile_rows * G;
+            for (int k = 0; k < G; ++k) low[k] = static_cast<c10::BFloat16>(src[k] - static_cast<float>(high[k]));
+          }
+          // each row's sums once, from the block that holds it first (a last block repeats rows of the one
+          // before)
+          if (first + r < b * TILE) continue;
+          if constexpr (parts == 2) {
+            float pairs[GROUP / 2];  // G <= 32: each pair's two parts, then a tree over the pairs
+            const c10::BFloat16* low = high + tile_rows * G;
+            for (int j = 0; j < G / 2; ++j)
+              pairs[j] = (static_cast<float>(high[2 * j]) + static_cast<float>(low[2 * j])) +
+                         (static_cast<float>(high[2 * j + 1]) + static_cast<float>(low[2 * j + 1]));
+            for (int width = G / 4; width > 0; width /= 2)
+              for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
+            sums[(first + r) * groups + g] = pairs[0];
+          } else {
+            sums[(first + r) * groups + g] = G == 32 ? group_sum<32>(high) : group_sum<16>(high);
+          }
+        }
     }
   });
-  return tiles;
+  return {std::move(tiles), std::move(sums)};
+}
+
+template <typename T>
+void gemm_amx_of(const Packed& w, const T* x, int64_t M, const Output& out) {
+  require_tiles();
+  const int tile_rows = static_cast<int>(std::min<int64_t>(M, TILE));
+  const int parts = std::is_same_v<T, float> ? 2 : 1;
+  dispatch(w, [&](auto bits, auto g, auto min) {
+    const auto [tiles, sums] = a_tiles(x, M, w.K, g(), tile_rows);
+    const auto* a = reinterpret_cast<const c10::BFloat16*>(tiles.data());
+    run_tiles(AmxKernel<bits(), g(), min()>{w, a, sums.data(), M, tile_rows, parts}, w, M, out);
+  });
 }
 
 }  // namespace
 
 void gemm_amx(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
-  require_tiles();
-  const int tile_rows = static_cast<int>(std::min<int64_t>(M, TILE));
-  dispatch(w, [&](auto bits, auto g, auto min) {
-    const std::vector<float> xsum = min() ? group_sums<g()>(x, M, w.groups()) : std::vector<float>();
-    const std::vector<vuint> tiles = a_tiles(x, M, w.K, g(), tile_rows);
-    const auto* a = reinterpret_cast<const c10::BFloat16*>(tiles.data());
-    run_tiles(AmxKernel<bits(), g(), min()>{w, a, xsum.data(), M, tile_rows}, w, M, out);
-  });
+  gemm_amx_of(w, x, M, out);
 }
+void gemm_amx(const Packed& w, const float* x, int64_t M, const Output& out) { gemm_amx_of(w, x, M, out); }
 
 #endif

@@ -51,7 +51,8 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
     """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
     over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
     they add: |x| times |d| (128 + max |q|) and |m| per group (the bfloat16 kernel adds 128 d to a 4-bit q and
-    takes it back with the minimum). int16 activations add their own rounding, half a step per input."""
+    takes it back with the minimum). int16 activations add their own rounding, half a step per input, and
+    float32 ones split into two bfloat16 parts (AMX) what the two leave out."""
     M, K = x.shape
     d, m = qt.scales()
     G = qt.group
@@ -65,6 +66,8 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
         half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / 32767 / 2  # [M, K / 32]
         w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
         bound = bound + half_step @ w.T
+    if activations == "bfloat16x2":  # each input as two bfloat16 parts: 2^-17 of it at most is left out
+        bound = bound + x.double().abs() @ qt.dequantize().double().abs().T * 2.0**-17
     return bound
 
 

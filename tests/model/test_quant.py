@@ -65,7 +65,8 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each tier's activations, on every tier
 def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype):
     """The weights are the file's exact values on every tier; the activations are what the tier multiplies
-    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, int16 per group of 32 with AVX2."""
+    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, int16 per group of 32 with AVX2, float32 as
+    two bfloat16 parts on AMX."""
     qt, _ = gguf_weight(kind, N, K, seed=N + K)
     layer = layer_for(qt, kernels=tier_kernels)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -79,6 +80,8 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     allowed = 1e-5 * scale  # float32 sums
     if activations == "int16":
         allowed = allowed + int16_rounding_bound(x, qt.dequantize())
+    if activations == "bfloat16x2":  # two bfloat16 parts of each input: 2^-17 of it at most left out
+        allowed = allowed + x.double().abs() @ qt.dequantize().double().abs().T * 2.0**-17
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
 
