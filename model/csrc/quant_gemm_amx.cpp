@@ -248,15 +248,24 @@ struct AmxKernel {
 // avx512bf16 tier's) lost top-1 agreement with float32 on the default model (kvserve bench-quality: 97.9%). The
 // sums of x per group (the minimum's term, which takes back the 128 that each q carries) are of the parts that
 // were multiplied, so the two cancel. Returns the tiles and the sums.
+//
+// Both live in the calling thread's buffers, kept at their largest size: allocated anew each call, a 512-row
+// x's 1.2 MB came from fresh pages every GEMM.
 template <typename T>
-std::pair<std::vector<vuint>, std::vector<float>> a_tiles(const T* x, int64_t M, int64_t K, int G, int tile_rows) {
+std::pair<const c10::BFloat16*, const float*> a_tiles(const T* x, int64_t M, int64_t K, int G, int tile_rows) {
   constexpr int parts = std::is_same_v<T, float> ? 2 : 1;
   const int64_t blocks = (M + TILE - 1) / TILE, groups = K / G;
   const int64_t per_block = groups * parts * tile_rows * G;  // bfloat16
-  std::vector<vuint> tiles((blocks * per_block * sizeof(c10::BFloat16) + sizeof(vuint) - 1) / sizeof(vuint));
-  std::vector<float> sums(M * groups);
+  thread_local std::vector<vuint> tiles;
+  thread_local std::vector<float> sums;
+  const size_t vectors = (blocks * per_block * sizeof(c10::BFloat16) + sizeof(vuint) - 1) / sizeof(vuint);
+  if (tiles.size() < vectors) tiles.resize(vectors);
+  if (sums.size() < static_cast<size_t>(M * groups)) sums.resize(M * groups);
+  // pointers, not the buffers: in the parallel region a thread_local names each worker's own
   auto* out = reinterpret_cast<c10::BFloat16*>(tiles.data());
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  float* row_sums = sums.data();
+  // one block (a decode step's rows) on this thread: a parallel region costs more than its copy
+  at::parallel_for(0, blocks, blocks > 1 ? 1 : blocks + 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = std::min<int64_t>(b * TILE, M - tile_rows);
       for (int64_t g = 0; g < groups; ++g)
@@ -279,14 +288,14 @@ std::pair<std::vector<vuint>, std::vector<float>> a_tiles(const T* x, int64_t M,
                          (static_cast<float>(high[2 * j + 1]) + static_cast<float>(low[2 * j + 1]));
             for (int width = G / 4; width > 0; width /= 2)
               for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
-            sums[(first + r) * groups + g] = pairs[0];
+            row_sums[(first + r) * groups + g] = pairs[0];
           } else {
-            sums[(first + r) * groups + g] = G == 32 ? group_sum<32>(high) : group_sum<16>(high);
+            row_sums[(first + r) * groups + g] = G == 32 ? group_sum<32>(high) : group_sum<16>(high);
           }
         }
     }
   });
-  return {std::move(tiles), std::move(sums)};
+  return {out, row_sums};
 }
 
 template <typename T>
@@ -295,9 +304,8 @@ void gemm_amx_of(const Packed& w, const T* x, int64_t M, const Output& out) {
   const int tile_rows = static_cast<int>(std::min<int64_t>(M, TILE));
   const int parts = std::is_same_v<T, float> ? 2 : 1;
   dispatch(w, [&](auto bits, auto g, auto min) {
-    const auto [tiles, sums] = a_tiles(x, M, w.K, g(), tile_rows);
-    const auto* a = reinterpret_cast<const c10::BFloat16*>(tiles.data());
-    run_tiles(AmxKernel<bits(), g(), min()>{w, a, sums.data(), M, tile_rows, parts}, w, M, out);
+    const auto [a, sums] = a_tiles(x, M, w.K, g(), tile_rows);
+    run_tiles(AmxKernel<bits(), g(), min()>{w, a, sums, M, tile_rows, parts}, w, M, out);
   });
 }
 
