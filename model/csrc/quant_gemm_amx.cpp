@@ -1,10 +1,11 @@
-// The quantized GEMM for bfloat16 activations on CPUs with AMX (the amx tier): each group's products on tiles.
+// The quantized GEMM on CPUs with AMX (the amx tier): each group's products on tiles.
 //
 // A group of G weights along K is one tile product: A = 16 rows of x (the group's G bfloat16), B = the group's
 // exact integers as bfloat16 pairs for a tile of 16 outputs (the unpacked form quant_gemm_bf16.h makes: vector
 // v holds the 16 lanes' weights k = 2v, 2v + 1, which is AMX's pair layout as it is), C = the 16 x 16 sums
 // sum_k x_k q_k, from zero. C goes to memory and each row of it is scaled as the AVX-512 kernel scales its
-// group sums: y += C d, then y += offset * sum_k x_k (128 + q and IQ4's levels as there).
+// group sums: y += C d, then y += offset * sum_k x_k (128 + q and IQ4's levels as there). float32 activations
+// (the tier's) are multiplied as two bfloat16 parts into the same C (a_tiles).
 //
 // TDPBF16PS sums a group's products in its own order and width (not float32 one product at a time: measured,
 // neither VDPBF16PS's order nor any float32 sequence gives its bits), so this tier runs every batch size on
@@ -19,7 +20,6 @@
 
 #if defined(__AMX_BF16__)
 
-#include <mutex>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -200,16 +200,55 @@ struct AmxKernel {
     }
   }
 
+  // One group's products on C tile I, its A and B on the pair I % 2 (A0, B0 or A1, B1), x's parts into the
+  // same C; and C tile I's store into c
+  template <int I>
+  void multiply(const c10::BFloat16* a, const vuint* b) const {
+    constexpr long a_stride = G * sizeof(c10::BFloat16), b_stride = TILE * sizeof(uint32_t);
+#define MULTIPLY(C, A, B)                                       \
+  TILE_LOAD(B, b, b_stride);                                    \
+  _tile_zero(C);                                                \
+  for (int part = 0; part < parts; ++part) {                    \
+    TILE_LOAD(A, a + part * tile_rows * G, a_stride);           \
+    _tile_dpbf16ps(C, A, B);                                    \
+  }
+    static_assert(C00 == 0 && C11 == 3 && A0 == 4 && A1 == 5 && B0 == 6 && B1 == 7);
+    if constexpr (I == 0) {
+      MULTIPLY(0, 4, 6)
+    } else if constexpr (I == 1) {
+      MULTIPLY(1, 5, 7)
+    } else if constexpr (I == 2) {
+      MULTIPLY(2, 4, 6)
+    } else {
+      MULTIPLY(3, 5, 7)
+    }
+#undef MULTIPLY
+  }
+  template <int I>
+  static void store(float* c) {
+    constexpr long c_stride = TILE * sizeof(float);
+    if constexpr (I == 0)
+      _tile_stored(0, c, c_stride);
+    else if constexpr (I == 1)
+      _tile_stored(1, c, c_stride);
+    else if constexpr (I == 2)
+      _tile_stored(2, c, c_stride);
+    else
+      _tile_stored(3, c, c_stride);
+  }
+
   // The same sums for one block of R <= 16 rows and one tile, in registers: a decode step's few rows, where
   // the stores and loads of sums in L1 cost more than the tiles they would spare (1 row, 4096 x 2048: 0.43 ms
-  // this way, 0.53 through L1)
+  // this way, 0.53 through L1). The four C tiles take turns: a group's products are issued two groups before
+  // its sums are scaled and stored one before, so that no tile op waits on the last one's product (one C
+  // tile for every group: each group waited out a product's latency and its store's)
   template <int R>
   void rows_in_registers(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
     const int64_t groups = w.groups();
     const int64_t skip = m0 - std::min<int64_t>(m0, M - tile_rows);
     const c10::BFloat16* a = x + m0 / TILE * groups * group_tiles();
     alignas(64) vuint scratch[unpacked ? 1 : RING][UNPACKED];
-    alignas(64) float c[2][2][TILE * TILE];
+    alignas(64) float c[4][TILE * TILE];
     auto group = [&](int64_t g) { return unpacked ? unpacked + g * UNPACKED : scratch[g % RING]; };
     auto unpack_ahead = [&](int64_t g) {
       if (g >= groups) return;
@@ -217,15 +256,29 @@ struct AmxKernel {
         for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
       if (!unpacked) unpack_group<BITS, G, MIN>(w, t, g, scratch[g % RING]);
     };
+    // iteration g (on C tile g % 4): group g + 2's products, group g + 1's store
+    auto stages = [&](auto i, int64_t g) {
+      constexpr int I = decltype(i)::value;
+      if (g + 2 < groups) multiply<(I + 2) % 4>(a + (g + 2) * group_tiles(), group(g + 2));
+      if (g + 1 < groups) store<(I + 1) % 4>(c[(g + 1) % 4]);
+    };
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
     for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
+    multiply<0>(a, group(0));
+    if (groups > 1) multiply<1>(a + group_tiles(), group(1));
+    store<0>(c[0]);
     for (int64_t g = 0; g < groups; ++g) {
       unpack_ahead(g + UNPACK_AHEAD);
+      switch (g % 4) {
+        case 0: stages(std::integral_constant<int, 0>{}, g); break;
+        case 1: stages(std::integral_constant<int, 1>{}, g); break;
+        case 2: stages(std::integral_constant<int, 2>{}, g); break;
+        default: stages(std::integral_constant<int, 3>{}, g); break;
+      }
       const vuint* u = group(g);
-      products(1, 1, a + g * group_tiles(), nullptr, u, nullptr, c);
       const vfloat d = bitcast<vfloat>(u[VECS]), offset = bitcast<vfloat>(u[VECS + 1]);
-      const float* cg = c[0][0] + skip * TILE;
+      const float* cg = c[g % 4] + skip * TILE;
       const float* xs = xsum + m0 * groups + g;
       for (int r = 0; r < R; ++r) {
         vfloat v = y[r] + load_floats(cg + r * TILE) * d;
