@@ -4,9 +4,10 @@ numbers each tier computes in.
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
 instruction, so activations and dense weights are bfloat16 there. With AMX (Intel Xeons since Sapphire Rapids)
 a tile of 16 x 16 x 32 bfloat16 products is one instruction, eight times a core's AVX-512 rate: the quantized
-GEMMs run on tiles at every batch size, on float32 activations split into two bfloat16 parts each. Everywhere else bfloat16 arithmetic is a
-conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs multiply the
-exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones (baseline).
+GEMMs run on tiles at every batch size, on float32 activations split into two bfloat16 parts each. Everywhere
+else bfloat16 arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their
+quantized GEMMs multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp)
+or float32 ones (baseline).
 The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to
 float32 is a shift, and half the bytes float32 would cost (attention at 32 streams is bound by them). A
 request's bits may differ between tiers (other instructions, other sums) but never within one.
