@@ -292,9 +292,9 @@ struct AmxKernel {
 
 // x [M, K] as its A tiles, one after the other: block b's tiles hold rows first .. first + tile_rows - 1 of
 // x (first = 16 b, or M - 16 for a block that ends x: x has no rows past M to read), [groups, parts,
-// tile_rows, G] each, 1 KiB read at once. Read from x itself, 16 rows K * 2 bytes apart, the 512-row products of
-// a 2,048-wide x ran at 16 ns a group (1 thread, 4096 x 2048 at 512 rows: 36 ms against 28 ms this way). In
-// vectors, so that a tile's rows start on cache lines (a tile load of rows that straddle two ran ~1.6x slower).
+// tile_rows, G] each: one tile load reads 1 KiB in a row, where from x itself it would read 16 lines K * 2
+// bytes apart (for K = 2048, 4 KiB apart: one set of L1's). In vectors, so that a tile's rows start on cache
+// lines (a tile load of rows that straddle two ran ~1.6x slower, measured in isolation).
 //
 // A float32 x is split into two bfloat16 parts, x = high + low + e with high = x rounded, low = x - high rounded
 // (|e| <= 2^-17 |x|: 16 of float32's 24 bits), each multiplied on tiles; bfloat16 activations everywhere (the
@@ -302,8 +302,8 @@ struct AmxKernel {
 // sums of x per group (the minimum's term, which takes back the 128 that each q carries) are of the parts that
 // were multiplied, so the two cancel. Returns the tiles and the sums.
 //
-// Both live in the calling thread's buffers, kept at their largest size: allocated anew each call, a 512-row
-// x's 1.2 MB came from fresh pages every GEMM.
+// Both live in the calling thread's buffers, kept at their largest size, rather than allocated each call (a
+// 512-row x's tiles are 1.2 MB).
 template <typename T>
 std::pair<const c10::BFloat16*, const float*> a_tiles(const T* x, int64_t M, int64_t K, int G, int tile_rows) {
   constexpr int parts = std::is_same_v<T, float> ? 2 : 1;
