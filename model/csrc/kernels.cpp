@@ -21,12 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
         py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
   // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)
-  // whether they run on AMX's tiles (quant_gemm_amx.cpp): the bfloat16 GEMMs, at every batch size
-#if defined(__AMX_BF16__)
-  m.attr("gemm_on_tiles") = true;
-#else
-  m.attr("gemm_on_tiles") = false;
-#endif
 #if defined(__AVX512BF16__)
   m.attr("gemm_bfloat16_as") = "bfloat16";
 #elif defined(__AVX2__)

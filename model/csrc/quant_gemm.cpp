@@ -7,11 +7,10 @@
 // d and m are float16 per group, or (K-quants, IQ4_XS) an int8 sub-scale per group times a float16 scale per
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
-// row of x for every output): nothing is rounded to a 16-bit weight. Two kernels, by what the CPU multiplies
-// natively (model/cpu_tier.py): bfloat16 activations on AMX's tiles (quant_gemm_amx.cpp) or AVX512-BF16
-// (quant_gemm_bf16.cpp), float32 activations
-// everywhere (quant_gemm_f32.cpp, quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU
-// has no bfloat16 arithmetic).
+// row of x for every output): nothing is rounded to a 16-bit weight. The kernels, by what the CPU multiplies
+// natively (model/cpu_tier.py): AMX's tiles, float32 activations as two bfloat16 parts (quant_gemm_amx.cpp);
+// bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp); float32 ones everywhere else (quant_gemm_f32.cpp,
+// quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU has no bfloat16 arithmetic).
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
 //   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low

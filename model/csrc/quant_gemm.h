@@ -205,7 +205,8 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
       if (plan.unpack)
         for (int64_t i = 0; i < nt; ++i) kernel.unpack(t + i, unpacked.data() + i * per_tile);
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-        const int R = static_cast<int>(plan.full_blocks ? std::min<int64_t>(plan.rows, M - m0) : (M - m0) / (blocks - b));
+        const int64_t rest = M - m0;
+        const int R = static_cast<int>(plan.full_blocks ? std::min<int64_t>(plan.rows, rest) : rest / (blocks - b));
         const int64_t ahead = std::min<int64_t>(PREFETCH_STEPS, s1 - 1 - s);
         const uint8_t* next = b == 0 && ahead > 0 ? w.tile(t + ahead * plan.tiles) : nullptr;  // once a step
         kernel.rows(R, static_cast<int>(nt), t, m0, plan.unpack ? unpacked.data() : nullptr, next, y);

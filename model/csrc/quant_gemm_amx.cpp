@@ -141,6 +141,20 @@ struct AmxKernel {
   // after the vector stores that wrote it waited for them (1 row: 43 ns a group, 17 with the unpack three
   // groups earlier, in isolation).
   static constexpr int UNPACK_AHEAD = 6, RING = 8;
+
+  // Group g of tiles t .. t + nt - 1, UNPACK_AHEAD groups ahead of its products: asked for from L2 a step ahead
+  // (next), and unpacked into scratch[g % RING] unless the step's tiles were unpacked once
+  void unpack_ahead(int64_t g, int64_t t, int nt, const vuint* unpacked, const uint8_t* next,
+                    vuint (*scratch)[MAX_TILES][UNPACKED]) const {
+    const int64_t groups = w.groups();
+    if (g >= groups) return;
+    for (int j = 0; j < nt; ++j) {
+      if (next)
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + (j * groups + g) * GROUP_BYTES + i);
+      if (!unpacked) unpack_group<BITS, G, MIN>(w, t + j, g, scratch[g % RING][j]);
+    }
+  }
+
   void rows(int R, int nt, int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
     if (R <= TILE && nt == 1) {
       switch (R) {
@@ -168,20 +182,12 @@ struct AmxKernel {
     auto group = [&](int64_t g, int j) {  // group g's unpacked vectors of the step's tile j
       return unpacked ? unpacked + j * per_tile + g * UNPACKED : scratch[g % RING][j];
     };
-    auto unpack_ahead = [&](int64_t g) {
-      if (g >= groups) return;
-      for (int j = 0; j < nt; ++j) {
-        if (next)
-          for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + (j * groups + g) * GROUP_BYTES + i);
-        if (!unpacked) unpack_group<BITS, G, MIN>(w, t + j, g, scratch[g % RING][j]);
-      }
-    };
     const int width = nt * TILE;
     for (int r = 0; r < R; ++r)
       for (int l = 0; l < width; l += VL) store_floats(vfloat{}, out + r * width + l);
-    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
+    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g, t, nt, unpacked, next, scratch);
     for (int64_t g = 0; g < groups; ++g) {
-      unpack_ahead(g + UNPACK_AHEAD);
+      unpack_ahead(g + UNPACK_AHEAD, t, nt, unpacked, next, scratch);
       products(blocks, nt, a + g * group_tiles(), a + a_block + g * group_tiles(), group(g, 0), group(g, 1), c);
       for (int j = 0; j < nt; ++j) {
         const vuint* u = group(g, j);
@@ -247,15 +253,9 @@ struct AmxKernel {
     const int64_t groups = w.groups();
     const int64_t skip = m0 - std::min<int64_t>(m0, M - tile_rows);
     const c10::BFloat16* a = x + m0 / TILE * groups * group_tiles();
-    alignas(64) vuint scratch[unpacked ? 1 : RING][UNPACKED];
+    alignas(64) vuint scratch[unpacked ? 1 : RING][MAX_TILES][UNPACKED];
     alignas(64) float c[4][TILE * TILE];
-    auto group = [&](int64_t g) { return unpacked ? unpacked + g * UNPACKED : scratch[g % RING]; };
-    auto unpack_ahead = [&](int64_t g) {
-      if (g >= groups) return;
-      if (next)
-        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
-      if (!unpacked) unpack_group<BITS, G, MIN>(w, t, g, scratch[g % RING]);
-    };
+    auto group = [&](int64_t g) { return unpacked ? unpacked + g * UNPACKED : scratch[g % RING][0]; };
     // iteration g (on C tile g % 4): group g + 2's products, group g + 1's store
     auto stages = [&](auto i, int64_t g) {
       constexpr int I = decltype(i)::value;
@@ -264,12 +264,12 @@ struct AmxKernel {
     };
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
-    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g);
+    for (int64_t g = 0; g < UNPACK_AHEAD; ++g) unpack_ahead(g, t, 1, unpacked, next, scratch);
     multiply<0>(a, group(0));
     if (groups > 1) multiply<1>(a + group_tiles(), group(1));
     store<0>(c[0]);
     for (int64_t g = 0; g < groups; ++g) {
-      unpack_ahead(g + UNPACK_AHEAD);
+      unpack_ahead(g + UNPACK_AHEAD, t, 1, unpacked, next, scratch);
       switch (g % 4) {
         case 0: stages(std::integral_constant<int, 0>{}, g); break;
         case 1: stages(std::integral_constant<int, 1>{}, g); break;
