@@ -2,6 +2,7 @@
 
 import asyncio
 import re
+import time
 import uuid
 
 from server.api.errors import ApiError, ErrorShapes, error_response
@@ -15,6 +16,7 @@ class RequestGuard:
     by Content-Length and by counting what actually arrives, before the app reads any of it. A body that
     has not arrived in full within read_timeout seconds gets 408 and the connection is closed; the engine
     never sees a request before its whole body is here, so a stalled client holds no engine resources.
+    `request.state.received` says when it was all here (time.monotonic(); a request without a body: when it came).
 
     HEAD is answered as GET without the body, on every route: FastAPI gives a GET route no HEAD (a 405), and
     clients probe with one (Claude Code sends `HEAD /` as it starts)."""
@@ -31,7 +33,8 @@ class RequestGuard:
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["received"] = request_id, time.monotonic()
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
@@ -73,6 +76,7 @@ class RequestGuard:
             )
             return await error_response(slow, self.error_shapes, scope["path"])(scope, receive, send_with_id)
         body = b"".join(chunks)
+        state["received"] = time.monotonic()  # the body is here: the server's own time on the request starts
         try:
             body.decode()  # JSON is UTF-8; say so rather than FastAPI's "error parsing the body"
         except UnicodeDecodeError:

@@ -48,7 +48,12 @@ async def serving_state(request: Request) -> ServingState:
         raise ApiError(503, "the server is shutting down", type="unavailable_error")
     config: ServerConfig = state.config
     return ServingState(
-        state.engine, config.served_model_name, config.system_prompt, config.max_queue, state.metrics
+        state.engine,
+        config.served_model_name,
+        config.system_prompt,
+        config.max_queue,
+        state.metrics,
+        request.state.received,
     )
 
 

@@ -38,6 +38,7 @@ class ServingState:
     system_prompt: str | None
     max_queue: int
     metrics: Metrics
+    received: float  # time.monotonic() when the request's whole body was here (RequestGuard)
 
 
 @dataclass

@@ -31,8 +31,9 @@ from server.engine.request import GrammarSpec
 # and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, by request
-COMPILE_SECONDS = 1.5  # a request waits this long for its grammar at most (AsyncEngine.compile_grammar): with
-# the request's parsing around it, a refusal comes within 2 s
+# A request's grammar is ready, or the request refused, this long after its body arrived (its parsing counts: a
+# 2 MB schema takes a while to read; AsyncEngine.compile_grammar waits what is left)
+COMPILE_SECONDS = 1.5
 GBNF_SECONDS = 1.2  # a GBNF grammar's conversion to Lark, at most: inside the compile's budget
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
 _GBNF_TO_LARK = """import sys

@@ -5,6 +5,7 @@ the result over a mock transport. What each SDK accumulates from the stream must
 import asyncio
 import importlib
 import json
+import time
 
 import anthropic
 import openai
@@ -62,7 +63,7 @@ class ScriptedEngine:
 
 def serve(make_shape, engine: ScriptedEngine) -> http.MockTransport:
     """A transport that answers every request with the shape's answer to the engine's deltas."""
-    state = ServingState(engine, "m", None, 10, Metrics("m", lambda: None))
+    state = ServingState(engine, "m", None, 10, Metrics("m", lambda: None), time.monotonic())
 
     async def respond(streamed: bool) -> str:
         choices = [Choice(0, "r-0", PROMPT, SamplingParams())]

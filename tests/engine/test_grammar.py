@@ -1,10 +1,12 @@
 """Grammar-constrained decoding in the engine, on the tiny random model (whose free output is noise: whatever
 structure its constrained output has comes from the grammar)."""
 
+import asyncio
 import dataclasses
 import gc
 import json
 import re
+import time
 import weakref
 
 import llguidance
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from model.sampling import apply_token_bitmask
+from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
 from server.engine.grammar import GrammarCompiler, bitmask_words
@@ -165,6 +168,25 @@ def test_compiling_checks_and_caches(engine_factory):
         with pytest.raises(ValueError) as e:
             engine.grammars.compile(spec)
         assert str(e.value) and len(str(e.value)) <= 300, spec
+
+
+def test_a_grammar_not_ready_by_its_deadline_is_refused_and_ready_the_next_time(engine_factory):
+    """The API gives a request's grammar a deadline (its arrival + COMPILE_SECONDS): past it the request is
+    refused, whatever the grammar; the compile goes on in its thread, so the same schema asked again is ready."""
+    engine = AsyncEngine(engine_factory())
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+
+    async def ask(seconds_left: float):
+        return await engine.compile_grammar(spec, time.monotonic() + seconds_left)
+
+    try:
+        with pytest.raises(ValueError, match="not ready within"):
+            asyncio.run(ask(0.0))  # the first compile also builds llguidance's tokenizer: never instant
+        compiled = asyncio.run(ask(60.0))
+        assert compiled.spec == spec
+        assert asyncio.run(ask(60.0)) is compiled
+    finally:
+        engine.shutdown()
 
 
 def tight_compiler(engine: Engine, **limits) -> GrammarCompiler:
