@@ -7,7 +7,6 @@ import json
 from server.api.errors import ApiError
 from server.api.serving import ServingState
 from server.api.tools import Function, Tools, output_grammar
-from server.engine.grammar import COMPILE_SECONDS
 from server.engine.request import GrammarSpec
 
 
@@ -43,6 +42,6 @@ async def compiled(state: ServingState, requested: tuple[GrammarSpec, str] | Non
         return None
     spec, param = requested
     try:
-        return await state.engine.compile_grammar(spec, state.received + COMPILE_SECONDS)
+        return await state.engine.compile_grammar(spec, state.received)
     except ValueError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None

@@ -77,16 +77,16 @@ class AsyncEngine:
         served. Call it once per prompt before generate()."""
         self._engine.validate(prompt_token_ids, params)
 
-    async def compile_grammar(self, spec: GrammarSpec, deadline: float) -> CompiledGrammar:
+    async def compile_grammar(self, spec: GrammarSpec, received: float) -> CompiledGrammar:
         """The grammar for SamplingParams.grammar, compiled on a worker thread (cached by spec). Raises
         ValueError with the grammar library's message when the spec is not a usable grammar, or when it is not
-        ready by `deadline` (time.monotonic(); the API gives COMPILE_SECONDS from the request's arrival, so its
-        parsing counts too): a request is refused in time whatever it asks for. The compile itself cannot be
+        ready COMPILE_SECONDS after `received` (time.monotonic() when the request arrived: its parsing counts
+        too): a request is refused in time whatever it asks for. The compile itself cannot be
         stopped (llguidance's own limits bound it); it ends in its thread and is cached, so asking again finds
         it ready."""
         compiling = asyncio.to_thread(self._engine.grammars.compile, spec)
         try:
-            return await asyncio.wait_for(compiling, max(deadline - time.monotonic(), 0.0))
+            return await asyncio.wait_for(compiling, max(received + COMPILE_SECONDS - time.monotonic(), 0.0))
         except TimeoutError:
             raise ValueError(
                 f"the grammar was not ready within {COMPILE_SECONDS:g} s of the request: make it smaller"
