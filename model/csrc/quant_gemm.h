@@ -145,7 +145,9 @@ struct Output {
       __builtin_memcpy(&v, y + l0, sizeof(v));
       if (bias) __builtin_memcpy(&b, bias + n0 + l0, k * sizeof(float));
       v += b;
-      if (f32) {
+      if (k == VL) {  // one vector store: the copy of a run-time length went 8 bytes at a time
+        f32 ? store_floats(v, f32 + m * ld + n0 + l0) : store_floats(v, bf16 + m * ld + n0 + l0);
+      } else if (f32) {
         __builtin_memcpy(f32 + m * ld + n0 + l0, &v, k * sizeof(float));
       } else {
         const vhalfword h = to_bf16(v);

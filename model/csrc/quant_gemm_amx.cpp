@@ -325,20 +325,23 @@ std::pair<const c10::BFloat16*, const float*> a_tiles(const T* x, int64_t M, int
         for (int r = 0; r < tile_rows; ++r) {
           const T* src = x + (first + r) * K + g * G;
           c10::BFloat16* high = out + b * per_block + (g * parts * tile_rows + r) * G;
-          for (int k = 0; k < G; ++k) high[k] = static_cast<c10::BFloat16>(src[k]);
-          if constexpr (parts == 2) {
-            c10::BFloat16* low = high + tile_rows * G;
-            for (int k = 0; k < G; ++k) low[k] = static_cast<c10::BFloat16>(src[k] - static_cast<float>(high[k]));
+          c10::BFloat16* low = high + tile_rows * G;
+          alignas(64) float both[GROUP];  // float32 x: each value's two parts added, for the sums
+          for (int k = 0; k < G; k += VL) {  // VL at a time (G is 16 or 32): c10's casts went a value at a time
+            const vfloat v = load_floats(src + k);
+            store_floats(v, high + k);
+            if constexpr (parts == 2) {
+              const vfloat h = load_floats(high + k);
+              store_floats(v - h, low + k);
+              store_floats(h + load_floats(low + k), both + k);
+            }
           }
           // each row's sums once, from the block that holds it first (a last block repeats rows of the one
           // before)
           if (first + r < b * TILE) continue;
           if constexpr (parts == 2) {
             float pairs[GROUP / 2];  // G <= 32: each pair's two parts, then a tree over the pairs
-            const c10::BFloat16* low = high + tile_rows * G;
-            for (int j = 0; j < G / 2; ++j)
-              pairs[j] = (static_cast<float>(high[2 * j]) + static_cast<float>(low[2 * j])) +
-                         (static_cast<float>(high[2 * j + 1]) + static_cast<float>(low[2 * j + 1]));
+            for (int j = 0; j < G / 2; ++j) pairs[j] = both[2 * j] + both[2 * j + 1];
             for (int width = G / 4; width > 0; width /= 2)
               for (int j = 0; j < width; ++j) pairs[j] += pairs[j + width];
             row_sums[(first + r) * groups + g] = pairs[0];
