@@ -81,9 +81,8 @@ class AsyncEngine:
         """The grammar for SamplingParams.grammar, compiled on a worker thread (cached by spec). Raises
         ValueError with the grammar library's message when the spec is not a usable grammar, or when it is not
         ready COMPILE_SECONDS after `received` (time.monotonic() when the request arrived: its parsing counts
-        too): a request is refused in time whatever it asks for. The compile itself cannot be
-        stopped (llguidance's own limits bound it); it ends in its thread and is cached, so asking again finds
-        it ready."""
+        too): a request is refused in time whatever it asks for. The compile itself cannot be stopped
+        (llguidance's own limits bound it); it ends in its thread and is cached, so asking again finds it ready."""
         compiling = asyncio.to_thread(self._engine.grammars.compile, spec)
         try:
             return await asyncio.wait_for(compiling, max(received + COMPILE_SECONDS - time.monotonic(), 0.0))
