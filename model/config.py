@@ -36,6 +36,18 @@ class LayerSpec:
 
     window: int | None = None  # keys further back than this are not attended (sliding-window layers)
     rope: Rope | None = None  # None: no rotary positions (NoPE layers, learned positions)
+    ffn: str = "dense"  # dense: the MLP | moe: sparse experts (ModelConfig.moe, model/moe.py)
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse layers' experts and router (../shared/MODELS.md §5.1)."""
+
+    num_experts: int
+    top_k: int  # experts each token takes
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top k weights divided by their sum
+    shared_intermediate_size: int = 0  # a shared expert every token takes, behind a sigmoid gate (Qwen2-MoE)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # union of config.json and generation_config.json
     torch_dtype: str = "float32"  # the checkpoint's dtype
+    moe: MoeSpec | None = None  # the experts of the layers whose ffn is "moe"
 
     @property
     def family(self) -> Family:
@@ -142,8 +155,13 @@ class ModelConfig:
         kinds = layer_types(cfg, family, n)
         nope = [i for i, uses_rope in enumerate(cfg.get("no_rope_layers") or [1] * n) if not uses_rope]
         window = cfg.get("sliding_window")
+        moe, sparse = moe_spec(cfg, family), sparse_layers(cfg, family, n)
         layers = tuple(
-            LayerSpec(window if kind == "sliding_attention" else None, None if i in nope else ropes[kind])
+            LayerSpec(
+                window if kind == "sliding_attention" else None,
+                None if i in nope else ropes[kind],
+                "moe" if i in sparse else "dense",
+            )
             for i, kind in enumerate(kinds)
         )
         bias = bool(cfg.get("attention_bias", False))
@@ -174,7 +192,38 @@ class ModelConfig:
             logits_scaling=cfg.get("logits_scaling", 1.0),
             attn_softcap=cfg.get("attn_logit_softcapping"),
             final_softcap=cfg.get("final_logit_softcapping"),
+            moe=moe,
         )
+
+
+def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
+    """The experts of a MoE family's sparse layers; None for a dense family. transformers spells the expert count
+    num_experts (Qwen, OLMoE) or num_local_experts (Mixtral, Granite), and the expert's size moe_intermediate_size
+    where dense layers keep intermediate_size (Qwen)."""
+    if family.moe is None:
+        return None
+    if cfg.get("clip_qkv") is not None:  # OLMoE's option (off in the released models)
+        raise UnsupportedModelError(f"unsupported clip_qkv={cfg['clip_qkv']!r}: kvserve does not clip q/k/v")
+    renormalize = family.moe.renormalize
+    shared = cfg.get("shared_expert_intermediate_size", 0) if family.moe.shared_expert else 0
+    return MoeSpec(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        renormalize=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+        shared_intermediate_size=shared,
+    )
+
+
+def sparse_layers(cfg: dict, family: Family, n: int) -> set[int]:
+    """The layers whose FFN is sparse experts: all of a MoE family's, but for Qwen's dense ones (those listed in
+    mlp_only_layers, and all but every decoder_sparse_step-th)."""
+    if family.moe is None:
+        return set()
+    if family.moe.layers == "all":
+        return set(range(n))
+    dense, step = set(cfg.get("mlp_only_layers") or []), cfg.get("decoder_sparse_step") or 1
+    return {i for i in range(n) if i not in dense and (i + 1) % step == 0}
 
 
 def mlp_kind(cfg: dict) -> str:

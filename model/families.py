@@ -3,15 +3,18 @@
 
 A family is a Llama block plus switches (../shared/MODELS.md lists what each family changes, with sources):
 where the norms sit, q/k norms, the MLP's activation, biases, scalars, and which checkpoint tensor fills each
-of kvserve's parameters. Adding a family is an entry here; a block that differs in kind needs code in
-model/transformer.py as well. The GGUF side (llama.cpp's names and layouts) is weights/gguf_arch.py's table:
+of kvserve's parameters, and for a Mixture-of-Experts family which layers are sparse and how its router
+picks (`Moe`). Adding a family is an entry here; a block that differs in kind needs a module of its own behind
+the same forward (model/moe.py is the sparse FFN's). The GGUF side (llama.cpp's names and layouts) is weights/gguf_arch.py's table:
 weights/ imports nothing from model/, so it converts a GGUF into a folder this table reads.
 """
 
 from dataclasses import dataclass, field
 
 # kvserve parameter name -> (checkpoint tensor names, transform). Transforms: "cat" joins along dim 0 (fused
-# q/k/v and gate/up), "t" transposes GPT-2's Conv1D weights, "" copies. `{i}` is the layer index.
+# q/k/v and gate/up), "t" transposes GPT-2's Conv1D weights, "expert" takes expert {e}'s slice of a tensor that
+# stacks every expert's (Granite MoE's [experts, out, in]), "" copies. `{i}` is the layer index, `{e}` the
+# expert's.
 WeightNames = dict[str, tuple[list[str], str]]
 
 
@@ -41,6 +44,32 @@ def llama_weights(**norms: str) -> WeightNames:
     return names
 
 
+def moe_weights(
+    names: WeightNames,
+    moe: str = "mlp",
+    router: str = "gate",
+    expert: str = "experts.{e}",
+    gate_up_down=("gate_proj", "up_proj", "down_proj"),
+    shared: bool = False,
+) -> WeightNames:
+    """A Llama block's tensors with a sparse FFN in place of the MLP (dense layers, where a family has them, keep
+    the MLP's names): the router, each expert's gate and up (fused, as the MLP's) and down, and a shared expert
+    with its gate (Qwen2-MoE). `moe` names the FFN module, `router` and `expert` modules inside it."""
+    gate, up, down = (_layer(f"{moe}.{expert}.{p}.weight") for p in gate_up_down)
+    names = names | {
+        "layers.{i}.mlp.router.weight": ([_layer(f"{moe}.{router}.weight")], ""),
+        "layers.{i}.mlp.experts.{e}.up.weight": ([gate, up], "cat"),
+        "layers.{i}.mlp.experts.{e}.down.weight": ([down], ""),
+    }
+    if shared:
+        names = names | {
+            "layers.{i}.mlp.shared.up.weight": ([_layer(f"{moe}.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj")], "cat"),
+            "layers.{i}.mlp.shared.down.weight": ([_layer(f"{moe}.shared_expert.down_proj.weight")], ""),
+            "layers.{i}.mlp.shared_gate.weight": ([_layer(f"{moe}.shared_expert_gate.weight")], ""),
+        }  # fmt: skip
+    return names
+
+
 LLAMA_NORMS = dict(norm1="input_layernorm", norm2="post_attention_layernorm")
 QK_NORMS = dict(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 # Gemma's post_attention_layernorm normalizes the attention's output; its MLP has a norm before and after.
@@ -55,6 +84,13 @@ GEMMA_NORMS = dict(
 PHI3_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
     "layers.{i}.attn.qkv.weight": ([_layer("self_attn.qkv_proj.weight")], ""),
     "layers.{i}.mlp.up.weight": ([_layer("mlp.gate_up_proj.weight")], ""),
+}
+
+# Granite MoE: every expert's gate and up in one [experts, 2 x size, hidden] tensor, down in [experts, hidden, size]
+GRANITE_MOE_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
+    "layers.{i}.mlp.router.weight": ([_layer("block_sparse_moe.router.layer.weight")], ""),
+    "layers.{i}.mlp.experts.{e}.up.weight": ([_layer("block_sparse_moe.input_linear.weight")], "expert"),
+    "layers.{i}.mlp.experts.{e}.down.weight": ([_layer("block_sparse_moe.output_linear.weight")], "expert"),
 }
 
 GPT2_WEIGHTS: WeightNames = {
@@ -78,6 +114,19 @@ GPT2_WEIGHTS: WeightNames = {
 
 
 @dataclass(frozen=True)
+class Moe:
+    """How a MoE family's sparse layers are laid out and route (../shared/MODELS.md §5.1)."""
+
+    # which layers are sparse: "all", or "qwen": all but those in the config's mlp_only_layers, every
+    # decoder_sparse_step-th
+    layers: str = "all"
+    # the top k weights renormalized to sum to 1: always (Mixtral; Granite's softmax over the top k logits is the
+    # same), never, or None: as the config's norm_topk_prob says
+    renormalize: bool | None = None
+    shared_expert: bool = False  # Qwen2-MoE: one more expert every token takes, behind a sigmoid gate
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     weights: WeightNames = field(default_factory=lambda: llama_weights(**LLAMA_NORMS), compare=False)
@@ -92,6 +141,7 @@ class Family:
     # Gemma 3: 6), "qwen" (layers from max_window_layers on, when use_sliding_window)
     window_layers: str | int = ""
     layer_norm: bool = False  # GPT-2: LayerNorm, GELU MLP, learned positions
+    moe: Moe | None = None  # sparse experts in place of the MLP (model/moe.py), in the layers Moe.layers says
 
 
 FAMILIES = {
@@ -134,6 +184,33 @@ FAMILIES = {
             qk_norm="proj",
         ),
         Family("Phi3ForCausalLM", PHI3_WEIGHTS, window_layers="all"),
+        Family(
+            "Qwen3MoeForCausalLM",
+            moe_weights(llama_weights(**LLAMA_NORMS, **QK_NORMS)),
+            qk_norm="head",
+            window_layers="qwen",
+            moe=Moe(layers="qwen"),
+        ),
+        Family(
+            "Qwen2MoeForCausalLM",
+            moe_weights(llama_weights(**LLAMA_NORMS), shared=True),
+            qkv_bias=True,
+            window_layers="qwen",
+            moe=Moe(layers="qwen", shared_expert=True),
+        ),
+        Family(
+            "OlmoeForCausalLM",
+            moe_weights(llama_weights(**LLAMA_NORMS, **QK_NORMS)),
+            qk_norm="proj",
+            moe=Moe(),
+        ),
+        Family("GraniteMoeForCausalLM", GRANITE_MOE_WEIGHTS, moe=Moe(renormalize=True)),
+        Family(
+            "MixtralForCausalLM",
+            moe_weights(llama_weights(**LLAMA_NORMS), "block_sparse_moe", gate_up_down=("w1", "w3", "w2")),
+            window_layers="all",
+            moe=Moe(renormalize=True),
+        ),
         Family("GPT2LMHeadModel", GPT2_WEIGHTS, layer_norm=True),
     )
 }

@@ -29,18 +29,44 @@ class LayerStack:
         )  # fmt: skip
 
 
+def _any(*_) -> bool:
+    return True
+
+
+# What the C++ loop computes, field by field, closed: every field of ModelConfig and of LayerSpec is here, with the
+# values the loop computes exactly (it passes the sizes, eps, scales, windows and rope tables on, applies RMSNorm
+# before each branch, and after it too in Gemma's sandwich, q/k norms per head or none, SwiGLU or GeGLU, an
+# attention soft-cap) or _any where the field does not touch the blocks (embedding, head, tokens' ids; biases
+# live in the GEMMs, norm offsets in the norms' weights). A field added to either dataclass fails
+# tests/model/test_layer_stack.py until it is placed here: a new field can never slip past as "covered".
+CONFIG_FIELDS = {
+    "architecture": _any, "vocab_size": _any, "hidden_size": _any, "num_layers": _any, "num_heads": _any,
+    "num_kv_heads": _any, "head_dim": _any, "intermediate_size": _any, "max_position_embeddings": _any,
+    "norm_eps": _any, "layers": _any,  # each layer by LAYER_FIELDS
+    "norm": lambda c: c.norm == "rmsnorm",
+    "mlp": lambda c: c.mlp in ("swiglu", "geglu"),
+    "positions": _any,  # learned positions are added before the blocks (their layers have no rope: LAYER_FIELDS)
+    "block": lambda c: c.block in ("pre", "sandwich"),
+    "qk_norm": lambda c: c.qk_norm in ("", "head"),
+    "qkv_bias": _any, "o_bias": _any, "mlp_bias": _any, "norm_offset": _any, "attention_scale": _any,
+    "embedding_scale": _any,
+    "residual_scale": lambda c: c.residual_scale == 1.0,
+    "logits_scaling": _any, "attn_softcap": _any, "final_softcap": _any, "tie_word_embeddings": _any,
+    "bos_token_id": _any, "eos_token_ids": _any, "torch_dtype": _any,
+    "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
+}  # fmt: skip
+LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
+    "window": _any,
+    "rope": lambda spec, c: spec.rope is not None and spec.rope.dim == c.head_dim,  # full-width RoPE only
+    "ffn": lambda spec, c: spec.ffn == "dense",  # experts run as the Python loop (model/moe.py)
+}
+
+
 def covers(config) -> bool:
-    """Whether the C++ loop computes exactly this model's blocks: an allow-list of what it does (RMSNorm before
-    each branch, and after it too in Gemma's sandwich; q/k norms per head or none; SwiGLU or GeGLU; full-width
-    RoPE in every layer, each layer with its own tables and window; an attention soft-cap; no residual
-    scalars). Anything else runs as the Python loop, never as a C++ loop that skips a norm or a scale."""
-    return (
-        config.norm == "rmsnorm"
-        and config.mlp in ("swiglu", "geglu")
-        and config.block in ("pre", "sandwich")
-        and config.qk_norm in ("", "head")
-        and config.residual_scale == 1.0
-        and all(spec.rope is not None and spec.rope.dim == config.head_dim for spec in config.layers)
+    """Whether the C++ loop computes exactly this model's blocks (CONFIG_FIELDS, LAYER_FIELDS). Anything else runs
+    as the Python loop, never as a C++ loop that skips a norm or a scale."""
+    return all(check(config) for check in CONFIG_FIELDS.values()) and all(
+        check(spec, config) for spec in config.layers for check in LAYER_FIELDS.values()
     )
 
 

@@ -70,7 +70,10 @@ class Checkpoint:
                 return candidate
         return None
 
-    def get(self, name: str) -> torch.Tensor | QuantizedTensor | tuple:
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor | QuantizedTensor | tuple:
+        """expert: that expert's slice of a tensor stacking every expert's, read alone."""
+        if expert is not None:
+            return self._open_file(name).get_slice(name)[expert]
         if name in self.ggml:
             type_name, *shape = self.ggml[name]
             return type_name, self._read(name), tuple(shape)
@@ -82,19 +85,28 @@ class Checkpoint:
         )
 
     def _read(self, name: str) -> torch.Tensor:
+        return self._open_file(name).get_tensor(name)
+
+    def _open_file(self, name: str):
         f = self.files[name]
         if f not in self._open:
             self._open[f] = safe_open(f, framework="pt")
-        return self._open[f].get_tensor(name)
+        return self._open[f]
 
 
-def _source_names(name_map: dict, param: str) -> tuple[list[str], str] | None:
+def _source_names(name_map: dict, param: str) -> tuple[list[str], str, int | None] | None:
+    """The checkpoint names and transform of a parameter, and its expert's index (None: not an expert's)."""
     m = re.match(r"layers\.(\d+)\.(.*)", param)
     key = f"layers.{{i}}.{m.group(2)}" if m else param
+    e = re.search(r"\.experts\.(\d+)\.", key)
+    key = key.replace(e.group(0), ".experts.{e}.") if e else key
     if key not in name_map:
         return None
     names, transform = name_map[key]
-    return [n.replace("{i}", m.group(1)) if m else n for n in names], transform
+    names = [n.replace("{i}", m.group(1)) if m else n for n in names]
+    if e is None:
+        return names, transform, None
+    return [n.replace("{e}", e.group(1)) for n in names], transform, int(e.group(1))
 
 
 def model_name(model) -> str:
@@ -141,7 +153,7 @@ def load_model(
         sources = _source_names(name_map, key)
         if sources is None:
             raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
-        names, transform = sources
+        names, transform, expert = sources
         parts = []
         for n in names:
             stored = ckpt.resolve(n)
@@ -149,8 +161,9 @@ def load_model(
                 raise WeightLoadError(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
-            parts.append(_read(ckpt, stored, dequantized))
+            parts.append(_read(ckpt, stored, dequantized, expert if transform == "expert" else None))
         module_name = param_name.rpartition(".")[0]
+        module = transformer.get_submodule(module_name)
         layer = linears.get(module_name)
         if (
             layer is not None
@@ -168,7 +181,7 @@ def load_model(
             parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
             parts = [t.t() if transform == "t" else t for t in parts]
             tensor = torch.cat(parts) if transform == "cat" else parts[0]
-            if config.norm_offset and isinstance(transformer.get_submodule(module_name), Norm):
+            if config.norm_offset and isinstance(module, Norm):
                 # Gemma's norms multiply by 1 + w, computed in float32 as the reference does
                 tensor = tensor.float() + config.norm_offset
             if tensor.shape != param.shape:
@@ -176,7 +189,9 @@ def load_model(
                 raise WeightLoadError(
                     f"shape mismatch for {param_name}: expected {tuple(param.shape)}, checkpoint has {shapes}"
                 )
-            _set_param(transformer, param_name, tensor.to(device=device, dtype=dtype))
+            # a module may keep its weights in a dtype of its own (model/moe.py's float32 router)
+            stored_dtype = getattr(module, "stored_dtype", dtype)
+            _set_param(transformer, param_name, tensor.to(device=device, dtype=stored_dtype))
             del tensor
         del parts
         if layer is not None and last_of[module_name] == param_name:
@@ -205,10 +220,13 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def _read(ckpt, name: str, dequantized: dict[str, list[int]]) -> torch.Tensor | QuantizedTensor:
-    """The stored tensor; a GGUF weight's raw blocks as its QuantizedTensor, or dequantized (and counted in
-    `dequantized`) where no kernel keeps its type."""
-    value = ckpt.get(name)
+def _read(
+    ckpt, name: str, dequantized: dict[str, list[int]], expert: int | None = None
+) -> torch.Tensor | QuantizedTensor:
+    """The stored tensor (expert: that expert's slice of a tensor stacking every expert's); a GGUF weight's raw
+    blocks as its QuantizedTensor, or dequantized (and counted in `dequantized`) where no kernel keeps its
+    type."""
+    value = ckpt.get(name) if expert is None else ckpt.get(name, expert)
     if isinstance(value, torch.Tensor | QuantizedTensor):
         return value
     type_name, blocks, shape = value

@@ -1,7 +1,7 @@
 """One decoder-only transformer for every supported architecture (model/families.py).
 
 Variation is config switches: RMSNorm or LayerNorm, where a block's norms sit (before, around or after each
-branch), q/k norms, SwiGLU, GeGLU or GELU MLP, RoPE per layer (or none, or learned positions), sliding windows
+branch), q/k norms, SwiGLU, GeGLU or GELU MLP (or, per layer, sparse experts of them), RoPE per layer (or none, or learned positions), sliding windows
 per layer, biases, scalars and soft-caps. Tokens arrive flat ([T]): a step's prefill chunks and decodes go
 through the same code, and K/V are written and read through the slots and block tables of the step's attention
 metadata (model/attention.py).
@@ -25,6 +25,7 @@ from model.config import LayerSpec, ModelConfig, Rope
 from model.kv_cache import KVCache
 from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
+from model.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops):
+    def __init__(self, config: ModelConfig, ops: Ops, size: int | None = None):
+        """size: the intermediate size, where not the config's (an expert's: model/moe.py)."""
         super().__init__()
         self.kind = config.mlp
-        n_up = config.intermediate_size * (1 if self.kind == "gelu" else 2)
+        size = size or config.intermediate_size
+        n_up = size * (1 if self.kind == "gelu" else 2)
         self.up = Linear(config.hidden_size, n_up, config.mlp_bias, ops.linear)  # gated: [gate; up] fused
-        self.down = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops.linear)
+        self.down = Linear(size, config.hidden_size, config.mlp_bias, ops.linear)
         self.silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +185,8 @@ class Block(nn.Module):
         self.attn = Attention(config, spec, ops)
         self.post_attn_norm = norm(ops.rms_norm) if post else None
         self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
-        self.mlp = MLP(config, ops)
+        # the FFN, of the layer's kind: dense, or sparse experts (model/moe.py)
+        self.mlp = MoE(config, ops, MLP) if spec.ffn == "moe" else MLP(config, ops)
         self.post_mlp_norm = norm(ops.rms_norm) if post else None
         self.residual_scale = config.residual_scale
 

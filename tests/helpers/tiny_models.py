@@ -23,11 +23,68 @@ TINY_NAMES = {
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
     "GPT2LMHeadModel": "gpt2",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "MixtralForCausalLM": "mixtral",
 }
 # short name -> architecture, for the families the table has (a name whose family left the table is dropped)
 ARCHITECTURES = {short: arch for arch, short in TINY_NAMES.items() if arch in FAMILIES}
 # families whose checkpoints keep norms at their init unless perturbed: these get them moved, so offsets show
 NORMS_PERTURBED = set(ARCHITECTURES) - {"llama", "qwen2", "mistral", "gpt2"}
+
+# short name -> the config overrides of its family's tiny model, whose dims hit the family's edge cases (explicit
+# head_dim, a window shorter than the prompt, per-layer windows and RoPE bases, NoPE layers, tied and untied
+# heads, Granite's scalars, Gemma 2's soft-caps, experts); none: build_tiny_model's defaults
+FAMILY_OVERRIDES = {
+    "mistral": dict(sliding_window=8),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
+    "gemma3": dict(
+        num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "gemma2": dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
+    ),
+    "olmo2": dict(),
+    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0),
+    "smollm3": dict(num_hidden_layers=4),  # layer 3 has no RoPE
+    "ministral": dict(
+        num_hidden_layers=4, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    ),
+    # Phi-4-mini's shape in small: partial rotary, LongRoPE past 16 positions, fused qkv and gate_up
+    "phi3": dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=16, tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        },
+    ),
+    # MoE: 8 experts, each token takes 2 or 3; Qwen's dense layer among sparse ones, a shared expert, a router
+    # renormalized or not, Granite's scalars around experts
+    "qwen3moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                     norm_topk_prob=True, head_dim=32),
+    "qwen2moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=64),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=6.0,
+                       attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+}  # fmt: skip
+# Every family of the table, by its short name: a family added to model/families.py joins every test built on it.
+ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]
+
+
+def tiny_family(factory, arch: str) -> Path:
+    """The tiny model of a family (a short name), with its FAMILY_OVERRIDES, from the session's factory."""
+    return factory(arch, **FAMILY_OVERRIDES.get(arch, {}))
+
 
 TINY_TOKENIZER_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -8,40 +8,8 @@ import torch
 from model.config import ModelConfig
 from model.families import FAMILIES
 from model.kv_cache import KVCache
-from tests.helpers.tiny_models import TINY_NAMES
+from tests.helpers.tiny_models import ARCHES, ARCHITECTURES, TINY_NAMES, CpuPath, tiny_family
 
-# Every family of the table, by its short name; a family added to model/families.py joins every test here.
-ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]
-# short name -> the config overrides of its tiny model (tests/helpers/tiny_models.py builds it); none: the defaults
-OVERRIDES = {
-    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
-    "gemma3": dict(
-        num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-    ),
-    "gemma2": dict(
-        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-        attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
-    ),
-    "olmo2": dict(),
-    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0),
-    "smollm3": dict(num_hidden_layers=4),  # layer 3 has no RoPE
-    "ministral": dict(
-        num_hidden_layers=4, head_dim=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-    ),
-    # Phi-4-mini's shape in small: partial rotary, LongRoPE past 16 positions, fused qkv and gate_up
-    "phi3": dict(
-        partial_rotary_factor=0.75, original_max_position_embeddings=16, tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "longrope", "rope_theta": 1e4,
-            "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
-        },
-    ),
-}  # fmt: skip
 PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()  # > every window
 START = 20  # the greedy runs' prompt: past Phi-3's 16 (transformers recomputes the cache when a sequence
 # outgrows LongRoPE's original length; kvserve picks the long factors from a request's start)
@@ -51,10 +19,6 @@ def test_every_family_has_a_tiny_model():
     """A family added to model/families.py needs a short name in tests/helpers/tiny_models.py (transformers' class
     of the same name builds it), or every test above would fail to build it."""
     assert set(FAMILIES) <= set(TINY_NAMES), set(FAMILIES) - set(TINY_NAMES)
-
-
-def family(factory, arch):
-    return factory(arch, **OVERRIDES.get(arch, {}))
 
 
 def reference(path):
@@ -70,7 +34,7 @@ def cache_for(config):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ARCHES)
 def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
-    path = family(tiny_model_factory, arch)
+    path = tiny_family(tiny_model_factory, arch)
     model, config = cpu_path.load(path)
     ours = cpu_path.run(model, cache_for(config), PROMPT, 0, list(range(16)))
     with torch.no_grad():
@@ -82,9 +46,32 @@ def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHES if FAMILIES[ARCHITECTURES[arch]].moe])
+def test_each_token_takes_the_references_experts(tiny_model_factory, arch):
+    """Every sparse layer routes each token of the prompt to the experts transformers' router picks."""
+    from model.moe import MoE
+
+    path = tiny_family(tiny_model_factory, arch)
+    model, config = CpuPath(kernels=False).load(path)
+    chosen = []
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            route = layer.mlp.route
+            layer.mlp.route = lambda x, route=route: chosen.append(route(x)[1].sort(-1).values) or route(x)
+    CpuPath(kernels=False).run(model, cache_for(config), PROMPT, 0, list(range(16)))
+    with torch.no_grad():
+        router_logits = reference(path)(torch.tensor([PROMPT]), output_router_logits=True).router_logits
+    top_k = config.moe.top_k
+    expected = [logits.topk(top_k, dim=-1).indices.sort(-1).values for logits in router_logits]
+    assert len(chosen) == len(expected) == sum(spec.ffn == "moe" for spec in config.layers) > 0
+    for ours, theirs in zip(chosen, expected, strict=True):
+        assert torch.equal(ours, theirs.view(ours.shape))
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ARCHES)
 def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch):
-    path = family(tiny_model_factory, arch)
+    path = tiny_family(tiny_model_factory, arch)
     model, config = cpu_path.load(path)
     with torch.no_grad():
         prompt = torch.tensor([PROMPT[:START]])
@@ -107,7 +94,7 @@ def test_quantized_weights_give_the_dense_models_choices(tiny_model_factory, cpu
     from model.linear import PlainLinear
     from model.quant import QuantizedLinear
 
-    path = family(tiny_model_factory, arch)
+    path = tiny_family(tiny_model_factory, arch)
     logits = []
     for linear in (PlainLinear(), QuantizedLinear(cpu_kernels(), PlainLinear(), 8)):
         model, config = cpu_path.load(path, linear=linear)
@@ -131,7 +118,7 @@ def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kerne
 
     config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
                           batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
-    engine = Engine(str(family(tiny_model_factory, arch)), config)
+    engine = Engine(str(tiny_family(tiny_model_factory, arch)), config)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
@@ -158,11 +145,11 @@ def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
     # full-width RoPE tables per layer, an attention soft-cap
     stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3")
     for arch in stacked:
-        assert covers(ModelConfig.from_dir(family(tiny_model_factory, arch))), arch
+        assert covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch
     for arch in sorted(
         set(ARCHES) - set(stacked)
     ):  # a norm, a scale, a layer without RoPE or a partial one: what the C++ loop does not have
-        assert not covers(ModelConfig.from_dir(family(tiny_model_factory, arch))), arch
+        assert not covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch
 
 
 @pytest.mark.timeout(30)
@@ -209,7 +196,7 @@ def test_longrope_takes_one_factor_list_per_request(tiny_model_factory):
     from server.engine.engine import Engine
     from server.engine.request import SamplingParams
 
-    path = family(tiny_model_factory, "phi3")
+    path = tiny_family(tiny_model_factory, "phi3")
     prompt = PROMPT[:10]
     with torch.no_grad():  # 10 positions: transformers' short factors
         short = torch.log_softmax(reference(path)(torch.tensor([prompt])).logits[0, -1], -1)

@@ -9,10 +9,12 @@ import torch
 from model.attention_cpu import CpuKernelAttention
 from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
+from model.layer_stack import covers
 from model.linear import PlainLinear
 from model.loader import load_model
 from model.quant import QuantizedLinear
 from model.transformer import Ops
+from tests.helpers.tiny_models import ARCHES, tiny_family
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
 
@@ -45,25 +47,18 @@ def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     return hidden, cache
 
 
-# qwen2: q/k/v biases, an untied LM head; mistral: a sliding window shorter than the sequences; qwen3: q/k norms
-# per head; gemma2: sandwich norms, GeGLU, attention soft-cap, windowed and full layers; gemma3: q/k norms and
-# two rotary tables too (local and global theta)
-ARCHS = [
-    ("llama", {}),
-    ("qwen2", {}),
-    ("mistral", {"sliding_window": 8}),
-    ("qwen3", {}),
-    ("gemma2", {"sliding_window": 8}),
-    ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
-]
-
-
-@pytest.mark.parametrize("arch,overrides", ARCHS)
+# every family of the table, as its tiny model in tests/model/test_families.py
+@pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, overrides, bits, dtype):
-    path = tiny_model_factory(arch, **overrides)
+def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, bits, dtype):
+    """Where the C++ loop covers a family (model/layer_stack.py's covers), it gives the Python loop's bits and
+    writes the same K/V; where it does not, no stack is built and the Python loop runs."""
+    path = tiny_family(tiny_model_factory, arch)
     stacked, config = load(path, bits, kernels=tier_kernels, dtype=dtype)
+    if not covers(config):
+        assert stacked.layer_stack is None
+        return
     looped, _ = load(path, bits, stack=False, kernels=tier_kernels, dtype=dtype)
     assert stacked.layer_stack is not None and looped.layer_stack is None
     a, cache_a = mixed_step(stacked, config, tier_kernels, dtype)
@@ -73,17 +68,25 @@ def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, 
     assert a.abs().sum() > 0
 
 
-def test_gemma3s_layers_differ_as_the_stack_is_told():
-    """The gemma3 case above tests what it says: a windowed layer and a full one, with different rotary tables."""
+def test_every_field_of_the_config_is_placed_for_the_stack():
+    """covers() is closed: each field of ModelConfig and LayerSpec says what the C++ loop computes of it, so a field
+    added for a new family cannot be taken as covered unseen."""
+    import dataclasses
+
+    from model.config import LayerSpec, ModelConfig
+    from model.layer_stack import CONFIG_FIELDS, LAYER_FIELDS
+
+    assert set(CONFIG_FIELDS) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(LAYER_FIELDS) == {f.name for f in dataclasses.fields(LayerSpec)}
+
+
+def test_gemma3s_layers_differ_as_the_stack_is_told(tiny_model_factory):
+    """The gemma3 case above tests what it says: windowed layers and full ones, with different rotary tables."""
     from model.config import ModelConfig
 
-    overrides = dict(ARCHS)["gemma3"]
-    config = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
-                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
-                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4, **overrides})  # fmt: skip
-    windows, ropes = [spec.window for spec in config.layers], {spec.rope for spec in config.layers}
-    assert windows == [8, None] and len(ropes) == 2
+    config = ModelConfig.from_dir(tiny_family(tiny_model_factory, "gemma3"))
+    windows, ropes = {spec.window for spec in config.layers}, {spec.rope for spec in config.layers}
+    assert windows == {8, None} and len(ropes) == 2 and covers(config)
 
 
 def test_the_stack_only_covers_quantized_llama_style_blocks(tiny_model_factory):

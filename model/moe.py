@@ -1,0 +1,81 @@
+"""A sparse Mixture-of-Experts FFN (Qwen3-MoE, Qwen2-MoE, OLMoE, Granite MoE, Mixtral): a router scores every
+expert for each token, the top k run (each an MLP of its own), and their outputs are summed, weighted by
+the router's probabilities. ../shared/MODELS.md §5.1 lists each family's router.
+
+Each expert is an ordinary MLP, two Linear layers, so its weights run in whatever format the model's LinearMethod
+gives them (quantized, packed, padded for batch invariance: model/linear.py), and a GGUF's 3-D expert tensors
+arrive as one 2-D slice per expert, read in place. A step's tokens are grouped by expert: each chosen expert's
+weights are read once, however many tokens chose it.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+class Gate(nn.Module):
+    """[T, hidden] -> [T, n] float32 scores, whatever the model's dtype: the router (n = experts) and the shared
+    expert's gate (n = 1). llama.cpp keeps both float32 in every quantized file; a near-tie between two experts
+    is then settled by the scores, not by rounding."""
+
+    stored_dtype = torch.float32  # the loader keeps this module's weight so (model/loader.py)
+
+    def __init__(self, n: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+    __call__ = forward  # see model/transformer.py's Block
+
+
+class MoE(nn.Module):
+    """The FFN of a sparse layer: sum over a token's k experts of weight * expert(x), plus a shared expert scaled
+    by sigmoid(shared_gate . x) where the family has one (Qwen2-MoE).
+
+    A token's sum runs over its experts in ascending id whatever else is in the step, and each expert's GEMM
+    gives a row the same bits in any batch (the LinearMethod's promise), so a token's output never depends on
+    its batch: greedy decoding is the same alone and batched, and speculation stays exact."""
+
+    def __init__(self, config: ModelConfig, ops, mlp):
+        """mlp(config, ops, size): the dense MLP (model/transformer.py), which each expert is, of its own size."""
+        super().__init__()
+        moe, hidden = config.moe, config.hidden_size
+        self.router = Gate(moe.num_experts, hidden)
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.experts = nn.ModuleList(mlp(config, ops, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, ids = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # (expert, token) pairs sorted by expert: each used expert runs once on all of its tokens
+        order = ids.flatten().argsort(stable=True)
+        experts, counts = ids.flatten()[order].unique_consecutive(return_counts=True)
+        tokens = order // ids.shape[1]
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+            rows = tokens[start : start + count]
+            y = self.experts[expert](x[rows]).float() * weights.flatten()[order[start : start + count], None]
+            out[rows] += y  # a token takes an expert once: no row repeats (index_add_ is ~1,000x slower here
+            # under torch's deterministic mode)
+            start += count
+        if self.shared is not None:
+            out += torch.sigmoid(self.shared_gate(x)) * self.shared(x).float()
+        return out.to(x.dtype)
+
+    __call__ = forward
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top k experts: ([T, k] float32 weights, [T, k] ids). Softmax over every expert, then
+        top k; renormalized, the k weights are the softmax over the chosen k (Mixtral, Granite's softmax of
+        the top k logits, Qwen3-MoE's norm_topk_prob)."""
+        probs = torch.softmax(self.router(x), dim=-1)  # [T, experts]
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
