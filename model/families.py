@@ -77,6 +77,44 @@ GPT2_WEIGHTS: WeightNames = {
 }
 
 
+# What transformers reads for a config.json key that is absent: its config class's default. transformers 4.x's
+# save_pretrained leaves a key out when its value is both PretrainedConfig's default and the class's (a tied Gemma's
+# tie_word_embeddings, Llama's bos_token_id 1), so model/config.py reads every key through these, per class
+# (4.57's and 5.x's agree). Left out: defaults of None, or derived from other keys (head_dim, num_key_value_heads
+# from the heads), which the config reads as absent; keys whose default is kvserve's own fallback (attention_bias
+# False, partial_rotary_factor 1); and the model's dims, which every config.json has.
+LLAMA_DEFAULTS = dict(
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    hidden_act="silu",
+)
+MISTRAL_DEFAULTS = LLAMA_DEFAULTS | dict(
+    max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096
+)
+QWEN_DEFAULTS = LLAMA_DEFAULTS | dict(
+    bos_token_id=None,
+    eos_token_id=None,
+    max_position_embeddings=32768,
+    num_key_value_heads=32,
+    max_window_layers=28,
+)
+GEMMA_DEFAULTS = dict(
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    head_dim=256,
+    num_key_value_heads=4,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -92,20 +130,48 @@ class Family:
     # Gemma 3: 6), "qwen" (layers from max_window_layers on, when use_sliding_window)
     window_layers: str | int = ""
     layer_norm: bool = False  # GPT-2: LayerNorm, GELU MLP, learned positions
+    # config.json key -> transformers' default for it (see LLAMA_DEFAULTS above); tests/model/test_config_defaults.py
+    # checks each against the class and that nothing else is read
+    config_defaults: dict = field(default_factory=dict, compare=False)
 
 
 FAMILIES = {
     f.name: f
     for f in (
-        Family("LlamaForCausalLM"),
-        Family("MistralForCausalLM", window_layers="all"),
-        Family("MinistralForCausalLM", window_layers="all"),
-        Family("Qwen2ForCausalLM", qkv_bias=True, window_layers="qwen"),
+        Family("LlamaForCausalLM", config_defaults=LLAMA_DEFAULTS),
+        Family("MistralForCausalLM", window_layers="all", config_defaults=MISTRAL_DEFAULTS),
+        Family("MinistralForCausalLM", window_layers="all", config_defaults=MISTRAL_DEFAULTS),
+        Family("Qwen2ForCausalLM", qkv_bias=True, window_layers="qwen", config_defaults=QWEN_DEFAULTS),
         Family(
-            "Qwen3ForCausalLM", llama_weights(**LLAMA_NORMS, **QK_NORMS), qk_norm="head", window_layers="qwen"
+            "Qwen3ForCausalLM",
+            llama_weights(**LLAMA_NORMS, **QK_NORMS),
+            qk_norm="head",
+            window_layers="qwen",
+            config_defaults=QWEN_DEFAULTS | dict(head_dim=128),
         ),
-        Family("SmolLM3ForCausalLM", window_layers="qwen"),
-        Family("GraniteForCausalLM"),
+        Family(
+            "SmolLM3ForCausalLM",
+            window_layers="qwen",
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                tie_word_embeddings=True,
+                bos_token_id=128000,
+                eos_token_id=128001,
+                max_position_embeddings=32768,
+                rope_theta=2000000.0,
+                num_key_value_heads=4,
+            ),
+        ),
+        Family(
+            "GraniteForCausalLM",
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                embedding_multiplier=1.0,
+                attention_multiplier=1.0,
+                residual_multiplier=1.0,
+                logits_scaling=1.0,
+            ),
+        ),
         Family(
             "Gemma2ForCausalLM",
             llama_weights(**GEMMA_NORMS),
@@ -113,6 +179,13 @@ FAMILIES = {
             norm_offset=1.0,
             embedding_scale_sqrt_hidden=True,
             window_layers=2,
+            config_defaults=GEMMA_DEFAULTS
+            | dict(
+                max_position_embeddings=8192,
+                rope_theta=10000.0,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+            ),
         ),
         Family(
             "Gemma3ForCausalLM",
@@ -122,6 +195,9 @@ FAMILIES = {
             norm_offset=1.0,
             embedding_scale_sqrt_hidden=True,
             window_layers=6,
+            # the config class is Gemma3TextConfig; sliding layers rotate with rope_local_base_freq
+            config_defaults=GEMMA_DEFAULTS
+            | dict(max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
         ),
         Family(
             "Olmo2ForCausalLM",
@@ -132,8 +208,31 @@ FAMILIES = {
             ),
             block="post",
             qk_norm="proj",
+            config_defaults=LLAMA_DEFAULTS | dict(bos_token_id=None, eos_token_id=50279, rms_norm_eps=1e-5),
         ),
-        Family("Phi3ForCausalLM", PHI3_WEIGHTS, window_layers="all"),
-        Family("GPT2LMHeadModel", GPT2_WEIGHTS, layer_norm=True),
+        Family(
+            "Phi3ForCausalLM",
+            PHI3_WEIGHTS,
+            window_layers="all",
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                eos_token_id=32000,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=4096,
+                original_max_position_embeddings=4096,
+            ),
+        ),
+        Family(
+            "GPT2LMHeadModel",
+            GPT2_WEIGHTS,
+            layer_norm=True,
+            config_defaults=dict(
+                tie_word_embeddings=True,
+                bos_token_id=50256,
+                eos_token_id=50256,
+                n_positions=1024,
+                layer_norm_epsilon=1e-5,
+            ),
+        ),
     )
 }
