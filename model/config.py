@@ -16,6 +16,11 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+# a key's other spellings (transformers' attribute_map: Qwen3-MoE's hub configs say num_experts, the class itself
+# num_local_experts), read as the one name the family table's defaults use
+KEY_ALIASES = {"num_local_experts": "num_experts"}
+
+
 @dataclass(frozen=True)
 class Rope:
     """One set of rotary frequencies: theta, how many of a head's dims rotate, and the scaling applied."""
@@ -120,13 +125,15 @@ class ModelConfig:
                 f"unsupported architecture {name!r}; kvserve supports {', '.join(sorted(FAMILIES))}"
             )
         family = FAMILIES[arch]
+        cfg = {KEY_ALIASES.get(key, key): value for key, value in cfg.items()}
+        cfg = family.config_defaults | cfg  # a key the config leaves out reads as transformers' class default
         eos = _as_ids(cfg.get("eos_token_id")) + _as_ids((generation_config or {}).get("eos_token_id"))
         common = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(sorted(set(eos))),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", family.layer_norm),
+            tie_word_embeddings=cfg["tie_word_embeddings"],
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
         if family.layer_norm:  # GPT-2
@@ -140,7 +147,7 @@ class ModelConfig:
                 head_dim=hidden // heads,
                 intermediate_size=cfg.get("n_inner") or 4 * hidden,
                 max_position_embeddings=cfg["n_positions"],
-                norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                norm_eps=cfg["layer_norm_epsilon"],
                 layers=(LayerSpec(),) * cfg["n_layer"],
                 norm="layernorm",
                 mlp="gelu",
@@ -174,8 +181,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            norm_eps=cfg["rms_norm_eps"],
             layers=layers,
             mlp=mlp_kind(cfg),
             block=family.block,
@@ -197,9 +204,8 @@ class ModelConfig:
 
 
 def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
-    """The experts of a MoE family's sparse layers; None for a dense family. transformers spells the expert count
-    num_experts (Qwen, OLMoE) or num_local_experts (Mixtral, Granite), and the expert's size moe_intermediate_size
-    where dense layers keep intermediate_size (Qwen)."""
+    """The experts of a MoE family's sparse layers; None for a dense family. The expert's size is
+    moe_intermediate_size where dense layers keep intermediate_size (Qwen)."""
     if family.moe is None:
         return None
     if cfg.get("clip_qkv") is not None:  # OLMoE's option (off in the released models)
@@ -207,7 +213,7 @@ def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
     renormalize = family.moe.renormalize
     shared = cfg.get("shared_expert_intermediate_size", 0) if family.moe.shared_expert else 0
     return MoeSpec(
-        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        num_experts=cfg["num_experts"],
         top_k=cfg["num_experts_per_tok"],
         intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
         renormalize=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
@@ -227,7 +233,7 @@ def sparse_layers(cfg: dict, family: Family, n: int) -> set[int]:
 
 
 def mlp_kind(cfg: dict) -> str:
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
     kinds = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
     if act not in kinds:
         raise UnsupportedModelError(f"unsupported activation {act!r}; kvserve supports {', '.join(kinds)}")
@@ -265,7 +271,7 @@ def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
         per_type = params
     else:
         flat = dict(params or cfg.get("rope_scaling") or {})
-        flat.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        flat.setdefault("rope_theta", cfg["rope_theta"])
         per_type = {"full_attention": flat, "sliding_attention": flat}
         if "rope_local_base_freq" in cfg:
             per_type["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
@@ -288,7 +294,7 @@ def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
             f"unsupported rope scaling type {kind!r}; kvserve supports {', '.join(keys)}"
         )
     dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg["rope_theta"]))
     scaling = tuple(sorted((k, float(params[k])) for k in keys[kind]))
     if kind != "longrope":
         return Rope(theta, dim, kind, scaling)

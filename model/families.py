@@ -113,6 +113,54 @@ GPT2_WEIGHTS: WeightNames = {
 }
 
 
+# What transformers reads for a config.json key that is absent: its config class's default. transformers 4.x's
+# save_pretrained leaves a key out when its value is both PretrainedConfig's default and the class's (a tied Gemma's
+# tie_word_embeddings, Llama's bos_token_id 1), so model/config.py reads every key through these, per class
+# (4.57's and 5.x's agree). Left out: defaults of None, or derived from other keys (head_dim, num_key_value_heads
+# from the heads), which the config reads as absent; keys whose default is kvserve's own fallback (attention_bias
+# False, partial_rotary_factor 1); and the model's dims, which every config.json has.
+LLAMA_DEFAULTS = dict(
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    hidden_act="silu",
+)
+MISTRAL_DEFAULTS = LLAMA_DEFAULTS | dict(
+    max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096
+)
+QWEN_DEFAULTS = LLAMA_DEFAULTS | dict(
+    bos_token_id=None,
+    eos_token_id=None,
+    max_position_embeddings=32768,
+    num_key_value_heads=32,
+    max_window_layers=28,
+)
+GRANITE_DEFAULTS = LLAMA_DEFAULTS | dict(
+    embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0
+)
+QWEN_MOE_DEFAULTS = LLAMA_DEFAULTS | dict(
+    bos_token_id=None,
+    eos_token_id=None,
+    max_position_embeddings=32768,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+)
+GEMMA_DEFAULTS = dict(
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    head_dim=256,
+    num_key_value_heads=4,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+)
+
+
 @dataclass(frozen=True)
 class Moe:
     """How a MoE family's sparse layers are laid out and route (../shared/MODELS.md §5.1)."""
@@ -142,20 +190,39 @@ class Family:
     window_layers: str | int = ""
     layer_norm: bool = False  # GPT-2: LayerNorm, GELU MLP, learned positions
     moe: Moe | None = None  # sparse experts in place of the MLP (model/moe.py), in the layers Moe.layers says
+    # config.json key -> transformers' default for it (see LLAMA_DEFAULTS above); tests/model/test_config_defaults.py
+    # checks each against the class and that nothing else is read
+    config_defaults: dict = field(default_factory=dict, compare=False)
 
 
 FAMILIES = {
     f.name: f
     for f in (
-        Family("LlamaForCausalLM"),
-        Family("MistralForCausalLM", window_layers="all"),
-        Family("MinistralForCausalLM", window_layers="all"),
-        Family("Qwen2ForCausalLM", qkv_bias=True, window_layers="qwen"),
+        Family("LlamaForCausalLM", config_defaults=LLAMA_DEFAULTS),
+        Family("MistralForCausalLM", window_layers="all", config_defaults=MISTRAL_DEFAULTS),
+        Family("MinistralForCausalLM", window_layers="all", config_defaults=MISTRAL_DEFAULTS),
+        Family("Qwen2ForCausalLM", qkv_bias=True, window_layers="qwen", config_defaults=QWEN_DEFAULTS),
         Family(
-            "Qwen3ForCausalLM", llama_weights(**LLAMA_NORMS, **QK_NORMS), qk_norm="head", window_layers="qwen"
+            "Qwen3ForCausalLM",
+            llama_weights(**LLAMA_NORMS, **QK_NORMS),
+            qk_norm="head",
+            window_layers="qwen",
+            config_defaults=QWEN_DEFAULTS | dict(head_dim=128),
         ),
-        Family("SmolLM3ForCausalLM", window_layers="qwen"),
-        Family("GraniteForCausalLM"),
+        Family(
+            "SmolLM3ForCausalLM",
+            window_layers="qwen",
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                tie_word_embeddings=True,
+                bos_token_id=128000,
+                eos_token_id=128001,
+                max_position_embeddings=32768,
+                rope_theta=2000000.0,
+                num_key_value_heads=4,
+            ),
+        ),
+        Family("GraniteForCausalLM", config_defaults=GRANITE_DEFAULTS),
         Family(
             "Gemma2ForCausalLM",
             llama_weights(**GEMMA_NORMS),
@@ -163,6 +230,13 @@ FAMILIES = {
             norm_offset=1.0,
             embedding_scale_sqrt_hidden=True,
             window_layers=2,
+            config_defaults=GEMMA_DEFAULTS
+            | dict(
+                max_position_embeddings=8192,
+                rope_theta=10000.0,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+            ),
         ),
         Family(
             "Gemma3ForCausalLM",
@@ -172,6 +246,9 @@ FAMILIES = {
             norm_offset=1.0,
             embedding_scale_sqrt_hidden=True,
             window_layers=6,
+            # the config class is Gemma3TextConfig; sliding layers rotate with rope_local_base_freq
+            config_defaults=GEMMA_DEFAULTS
+            | dict(max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
         ),
         Family(
             "Olmo2ForCausalLM",
@@ -182,14 +259,40 @@ FAMILIES = {
             ),
             block="post",
             qk_norm="proj",
+            config_defaults=LLAMA_DEFAULTS | dict(bos_token_id=None, eos_token_id=50279, rms_norm_eps=1e-5),
         ),
-        Family("Phi3ForCausalLM", PHI3_WEIGHTS, window_layers="all"),
+        Family(
+            "Phi3ForCausalLM",
+            PHI3_WEIGHTS,
+            window_layers="all",
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                eos_token_id=32000,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=4096,
+                original_max_position_embeddings=4096,
+            ),
+        ),
+        Family(
+            "GPT2LMHeadModel",
+            GPT2_WEIGHTS,
+            layer_norm=True,
+            config_defaults=dict(
+                tie_word_embeddings=True,
+                bos_token_id=50256,
+                eos_token_id=50256,
+                n_positions=1024,
+                layer_norm_epsilon=1e-5,
+            ),
+        ),
         Family(
             "Qwen3MoeForCausalLM",
             moe_weights(llama_weights(**LLAMA_NORMS, **QK_NORMS)),
             qk_norm="head",
             window_layers="qwen",
             moe=Moe(layers="qwen"),
+            config_defaults=QWEN_MOE_DEFAULTS
+            | dict(num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
         ),
         Family(
             "Qwen2MoeForCausalLM",
@@ -197,20 +300,54 @@ FAMILIES = {
             qkv_bias=True,
             window_layers="qwen",
             moe=Moe(layers="qwen", shared_expert=True),
+            config_defaults=QWEN_MOE_DEFAULTS
+            | dict(
+                num_key_value_heads=16,
+                max_window_layers=28,
+                num_experts=60,
+                num_experts_per_tok=4,
+                moe_intermediate_size=1408,
+                shared_expert_intermediate_size=5632,
+            ),
         ),
         Family(
             "OlmoeForCausalLM",
             moe_weights(llama_weights(**LLAMA_NORMS, **QK_NORMS)),
             qk_norm="proj",
             moe=Moe(),
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                bos_token_id=None,
+                eos_token_id=50279,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=4096,
+                num_key_value_heads=16,
+                num_experts=64,
+                num_experts_per_tok=8,
+                norm_topk_prob=False,
+            ),
         ),
-        Family("GraniteMoeForCausalLM", GRANITE_MOE_WEIGHTS, moe=Moe(renormalize=True)),
+        Family(
+            "GraniteMoeForCausalLM",
+            GRANITE_MOE_WEIGHTS,
+            moe=Moe(renormalize=True),
+            config_defaults=GRANITE_DEFAULTS
+            | dict(num_key_value_heads=32, num_experts=8, num_experts_per_tok=2),
+        ),
         Family(
             "MixtralForCausalLM",
             moe_weights(llama_weights(**LLAMA_NORMS), "block_sparse_moe", gate_up_down=("w1", "w3", "w2")),
             window_layers="all",
             moe=Moe(renormalize=True),
+            config_defaults=LLAMA_DEFAULTS
+            | dict(
+                rms_norm_eps=1e-5,
+                max_position_embeddings=131072,
+                num_key_value_heads=8,
+                rope_theta=1000000.0,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
         ),
-        Family("GPT2LMHeadModel", GPT2_WEIGHTS, layer_norm=True),
     )
 }

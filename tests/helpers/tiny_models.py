@@ -99,8 +99,25 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
 
     torch.manual_seed(seed)
     model_cls = getattr(transformers, ARCHITECTURES[arch])
+    model = model_cls(tiny_config(arch, **overrides)).eval()
+    with torch.no_grad():  # random init is near zero; spread the logits so greedy choices are well separated
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+            elif arch in NORMS_PERTURBED:  # norms away from their init (1, or Gemma's 0), so offsets show
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tiny_tokenizer(out)
+    return out
+
+
+def tiny_config(arch: str, **overrides):
+    """The transformers config of a tiny model of the given family (a short name)."""
+    import transformers
+
+    config_class = getattr(transformers, ARCHITECTURES[arch]).config_class
     if arch == "gpt2":
-        cfg = model_cls.config_class(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=300)
+        cfg = config_class(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=300)
     else:
         kw = dict(
             hidden_size=64,
@@ -116,18 +133,9 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
             bos_token_id=1,
             eos_token_id=2,
         )
-        cfg = model_cls.config_class(**{**kw, **overrides})
+        cfg = config_class(**{**kw, **overrides})
     cfg.bos_token_id, cfg.eos_token_id = 1, 2
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # random init is near zero; spread the logits so greedy choices are well separated
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
-            elif arch in NORMS_PERTURBED:  # norms away from their init (1, or Gemma's 0), so offsets show
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    save_tiny_tokenizer(out)
-    return out
+    return cfg
 
 
 def save_tiny_tokenizer(out: Path) -> None:
