@@ -181,7 +181,8 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     """Where a decode step's time goes. The engine's own step (median of `steps`, `batch_size` sequences of
     ~context_len tokens each), then its parts replayed alone on the model's own weights and KV cache, in the
     order a step runs them (the weights as cold as a step finds them): the block GEMMs by shape, the LM head,
-    attention (RoPE and K/V stores included), RMSNorm and SwiGLU; medians of `reps` replays. The rest is the
+    attention (RoPE and K/V stores included), RMSNorm and SwiGLU, and a MoE model's sparse FFNs whole (router,
+    experts, sum: `moe_ffn`); medians of `reps` replays. The rest is the
     step around the model: scheduling, metadata, embedding rows, RoPE tables, sampling and detokenizing."""
     engine.reset()
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -207,8 +208,14 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
-    blocks = {name: [getattr(getattr(layer, a), b) for layer in model.layers]
-              for name, (a, b) in GEMMS.items()}  # fmt: skip
+    # the block GEMMs in the order a step runs them; a sparse layer's FFN (model/moe.py: router, the chosen
+    # experts' GEMMs, the weighted sum) is timed whole, as moe_ffn
+    sparse = [layer for layer in model.layers if hasattr(layer.mlp, "experts")]
+    schedule = [(name, getattr(getattr(layer, a), b)) for layer in model.layers for name, (a, b) in GEMMS.items()
+                if a != "mlp" or layer not in sparse]  # fmt: skip
+    blocks: dict[str, list] = {}
+    for name, linear in schedule:
+        blocks.setdefault(name, []).append(linear)
     inputs = {name: rand(B, linears[0].in_features) for name, linears in blocks.items()}
     head_input = rand(B, model.lm_head.in_features)
     # B sequences of context_len + 1 tokens in blocks of the cache, each decoding its next token
@@ -223,13 +230,14 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
     )
     hidden, residual = rand(B, model.config.hidden_size), rand(B, model.config.hidden_size)
-    up = rand(B, blocks["gate_up"][0].out_features)
+    up = rand(B, blocks["gate_up"][0].out_features) if "gate_up" in blocks else None  # none: all sparse
     per_call: dict[str, list[float]] = {name: [] for name in blocks}
     totals: dict[str, list[float]] = {
         "block_gemms": [],
         "lm_head": [],
         "attention": [],
         "norms_and_swiglu": [],
+        **({"moe_ffn": []} if sparse else {}),
     }
 
     def timed(fn, *args) -> float:
@@ -240,16 +248,16 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     def norms_and_swiglu(layer) -> None:  # a block's two norms (with their residual adds) and its activation
         layer.norm1.add_forward(hidden, residual)
         layer.norm2.add_forward(hidden, residual)
-        layer.mlp.activation(up)
+        if layer not in sparse:
+            layer.mlp.activation(up)
 
     with torch.inference_mode():
         for _ in range(reps + 1):  # the first is a warm-up
             gemms = 0.0
-            for i in range(len(model.layers)):
-                for name, linears in blocks.items():
-                    t = timed(linears[i], inputs[name])
-                    per_call[name].append(t)
-                    gemms += t
+            for name, linear in schedule:
+                t = timed(linear, inputs[name])
+                per_call[name].append(t)
+                gemms += t
             totals["block_gemms"].append(gemms)
             totals["lm_head"].append(timed(model.lm_head.logits, head_input))
             totals["attention"].append(
@@ -257,6 +265,8 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
                     for i in range(len(model.layers)))
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))
+            if sparse:
+                totals["moe_ffn"].append(sum(timed(layer.mlp, hidden) for layer in sparse))
     step_ms = 1e3 * statistics.median(times)
     parts = {name: 1e3 * statistics.median(ts[1:]) for name, ts in totals.items()}
     return {
@@ -268,7 +278,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         "rest_ms": round(step_ms - sum(parts.values()), 2),
         "gemm_us_per_call": {
             f"{name} {blocks[name][0].out_features}x{blocks[name][0].in_features}": round(
-                1e6 * statistics.median(ts[len(model.layers) :]), 1
+                1e6 * statistics.median(ts[len(blocks[name]) :]), 1
             )
             for name, ts in per_call.items()
         },

@@ -117,6 +117,25 @@ def test_bench_profile_splits_a_step_into_its_parts(tiny_llama_dir):
         assert list(r["gemm_us_per_call"]) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_profile_times_a_moe_models_sparse_ffns_whole(tiny_model_factory):
+    """Qwen3-MoE's tiny model: layer 0 sparse, layer 1 dense (mlp_only_layers). The sparse FFN (router, experts,
+    sum) is its own part; the dense layer's FFN GEMMs are timed as a dense model's."""
+    import json
+
+    from tests.helpers.tiny_models import tiny_family
+
+    out = kvserve("bench-profile", "--model", str(tiny_family(tiny_model_factory, "qwen3moe")), "--batch-sizes",
+                  "2", "--steps", "4", "--reps", "2", "--context-len", "20", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms", "moe_ffn_ms")
+    assert all(row[p] > 0 for p in parts)
+    assert row["rest_ms"] == pytest.approx(row["step_ms"] - sum(row[p] for p in parts), abs=0.04)
+    assert list(row["gemm_us_per_call"]) == ["qkv 256x64", "o 64x128", "gate_up 256x64", "down 64x128"]
+
+
 def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_llama_dir):
     import json
 
