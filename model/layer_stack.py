@@ -58,7 +58,7 @@ CONFIG_FIELDS = {
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
     "rope": lambda spec, c: spec.rope is not None and spec.rope.dim == c.head_dim,  # full-width RoPE only
-    "ffn": lambda spec, c: spec.ffn == "dense",  # experts run as the Python loop (model/moe.py)
+    "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
 }
 
 
@@ -79,15 +79,18 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
     ropes = list(dict.fromkeys(spec.rope for spec in config.layers))
     layers = []
     for block, spec in zip(model.layers, config.layers, strict=True):
-        attn, linears = block.attn, (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down)
-        if any(getattr(linear, "bits", None) is None for linear in linears):
+        attn, linears = block.attn, (block.attn.qkv, block.attn.o)
+        if spec.ffn == "moe" and block.mlp.fused is None:
+            return None  # some expert left dense
+        dense_ffn = (block.mlp.up, block.mlp.down) if spec.ffn == "dense" else ()
+        if any(getattr(linear, "bits", None) is None for linear in (*linears, *dense_ffn)):
             return None
         qk = (attn.q_norm.weight, attn.k_norm.weight) if config.qk_norm else (None, None)
         post = (block.post_attn_norm, block.post_mlp_norm)
+        ffn = (*(linear.gemm for linear in dense_ffn), None) if dense_ffn else (None, None, block.mlp.fused)
         layers.append(kernels.Layer(
-            block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, block.mlp.up.gemm,
-            block.mlp.down.gemm, *qk, *(norm.weight if norm is not None else None for norm in post),
-            spec.window or 0, ropes.index(spec.rope),
+            block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, *ffn, *qk,
+            *(norm.weight if norm is not None else None for norm in post), spec.window or 0, ropes.index(spec.rope),
         ))  # fmt: skip
     attn = model.layers[0].attn
     return LayerStack(

@@ -49,8 +49,25 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(mlp(config, ops, moe.intermediate_size) for _ in range(moe.num_experts))
         self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
+        self.fused_ffn = ops.moe  # the C++ MoE FFN's constructor, or None
+        self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
+
+    def weights_ready(self) -> None:
+        """Once loaded: the whole FFN as one C++ call (model/csrc/moe.cpp: the same routing and sums, the step's
+        tokens grouped by expert in C++) where the kernels run and every expert's weights are quantized."""
+        mlps = [*self.experts, *([self.shared] if self.shared is not None else [])]
+        linears = [linear for mlp in mlps for linear in (mlp.up, mlp.down)]
+        if self.fused_ffn is None or any(getattr(linear, "bits", None) is None for linear in linears):
+            return
+        shared = (self.shared.up.gemm, self.shared.down.gemm, self.shared_gate.weight) if self.shared else ()
+        self.fused = self.fused_ffn(
+            self.router.weight, [e.up.gemm for e in self.experts], [e.down.gemm for e in self.experts],
+            self.top_k, self.renormalize, *shared,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if self.fused is not None:
+            return self.fused(x)
         weights, ids = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # (expert, token) pairs sorted by expert: each used expert runs once on all of its tokens

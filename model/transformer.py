@@ -38,6 +38,7 @@ class Ops:
     silu_mul: Callable | None = None  # [gate, up] -> silu(gate) * up: the C++ kernel; None = PyTorch ops
     # (loaded model) -> its blocks as one call with the same bits (model/layer_stack.py), or None; None = a loop
     layer_stack: Callable | None = None
+    moe: Callable | None = None  # the C++ MoE FFN's constructor (model/moe.py); None = PyTorch ops
 
     @classmethod
     def with_kernels(cls, linear, kernels) -> "Ops":
@@ -46,7 +47,11 @@ class Ops:
         if kernels is None:
             return cls(linear)
         return cls(
-            linear, kernels.rms_norm, kernels.silu_mul, functools.partial(build_layer_stack, kernels=kernels)
+            linear,
+            kernels.rms_norm,
+            kernels.silu_mul,
+            functools.partial(build_layer_stack, kernels=kernels),
+            kernels.MoeFfn,
         )
 
 
@@ -240,6 +245,9 @@ class Transformer(nn.Module):
 
     def weights_ready(self) -> None:
         """Called by the loader once every weight is loaded and prepared (packed, quantized)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.weights_ready()  # its experts as one C++ call, where they are quantized
         if self._build_layer_stack is not None:
             self.layer_stack = self._build_layer_stack(self)
 

@@ -55,17 +55,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
         return QuantGemm{std::move(segments), bias, n};
       }));
+  py::class_<MoeFfn>(m, "MoeFfn", py::module_local(), "a sparse MoE FFN on quantized experts (moe.cpp)")
+      .def(py::init([](at::Tensor router, std::vector<QuantGemm> up, std::vector<QuantGemm> down, int64_t top_k,
+                       bool renormalize, std::optional<QuantGemm> shared_up, std::optional<QuantGemm> shared_down,
+                       std::optional<at::Tensor> shared_gate) {
+             return MoeFfn{router, std::move(up), std::move(down), top_k, renormalize, shared_up, shared_down,
+                           shared_gate};
+           }),
+           py::arg("router"), py::arg("up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
+           py::arg("shared_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none())
+      .def("__call__", &MoeFfn::operator(), no_gil());
   py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
-      .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, QuantGemm up,
-                       QuantGemm down, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                       std::optional<at::Tensor> post_attn_norm, std::optional<at::Tensor> post_mlp_norm,
-                       int64_t window, int64_t rope) {
-             return Layer{norm1, qkv, o, norm2, up, down, q_norm, k_norm, post_attn_norm, post_mlp_norm,
+      .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, std::optional<QuantGemm> up,
+                       std::optional<QuantGemm> down, std::optional<MoeFfn> moe, std::optional<at::Tensor> q_norm,
+                       std::optional<at::Tensor> k_norm, std::optional<at::Tensor> post_attn_norm,
+                       std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope) {
+             TORCH_CHECK(moe.has_value() != (up.has_value() && down.has_value()), "an MLP or a MoE FFN");
+             return Layer{norm1, qkv, o, norm2, up, down, moe, q_norm, k_norm, post_attn_norm, post_mlp_norm,
                           window, rope};
            }),
            py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("up"), py::arg("down"),
-           py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"), py::arg("post_mlp_norm"),
-           py::arg("window"), py::arg("rope"));
+           py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
+           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"));
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        double eps, double scale, double softcap, bool gelu) {

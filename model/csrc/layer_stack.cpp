@@ -1,7 +1,8 @@
 // A step's decoder layers in one call: RMSNorm, the qkv GEMM, attention (RoPE, K/V written, paged attention),
-// the o GEMM, the residual add and RMSNorm, the [gate, up] GEMM, the gated activation and the down GEMM, layer
-// after layer, for llama-style models whose GEMMs all run on quantized weights; with q/k norms per head (Qwen3,
-// Gemma 3), norms after each branch (Gemma's sandwich), GeGLU, and each layer's own window and rotary tables.
+// the o GEMM, the residual add and RMSNorm, the [gate, up] GEMM, the gated activation and the down GEMM (or a
+// sparse MoE FFN: moe.cpp), layer after layer, for llama-style models whose GEMMs all run on quantized weights;
+// with q/k norms per head (Qwen3, Gemma 3), norms after each branch (Gemma's sandwich), GeGLU, and each layer's
+// own window and rotary tables.
 //
 // It calls the very kernels and ops the Python layers call (quant_gemm.cpp, paged_attention.cpp, rms_norm.cpp,
 // activation.cpp, ATen's gelu), with the same arguments in the same order, so its outputs have the same bits
@@ -67,8 +68,12 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
     auto normed = rms_norm(out, residual, layer.norm2, eps);
     residual = normed[1];
-    const auto up = layer.up(normed[0]);
-    x = layer.down(gelu ? gelu_mul(up) : silu_mul(up));
+    if (layer.moe) {
+      x = (*layer.moe)(normed[0]);
+    } else {
+      const auto up = (*layer.up)(normed[0]);
+      x = (*layer.down)(gelu ? gelu_mul(up) : silu_mul(up));
+    }
     if (layer.post_mlp_norm) x = rms_norm(x, std::nullopt, *layer.post_mlp_norm, eps)[0];
   }
   return {x, residual};

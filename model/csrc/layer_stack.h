@@ -22,11 +22,24 @@ struct QuantGemm {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// A sparse MoE FFN on quantized experts (moe.cpp, model/moe.py): a float32 router, each token's top k experts,
+// the step's tokens grouped by expert, each expert a SwiGLU MLP; a shared expert behind a sigmoid gate (Qwen2-MoE)
+struct MoeFfn {
+  at::Tensor router;                  // [experts, hidden] float32
+  std::vector<QuantGemm> up, down;    // per expert; up: [gate; up] fused
+  int64_t top_k;
+  bool renormalize;                   // the top k weights divided by their sum
+  std::optional<QuantGemm> shared_up, shared_down;
+  std::optional<at::Tensor> shared_gate;  // [1, hidden] float32
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
 struct Layer {
   at::Tensor norm1;  // RMSNorm weights before attention and before the MLP
   QuantGemm qkv, o;
   at::Tensor norm2;
-  QuantGemm up, down;  // up: [gate; up] fused
+  std::optional<QuantGemm> up, down;  // the dense MLP's; up: [gate; up] fused
+  std::optional<MoeFfn> moe;          // or a sparse FFN's
   // Qwen3 and Gemma: RMSNorm over each head of q and k, before RoPE; Gemma: RMSNorm of each branch's output,
   // before its residual add. None where the family has no such norm.
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;

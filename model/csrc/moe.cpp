@@ -1,0 +1,109 @@
+// A sparse Mixture-of-Experts FFN in one call (model/moe.py says what it computes): a float32 router scores every
+// expert for each token, the token takes its top k (softmax over all experts, renormalized over the k where the
+// family says), the step's tokens are grouped by expert so each chosen expert's weights are read once a step
+// however many tokens chose it, and each token's outputs are summed in float32, expert after expert in ascending
+// id. Every part gives a token the same bits whatever else is in its step: the router's dot products run in a
+// fixed order (not a BLAS GEMM, whose summation order may follow the batch's size), the quantized GEMMs are
+// row-invariant (quant_gemm.cpp), and a token's sum has the same terms in the same order. So greedy decoding is
+// the same alone and batched, and speculation stays exact.
+
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kernels.h"
+#include "layer_stack.h"
+#include "vec.h"
+
+namespace {
+
+// x [T, K] float32 . w [N, K] float32 -> [T, N]: each dot product in VL lanes, then a fixed tree
+at::Tensor scores(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == K, "router: float32 [N, K]");
+  auto out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *a = xp + (i / N) * K, *b = wp + (i % N) * K;
+      vfloat acc{};
+      int64_t k = 0;
+      for (; k + VL <= K; k += VL) acc += load_floats(a + k) * load_floats(b + k);
+      float sum = hsum(acc);
+      for (; k < K; ++k) sum += a[k] * b[k];
+      op[i] = sum;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// x [T, hidden] (float32 or bfloat16) -> [T, hidden] in x's dtype
+at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), E = router.size(0), k = top_k;
+  TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(up.size()) == E && static_cast<int64_t>(down.size()) == E &&
+                  k >= 1 && k <= E,
+              "experts mismatch");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor logits = scores(xf, router);  // [T, E]
+  // each token's top k: softmax over every expert, the k largest (ties to the lower id), renormalized or not
+  std::vector<int64_t> chosen(T * k);
+  std::vector<float> weights(T * k);
+  const float* lp = logits.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = lp + t * E;
+    const float top = *std::max_element(l, l + E);
+    std::vector<float> p(E);
+    float sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - top));
+    std::vector<int64_t> ids(E);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float chosen_sum = 0;
+    for (int64_t j = 0; j < k; ++j) chosen_sum += p[ids[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      chosen[t * k + j] = ids[j];
+      weights[t * k + j] = renormalize ? p[ids[j]] / chosen_sum : p[ids[j]] / sum;
+    }
+  }
+  // (token, weight) pairs of each expert, tokens ascending
+  std::vector<std::vector<int64_t>> tokens(E);
+  std::vector<std::vector<float>> token_weights(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      tokens[chosen[t * k + j]].push_back(t);
+      token_weights[chosen[t * k + j]].push_back(weights[t * k + j]);
+    }
+  auto out = at::zeros({T, x.size(1)}, x.options().dtype(at::kFloat));
+  float* outp = out.data_ptr<float>();
+  const int64_t hidden = x.size(1);
+  for (int64_t e = 0; e < E; ++e) {  // ascending id: a token's terms are added in the same order in any batch
+    if (tokens[e].empty()) continue;
+    auto rows = at::empty({static_cast<int64_t>(tokens[e].size())}, x.options().dtype(at::kLong));
+    std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
+    const at::Tensor y = down[e](silu_mul(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
+    const float* yp = y.data_ptr<float>();
+    for (size_t r = 0; r < tokens[e].size(); ++r) {
+      float* o = outp + tokens[e][r] * hidden;
+      const float w = token_weights[e][r];
+      for (int64_t c = 0; c < hidden; ++c) o[c] += w * yp[r * hidden + c];
+    }
+  }
+  if (shared_up) {  // Qwen2-MoE: every token's shared expert, scaled by sigmoid(gate . x)
+    const at::Tensor gate = scores(xf, *shared_gate);  // [T, 1]
+    const at::Tensor y = (*shared_down)(silu_mul((*shared_up)(x))).to(at::kFloat).contiguous();
+    const float *gp = gate.data_ptr<float>(), *yp = y.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float g = 1.0f / (1.0f + std::exp(-gp[t]));
+      for (int64_t c = 0; c < hidden; ++c) outp[t * hidden + c] += g * yp[t * hidden + c];
+    }
+  }
+  return out.to(x.scalar_type());
+}

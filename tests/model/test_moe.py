@@ -1,0 +1,65 @@
+"""The sparse MoE FFN as one C++ call (model/csrc/moe.cpp) against model/moe.py's PyTorch loop, on every CPU tier:
+the same experts chosen and the same sums, and each token's output independent of its batch."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from model.kernels import cpu_kernels
+from model.linear import PlainLinear
+from model.loader import load_model
+from model.moe import MoE
+from model.quant import QuantizedLinear
+from model.transformer import Ops
+from tests.helpers.tiny_models import tiny_family
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
+
+
+def sparse_ffns(path, kernels, bits: int, dtype, fused: bool = True) -> list[MoE]:
+    ops = Ops.with_kernels(QuantizedLinear(kernels, PlainLinear(), bits), kernels)
+    if not fused:
+        ops = dataclasses.replace(ops, moe=None)
+    model, _ = load_model(path, dtype, "cpu", ops)
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+def hidden_states(n: int, size: int, dtype) -> torch.Tensor:
+    return torch.randn(n, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+# qwen2moe: a shared expert and 3 of 8 experts, not renormalized; mixtral: 2 of 8, renormalized
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_ffn_computes_the_python_loops_sums(tiny_model_factory, tier_kernels, arch, dtype):
+    path = tiny_family(tiny_model_factory, arch)
+    fused = sparse_ffns(path, tier_kernels, 8, dtype)
+    looped = sparse_ffns(path, tier_kernels, 8, dtype, fused=False)
+    assert all(f.fused is not None for f in fused) and all(f.fused is None for f in looped)
+    x = hidden_states(40, fused[0].router.weight.shape[1], dtype)
+    with torch.inference_mode():
+        for a, b in zip(fused, looped, strict=True):
+            ours, reference = a(x).float(), b(x).float()
+            scale = reference.abs().max().item()
+            assert (ours - reference).abs().max().item() <= scale * (1e-5 if dtype == torch.float32 else 1e-2)
+            assert ours.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_output_does_not_depend_on_its_batch(tiny_model_factory, tier_kernels, dtype):
+    (ffn,) = sparse_ffns(tiny_family(tiny_model_factory, "qwen3moe"), tier_kernels, 4, dtype)  # 1 sparse layer
+    x = hidden_states(33, ffn.router.weight.shape[1], dtype)
+    with torch.inference_mode():
+        together = ffn(x)
+        for i in range(len(x)):
+            assert torch.equal(ffn(x[i : i + 1]), together[i : i + 1]), i
+        assert torch.equal(ffn(x[5:21]), together[5:21])
+
+
+def test_experts_left_dense_run_the_python_loop(tiny_model_factory):
+    """Dense experts (no quantization at load): the C++ FFN runs quantized experts only."""
+    kernels = cpu_kernels()
+    model, _ = load_model(tiny_family(tiny_model_factory, "mixtral"), torch.float32, "cpu",
+                          Ops.with_kernels(PlainLinear(), kernels))  # fmt: skip
+    assert all(layer.mlp.fused is None for layer in model.layers) and model.layer_stack is None
