@@ -447,7 +447,13 @@ def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def llama_cpp_tensors(arch: str, hparams: dict, weights: dict[str, torch.Tensor], fuse_qkv: bool = False):
+def llama_cpp_tensors(
+    arch: str,
+    hparams: dict,
+    weights: dict[str, torch.Tensor],
+    fuse_qkv: bool = False,
+    fuse_gate_up_exps: bool = False,
+):
     """(GGUF name, float32 values) as modify_tensors and generate_extra_tensors give them."""
     heads, kv_heads = hparams["num_attention_heads"], hparams["num_key_value_heads"]
     arch_id = {name: key for key, name in MODEL_ARCH_NAMES.items()}[arch]
@@ -470,6 +476,10 @@ def llama_cpp_tensors(arch: str, hparams: dict, weights: dict[str, torch.Tensor]
         for gguf in [n for n in tensors if ".attn_q." in n]:
             parts = [tensors.pop(gguf.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
             tensors[gguf.replace(".attn_q.", ".attn_qkv.")] = np.concatenate(parts)
+    if fuse_gate_up_exps:  # --fuse-gate-up-exps: each expert's gate rows, then its up rows
+        for gguf in [n for n in tensors if ".ffn_gate_exps." in n]:
+            parts = [tensors.pop(gguf), tensors.pop(gguf.replace("_gate_exps", "_up_exps"))]
+            tensors[gguf.replace("_gate_exps", "_gate_up_exps")] = np.concatenate(parts, axis=1)
     rope = hparams.get("rope_parameters") or {}
     if arch == "llama" and rope.get("rope_type") == "llama3":
         dim = hparams.get("head_dim") or hparams["hidden_size"] // heads
@@ -489,6 +499,7 @@ def write_llama_cpp_gguf(
     vocab: dict,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     fuse_qkv: bool = False,
+    fuse_gate_up_exps: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write the Hugging Face folder (config.json, model.safetensors) to GGUF as llama.cpp's converter does, tensors
     of two or more dimensions in qtype (F16 where a row does not fill whole blocks, as it falls back), norms and
@@ -503,7 +514,8 @@ def write_llama_cpp_gguf(
     writer = GGUFWriter(path, arch)
     add_llama_cpp_metadata(writer, arch, hparams, ftype)
     add_vocab(writer, vocab)
-    tensors = llama_cpp_tensors(arch, hparams, load_file(hf_dir / "model.safetensors"), fuse_qkv)
+    weights = load_file(hf_dir / "model.safetensors")
+    tensors = llama_cpp_tensors(arch, hparams, weights, fuse_qkv, fuse_gate_up_exps)
     for name, value in tensors.items():
         # routers (ffn_gate_inp, a shared expert's ffn_gate_inp_shexp) stay F32, as norms and vectors do
         f32 = value.ndim <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp" in name

@@ -265,6 +265,17 @@ def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, byte_vo
 
 
 @pytest.mark.timeout(60)
+def test_granite_moe_is_refused_by_name(tmp_path, byte_vocab):
+    from weights.gguf_source import GGUFSource
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, arch="granitemoe")
+    message = "'granitemoe': GGUF Granite MoE is not supported yet; its safetensors folder is"
+    for read in (GGUFSource, lambda path: convert_gguf(path, tmp_path / "out", progress=False)):
+        with pytest.raises(UnsupportedGGUFError, match=message):
+            read(tmp_path / "tiny.gguf")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
