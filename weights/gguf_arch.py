@@ -67,6 +67,28 @@ OLMO2_LAYER = {
     "post_ffw_norm": "post_feedforward_layernorm",
 } | QK_NORMS
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def moe_layer(
+    moe: str = "mlp", gate_up_down: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> dict:
+    """A sparse FFN's tensors: the router, and each expert's gate, up and down, which llama.cpp's converter stacks
+    into one 3-D tensor per kind ([experts, rows, K] in numpy's order; `{e}` is an expert's index in Hugging
+    Face's per-expert names). `moe` names the FFN module (Mixtral's block_sparse_moe)."""
+    gate, up, down = (f"{moe}.experts.{{e}}.{name}" for name in gate_up_down)
+    return {"ffn_gate_inp": f"{moe}.gate", "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down}
+
+
+# every layer sparse: llama.cpp's qwen2moe, qwen3moe, olmoe and Mixtral builds have no dense FFN beside experts
+SPARSE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in DENSE_FFN}
+# Qwen2-MoE's shared expert, which every token takes, scaled by sigmoid(ffn_gate_inp_shexp . x)
+SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 
 
 def shortest_float(value: float) -> float:
@@ -229,11 +251,49 @@ def phi3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def moe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What kvserve's router (softmax over every expert, top k, weights unscaled) cannot follow is refused."""
+    gating = arch_key(meta, "expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    if gating != 1:
+        raise UnsupportedGGUFError(f"expert_gating_func {gating} (only softmax, 1, is supported)")
+    scale = arch_key(meta, "expert_weights_scale", 0.0)  # 0: absent; llama.cpp scales by anything else but 1
+    if scale not in (0.0, 1.0):
+        raise UnsupportedGGUFError(f"expert_weights_scale {scale} is not supported")
+    return {}
+
+
+def qwen2moe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return moe_config(meta, config) | {
+        # llama.cpp's qwen2moe build never renormalizes the top k (as Qwen1.5-MoE's norm_topk_prob: false);
+        # a file that says otherwise is followed, as its Hugging Face model would be
+        "norm_topk_prob": bool(arch_key(meta, "expert_weights_norm", False)),
+        # llama.cpp's default for an absent size: feed_forward_length
+        "shared_expert_intermediate_size": arch_key(
+            meta, "expert_shared_feed_forward_length", config["intermediate_size"]
+        ),
+    }
+
+
+def olmoe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    if arch_key(meta, "attention.clamp_kqv"):
+        raise UnsupportedGGUFError("olmoe with clip_qkv (attention.clamp_kqv) is not supported")
+    return moe_config(meta, config)
+
+
 SILU = {"hidden_act": "silu"}
 GELU_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
 LLAMA3_ROPE = ("rope_freqs",)
 LONGROPE = ("rope_factors_long", "rope_factors_short")
 LLAMA_BIASES = (BiasGroup("attention_bias", ATTENTION_BIASES), BiasGroup("mlp_bias", MLP_BIASES))
+# a sparse layer's shape: `expert_feed_forward_length` is Qwen's; OLMoE's and Mixtral's experts are
+# feed_forward_length wide (their converters write intermediate_size, the expert's, there)
+EXPERT_KEYS = {
+    "num_experts": ("expert_count", REQUIRED),
+    "num_experts_per_tok": ("expert_used_count", REQUIRED),
+}
+QWEN_MOE_KEYS = EXPERT_KEYS | {"moe_intermediate_size": ("expert_feed_forward_length", REQUIRED)}
+# every layer sparse, as config.json spells it for Qwen's MoE classes
+QWEN_ALL_SPARSE = {"use_sliding_window": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
 
 FAMILIES: dict[str, Family] = {
     # Llama 2/3.x, Mistral (llama.cpp writes MistralForCausalLM as `llama`), SmolLM2, DeepSeek-R1-Distill-Llama
@@ -324,14 +384,68 @@ FAMILIES: dict[str, Family] = {
         permute_qk=True,
         extra=smollm3_config,
     ),
+    "qwen3moe": Family(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        SPARSE_LAYER | QK_NORMS | moe_layer(),
+        keys=QWEN_MOE_KEYS,
+        # llama.cpp's qwen3moe build always renormalizes the top k (Qwen3-30B-A3B's norm_topk_prob: true)
+        constants=SILU | QWEN_ALL_SPARSE | {"norm_topk_prob": True},
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        extra=moe_config,
+    ),
+    "qwen2moe": Family(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        SPARSE_LAYER | moe_layer() | SHARED_EXPERT,
+        keys=QWEN_MOE_KEYS,
+        constants=SILU | QWEN_ALL_SPARSE,
+        biases=(BiasGroup(None, ("attn_q", "attn_k", "attn_v")),),
+        extra=qwen2moe_config,
+    ),
+    # pre-norm as Llama, q/k norms over the whole projection as OLMo 2; the top k never renormalized (llama.cpp's
+    # olmoe build, OLMoE's norm_topk_prob: false)
+    "olmoe": Family(
+        "OlmoeForCausalLM",
+        "olmoe",
+        SPARSE_LAYER | QK_NORMS | moe_layer(),
+        keys=EXPERT_KEYS,
+        constants=SILU | {"norm_topk_prob": False},
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        qk_norm_per_head=False,
+        extra=olmoe_config,
+    ),
 }
 
+# llama.cpp writes MixtralForCausalLM as `llama` with experts (`llama.expert_count` > 0, ffn_*_exps): always
+# renormalized top k, q/k rows permuted as Llama's, no window (llama.cpp's llama build has none)
+MIXTRAL = Family(
+    "MixtralForCausalLM",
+    "mixtral",
+    SPARSE_LAYER | moe_layer("block_sparse_moe", ("w1", "w3", "w2")),
+    keys={
+        "num_local_experts": ("expert_count", REQUIRED),
+        "num_experts_per_tok": ("expert_used_count", REQUIRED),
+    },
+    constants=SILU | {"sliding_window": None},
+    permute_qk=True,
+    extra=moe_config,
+)
+# architectures llama.cpp writes that are refused with a reason of their own
+REFUSED = {"granitemoe": "GGUF Granite MoE is not supported yet; its safetensors folder is"}
 
-def family_for(arch: Any) -> Family:
+
+def family_for(meta: dict[str, Any]) -> Family:
+    """The family of a GGUF's `general.architecture` (Mixtral: `llama` with experts)."""
+    arch = meta.get("general.architecture")
+    if arch in REFUSED:
+        raise UnsupportedGGUFError(f"architecture {arch!r}: {REFUSED[arch]}")
     if arch not in FAMILIES:
         raise UnsupportedGGUFError(
             f"architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
         )
+    if arch == "llama" and arch_key(meta, "expert_count", 0):
+        return MIXTRAL
     return FAMILIES[arch]
 
 
@@ -352,10 +466,34 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
         "ffn_up": (2 * ffn if "ffn_gate" not in family.layer_tensors else ffn, hidden),
         "ffn_down": (hidden, ffn),
     }
+    if "ffn_gate_inp" in family.layer_tensors:
+        experts, size = expert_count(config), expert_size(config)
+        shared = config.get("shared_expert_intermediate_size", 0)
+        shapes |= {
+            "ffn_gate_inp": (experts, hidden),
+            "ffn_gate_exps": (experts, size, hidden),
+            "ffn_up_exps": (experts, size, hidden),
+            "ffn_gate_up_exps": (experts, 2 * size, hidden),  # some files fuse gate and up: rows gate | up
+            "ffn_down_exps": (experts, hidden, size),
+            "ffn_gate_shexp": (shared, hidden),
+            "ffn_up_shexp": (shared, hidden),
+            "ffn_down_shexp": (hidden, shared),
+            "ffn_gate_inp_shexp": (1, hidden),
+        }
     for name in family.layer_tensors:
         if name.endswith("norm") and name not in shapes:
             shapes[name] = (hidden,)
     return shapes
+
+
+def expert_count(config: dict[str, Any]) -> int:
+    """Experts of a sparse layer, under the key each Hugging Face class reads in transformers 4.x and 5.x alike."""
+    return config["num_local_experts"] if "num_local_experts" in config else config["num_experts"]
+
+
+def expert_size(config: dict[str, Any]) -> int:
+    """An expert's intermediate size: Qwen's moe_intermediate_size, else (OLMoE, Mixtral) intermediate_size."""
+    return config.get("moe_intermediate_size") or config["intermediate_size"]
 
 
 def attention_rows(config: dict[str, Any]) -> dict[str, int]:

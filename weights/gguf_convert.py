@@ -2,7 +2,7 @@
 what `kvserve convert-gguf` does. (kvserve serves a GGUF file in place, without this: weights/gguf_source.py.)
 
 Every architecture in weights/gguf_arch.py's FAMILIES (Llama 2/3.x and Mistral, Qwen 2/3, Gemma 2/3, Phi-3, OLMo 2,
-Granite, SmolLM3). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
+Granite, SmolLM3; the MoE Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral, one tensor per expert). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
 tokenizer_config.json (weights/gguf_tokenizer.py), and the weights under Hugging Face tensor names and row order,
 with llama.cpp's conversion undone as GGUFSource undoes it (q/k rows, Gemma's +1 on norms, fused or split q/k/v,
 RoPE tensors into config):

@@ -29,9 +29,12 @@ from gguf.quants import dequantize
 
 from weights.gguf_arch import (
     COMMON_KEYS,
+    DENSE_FFN,
     GLOBAL_TENSORS,
     Family,
     attention_rows,
+    expert_count,
+    expert_size,
     family_for,
     read_keys,
     rope_config,
@@ -159,7 +162,7 @@ class GGUFSource:
         self.name = str(self.path)
         meta, self.tensors, self._map = read_gguf(self.path)  # the tensors' data are views of the map
         arch = meta.get("general.architecture")
-        self.family = family_for(arch)
+        self.family = family_for(meta)
         try:
             self.config = model_config(self.family, meta, self.tensors)
             self.tokenizer, self.tokenizer_config = build_tokenizer(meta)
@@ -172,11 +175,11 @@ class GGUFSource:
         self.generation_config = {k: self.config[k] for k in keys if self.config[k] is not None}
         # whether any weight is stored quantized (the engine then keeps it so where its kernels can)
         self.quantized = any(t.tensor_type not in FLOAT_TYPES for t in self.tensors.values())
-        # one GGUF tensor can feed three Hugging Face ones (a fused attn_qkv), read one after another: the last
-        # such one dequantized is kept
-        uses = Counter(piece.source for pieces in self.plan.values() for piece in pieces)
-        self._shared = {source for source, n in uses.items() if n > 1}
-        self._last: tuple[str, np.ndarray] | None = None
+        # one GGUF tensor (or expert's slice) can feed several Hugging Face ones (a fused attn_qkv, an expert's
+        # fused gate and up), read one after another: the last such one dequantized is kept
+        uses = Counter((piece.source, piece.expert) for pieces in self.plan.values() for piece in pieces)
+        self._shared = {key for key, n in uses.items() if n > 1}
+        self._last: tuple[tuple[str, int | None], np.ndarray] | None = None
 
     def resolve(self, name: str) -> str | None:
         return name if name in self.plan else None
@@ -189,7 +192,8 @@ class GGUFSource:
         (kind,) = types if len(types) == 1 else (None,)
         if kind is None or kind in FLOAT_TYPES or len(shape) != 2 or any(p.shift for p in pieces):
             return self.dense(name)
-        blocks = np.concatenate([order(p, self.tensors[p.source].data) for p in pieces])  # a copy
+        rows = [order(p, stored(self.tensors[p.source], p.expert)) for p in pieces]
+        blocks = np.concatenate(rows)  # a copy
         self._release(pieces)
         return GGMLBlocks(kind.name, torch.from_numpy(blocks), shape)
 
@@ -197,31 +201,40 @@ class GGUFSource:
         """The Hugging Face tensor `name` in float32 (exact for every type)."""
         pieces, shape = self.plan[name], self.shapes[name]
         # Gemma's norms: stored - 1 is exact for stored in [0.5, 2] (1 + w gives back stored), else rounded
-        parts = [order(p, self._dequantized(p.source)) for p in pieces]
+        parts = [order(p, self._dequantized(p)) for p in pieces]
         parts = [
             part - np.float32(p.shift) if p.shift else part for p, part in zip(pieces, parts, strict=True)
         ]
         values = np.concatenate(parts)  # a copy, also of an F32 tensor (a view of the map)
+        if values.shape == shape[1:] and shape[:1] == (1,):
+            # a shared expert's gate stored 1-D: [hidden] for Hugging Face's [1, hidden]
+            values = values[None]
         if values.shape != shape:
             raise UnsupportedGGUFError(f"{name}: pieces give shape {values.shape}, expected {shape}")
         self._release(pieces)
         return torch.from_numpy(values)
 
-    def _dequantized(self, gguf_name: str) -> np.ndarray:
-        if self._last is not None and self._last[0] == gguf_name:
+    def _dequantized(self, piece: "Piece") -> np.ndarray:
+        """The piece's GGUF tensor, or its expert's slice alone, in float32."""
+        key = (piece.source, piece.expert)
+        if self._last is not None and self._last[0] == key:
             return self._last[1]
-        values = dequantize_tensor(self.tensors[gguf_name])
-        self._last = (gguf_name, values) if gguf_name in self._shared else None
+        values = dequantize_tensor(self.tensors[piece.source], piece.expert)
+        self._last = (key, values) if key in self._shared else None
         return values
 
     def _release(self, pieces: list["Piece"]) -> None:
-        """Let the map's pages under these pieces' GGUF tensors go. Harmless if read again: a read-only map's
-        pages come back from the file (the page cache)."""
+        """Let the map's pages under these pieces' GGUF tensors (an expert's: its slice only) go. Harmless if
+        read again: a read-only map's pages come back from the file (the page cache)."""
         page = mmap.PAGESIZE
-        for source in {p.source for p in pieces}:
+        for source, expert in {(p.source, p.expert) for p in pieces}:
             tensor = self.tensors[source]
-            start = tensor.data_offset // page * page
-            self._map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+            at, size = tensor.data_offset, tensor.n_bytes
+            if expert is not None:
+                size //= tensor.data.shape[0]
+                at += expert * size
+            start = at // page * page
+            self._map.madvise(mmap.MADV_DONTNEED, start, at + size - start)
 
 
 def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -290,6 +303,7 @@ class Piece:
     rows: slice
     heads: int = 0  # > 0: undo llama.cpp's q/k row order over this many heads
     shift: float = 0.0  # what llama.cpp's converter added (Gemma's norms)
+    expert: int | None = None  # the rows are this expert's, of a tensor stacking every expert's
 
 
 def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -302,7 +316,12 @@ def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[i
     biases = [name for group in family.biases if config.get(group.switch, True) for name in group.tensors]
     for layer in range(config["num_hidden_layers"]):
         for name, module in family.layer_tensors.items():
-            shapes[f"model.layers.{layer}.{module}.weight"] = per_layer[name]
+            if "{e}" in module:  # one Hugging Face tensor per expert
+                for e in range(expert_count(config)):
+                    expert_module = module.replace("{e}", str(e))
+                    shapes[f"model.layers.{layer}.{expert_module}.weight"] = per_layer[name][1:]
+            else:
+                shapes[f"model.layers.{layer}.{module}.weight"] = per_layer[name]
         for name in biases:
             shapes[f"model.layers.{layer}.{family.layer_tensors[name]}.bias"] = per_layer[name][:1]
     return shapes
@@ -340,7 +359,9 @@ def plan_tensors(
         if kind == "weight" and base in family.rope_tensors:
             continue  # read into config.json's rope_scaling
         expected, pieces = tensor_pieces(family, config, tensor.name)
-        if (shape := tuple(int(n) for n in reversed(tensor.shape))) != expected:
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        # a leading 1 may be left out: llama.cpp reads a shared expert's gate [1, hidden] as [hidden]
+        if shape != expected and not (expected[:1] == (1,) and shape == expected[1:]):
             raise UnsupportedGGUFError(f"tensor {tensor.name}: shape {shape}, expected {expected}")
         for name, piece in pieces:
             plan.setdefault(name, []).append(piece)
@@ -362,6 +383,11 @@ def tensor_pieces(
     known = base.startswith("blk.") and layer.isdigit() and int(layer) < config["num_hidden_layers"]
     if not known or kind not in ("weight", "bias") or short not in per_layer:
         raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
+    if short in DENSE_FFN and "ffn_gate_inp" in family.layer_tensors:
+        raise UnsupportedGGUFError(
+            f"tensor {gguf_name!r}: a dense FFN in a layer of {family.architecture}, whose layers are all "
+            "sparse as llama.cpp builds it, is not supported"
+        )
     if short == "attn_qkv" and short not in family.layer_tensors:
         # llama.cpp's --fuse-qkv stacked Hugging Face's q_proj, k_proj, v_proj
         rows = attention_rows(config)
@@ -371,6 +397,10 @@ def tensor_pieces(
         ]
     elif short in QKV and "attn_qkv" in family.layer_tensors:
         targets = [("attn_qkv", QKV.index(short), slice(None))]  # Phi-3 stored with q, k, v apart
+    elif short == "ffn_gate_up_exps" and "ffn_gate_exps" in family.layer_tensors:
+        # llama.cpp's --fuse-gate-up-exps: each expert's gate rows, then its up rows
+        size = expert_size(config)
+        targets = [("ffn_gate_exps", 0, slice(0, size)), ("ffn_up_exps", 0, slice(size, 2 * size))]
     elif short in family.layer_tensors:
         targets = [(short, 0, slice(None))]
     else:
@@ -378,26 +408,39 @@ def tensor_pieces(
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     pieces = []
     for target, part, rows_slice in targets:
-        name = f"model.layers.{layer}.{family.layer_tensors[target]}.{kind}"
+        module = family.layer_tensors[target]
         unpermute = heads.get(target, 0) if family.permute_qk else 0
         shift = family.norm_shift if kind == "weight" and target.endswith("norm") else 0.0
-        pieces.append((name, Piece(gguf_name, part, rows_slice, unpermute, shift)))
+        # a tensor stacking every expert's: one piece per expert, of its own Hugging Face tensor
+        experts = range(expert_count(config)) if "{e}" in module else [None]
+        for e in experts:
+            name = f"model.layers.{layer}.{module.replace('{e}', str(e))}.{kind}"
+            pieces.append((name, Piece(gguf_name, part, rows_slice, unpermute, shift, e)))
     return (per_layer[short] if kind == "weight" else per_layer[short][:1]), pieces
 
 
+def stored(tensor: GGUFTensor, expert: int | None) -> np.ndarray:
+    """The tensor's data as stored (a view of the map), or one expert's slice of it."""
+    return tensor.data if expert is None else tensor.data[expert]
+
+
 def order(piece: Piece, values: np.ndarray) -> np.ndarray:
-    """The piece's rows of a GGUF tensor (dequantized, or its raw block rows) in Hugging Face's order."""
+    """The piece's rows of a GGUF tensor or expert's slice (dequantized, or its raw block rows) in Hugging Face's
+    order."""
     values = values[piece.rows]
     return unpermute_rows(values, piece.heads) if piece.heads else values
 
 
-def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
-    """The tensor in float32, shaped as numpy lists dimensions (an F32 tensor: a read-only view of the map)."""
+def dequantize_tensor(tensor: GGUFTensor, expert: int | None = None) -> np.ndarray:
+    """The tensor, or one expert's slice of it alone (never the rest), in float32, shaped as numpy lists
+    dimensions (F32: a read-only view of the map)."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
+    shape = shape if expert is None else shape[1:]
+    data = stored(tensor, expert)
     if tensor.tensor_type == GGMLQuantizationType.F32:
-        return tensor.data.reshape(shape)
+        return data.reshape(shape)
     try:
-        values = dequantize(tensor.data, tensor.tensor_type)
+        values = dequantize(data, tensor.tensor_type)
     except NotImplementedError:
         raise UnsupportedGGUFError(
             f"tensor {tensor.name}: type {tensor.tensor_type.name} cannot be dequantized"

@@ -4,6 +4,7 @@ writes them (write_llama_cpp_gguf)."""
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +186,8 @@ def write_tiny_gguf(
 
 # Tiny random Hugging Face models of every family weights/gguf_arch.py supports, and GGUFs written from them the way
 # llama.cpp's convert_hf_to_gguf.py writes them (conversion/base.py TextModel, llama.py, qwen.py, gemma.py, phi.py,
-# olmo.py, granite.py): the same metadata calls, tensor names (gguf's TensorNameMap), q/k row order, Gemma's +1 on
+# olmo.py, granite.py; qwen.py's Qwen2MoeModel and Qwen3MoeModel, olmo.py's OlmoeModel and llama.py's LlamaModel for
+# Mixtral, with their experts stacked): the same metadata calls, tensor names (gguf's TensorNameMap), q/k row order, Gemma's +1 on
 # norms, generated RoPE tensors and tensor types. test_gguf_llama_cpp.py checks this writer against the real one.
 
 PROMPT_LENGTH = 40  # longer than every sliding window below
@@ -249,6 +251,24 @@ TINY_FAMILIES = {
     "smollm3": TinyFamily("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=True)),
+    # Mixture-of-Experts: experts 32 wide (a Q8_0/Q4_0 block), top 2 of 8 or 4. Qwen3-30B-A3B's renormalized top k
+    "qwen3moe": TinyFamily("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=False)),
+    # as many k/v heads as heads: llama.cpp's olmoe reads attn_k_norm as [hidden] (OLMoE-1B-7B's 16 and 16)
+    "olmoe": TinyFamily("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # a shared expert behind its sigmoid gate; the top k not renormalized (Qwen1.5-MoE's)
+    "qwen2moe": TinyFamily("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        tie_word_embeddings=True)),
+    # llama.cpp writes MixtralForCausalLM as `llama` with experts; no window (its llama build has none)
+    "mixtral": TinyFamily("llama", "MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False)),
 }  # fmt: skip
 
 
@@ -375,6 +395,15 @@ def add_llama_cpp_metadata(writer: GGUFWriter, arch: str, hparams: dict, ftype: 
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(ftype)
+    # TextModel's expert keys (num_local_experts first), and Qwen2MoeModel's (Qwen3MoeModel's too) sizes
+    if (experts := hparams.get("num_local_experts", hparams.get("num_experts"))) is not None:
+        writer.add_expert_count(experts)
+    if (used := hparams.get("num_experts_per_tok")) is not None:
+        writer.add_expert_used_count(used)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+        if (shared := hparams.get("shared_expert_intermediate_size")) is not None:
+            writer.add_expert_shared_feed_forward_length(shared)
     if arch in LLAMA_LIKE:  # LlamaModel
         writer.add_vocab_size(hparams["vocab_size"])
         writer.add_rope_dimension_count(hparams.get("head_dim") or hidden // heads)
@@ -397,13 +426,40 @@ def add_llama_cpp_metadata(writer: GGUFWriter, arch: str, hparams: dict, ftype: 
         writer.add_head_count_kv(hparams["num_key_value_heads"])
 
 
-def llama_cpp_tensors(arch: str, hparams: dict, weights: dict[str, torch.Tensor], fuse_qkv: bool = False):
+# a Hugging Face checkpoint's per-expert tensor: (its module up to .experts, the expert, the kind: gate_proj, w1, ...)
+EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint with each layer's experts stacked, in id order, into one [experts, rows, K] tensor per kind,
+    named as llama.cpp's converters name it before mapping (`...mlp.experts.gate_proj.weight`: Qwen2MoeModel's and
+    OlmoeModel's modify_tensors; Mixtral's w1/w3/w2 alike, which gguf's name map also knows)."""
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    tensors = {}
+    for name, value in weights.items():
+        if match := EXPERT_TENSOR.fullmatch(name):
+            module, expert, kind = match.groups()
+            stacked.setdefault(f"{module}.{kind}.weight", {})[int(expert)] = value
+        else:
+            tensors[name] = value
+    for name, experts in stacked.items():
+        tensors[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return tensors
+
+
+def llama_cpp_tensors(
+    arch: str,
+    hparams: dict,
+    weights: dict[str, torch.Tensor],
+    fuse_qkv: bool = False,
+    fuse_gate_up_exps: bool = False,
+):
     """(GGUF name, float32 values) as modify_tensors and generate_extra_tensors give them."""
     heads, kv_heads = hparams["num_attention_heads"], hparams["num_key_value_heads"]
     arch_id = {name: key for key, name in MODEL_ARCH_NAMES.items()}[arch]
     names = get_tensor_name_map(arch_id, hparams["num_hidden_layers"])
     tensors = {}
-    for name, value in weights.items():
+    for name, value in stack_experts(weights).items():
         value = value.float().numpy()
         if arch == "gemma2" and name == "lm_head.weight":
             continue  # Gemma2Model drops it: llama.cpp ties Gemma 2
@@ -420,6 +476,10 @@ def llama_cpp_tensors(arch: str, hparams: dict, weights: dict[str, torch.Tensor]
         for gguf in [n for n in tensors if ".attn_q." in n]:
             parts = [tensors.pop(gguf.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
             tensors[gguf.replace(".attn_q.", ".attn_qkv.")] = np.concatenate(parts)
+    if fuse_gate_up_exps:  # --fuse-gate-up-exps: each expert's gate rows, then its up rows
+        for gguf in [n for n in tensors if ".ffn_gate_exps." in n]:
+            parts = [tensors.pop(gguf), tensors.pop(gguf.replace("_gate_exps", "_up_exps"))]
+            tensors[gguf.replace("_gate_exps", "_gate_up_exps")] = np.concatenate(parts, axis=1)
     rope = hparams.get("rope_parameters") or {}
     if arch == "llama" and rope.get("rope_type") == "llama3":
         dim = hparams.get("head_dim") or hparams["hidden_size"] // heads
@@ -439,6 +499,7 @@ def write_llama_cpp_gguf(
     vocab: dict,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     fuse_qkv: bool = False,
+    fuse_gate_up_exps: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write the Hugging Face folder (config.json, model.safetensors) to GGUF as llama.cpp's converter does, tensors
     of two or more dimensions in qtype (F16 where a row does not fill whole blocks, as it falls back), norms and
@@ -447,13 +508,18 @@ def write_llama_cpp_gguf(
 
     hparams = json.loads((hf_dir / "config.json").read_text())
     arch = TINY_ARCH_OF_CLASS[hparams["architectures"][0]]
-    ftype = LlamaFileType.ALL_F32 if qtype == GGMLQuantizationType.F32 else LlamaFileType.MOSTLY_Q8_0
+    ftype = (
+        LlamaFileType.ALL_F32 if qtype == GGMLQuantizationType.F32 else LlamaFileType[f"MOSTLY_{qtype.name}"]
+    )
     writer = GGUFWriter(path, arch)
     add_llama_cpp_metadata(writer, arch, hparams, ftype)
     add_vocab(writer, vocab)
-    tensors = llama_cpp_tensors(arch, hparams, load_file(hf_dir / "model.safetensors"), fuse_qkv)
+    weights = load_file(hf_dir / "model.safetensors")
+    tensors = llama_cpp_tensors(arch, hparams, weights, fuse_qkv, fuse_gate_up_exps)
     for name, value in tensors.items():
-        kind = GGMLQuantizationType.F32 if value.ndim <= 1 or name.endswith("_norm.weight") else qtype
+        # routers (ffn_gate_inp, a shared expert's ffn_gate_inp_shexp) stay F32, as norms and vectors do
+        f32 = value.ndim <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp" in name
+        kind = GGMLQuantizationType.F32 if f32 else qtype
         try:
             data = quantize(value, kind)
         except QuantError:
@@ -464,6 +530,18 @@ def write_llama_cpp_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return tensors
+
+
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under its saved checkpoint's names: transformers 5 holds a MoE layer's experts stacked
+    (mlp.experts.gate_up_proj) and saves them one per expert, as Hugging Face checkpoints have them."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return load_file(Path(folder) / "model.safetensors")
 
 
 # transformers' class -> the GGUF architecture llama.cpp writes it as

@@ -1,6 +1,7 @@
 """A GGUF file served in place (weights/gguf_source.py): the same model, bit for bit, as the folder
 `kvserve convert-gguf` makes of it, with no file written anywhere."""
 
+import mmap
 from argparse import Namespace
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
 
 from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
@@ -15,6 +18,7 @@ from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear
 from tests.helpers.gguf_writers import prompt_ids, tiny_hf_model, write_llama_cpp_gguf, write_tiny_gguf
 from tests.helpers.tiny_models import CpuPath
+from weights import gguf_source
 from weights.gguf_convert import convert_gguf
 from weights.gguf_source import GGMLBlocks, GGUFSource
 
@@ -134,3 +138,107 @@ def test_the_header_reads_as_ggufs_reader_reads_it(tmp_path, byte_vocab, type_na
             theirs.tensor_type, tuple(theirs.shape), theirs.data_offset, theirs.n_bytes
         )  # fmt: skip
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), theirs.name
+
+
+MOE_FAMILIES = ["qwen3moe", "qwen2moe", "olmoe", "mixtral"]
+
+
+def write_moe_gguf(tmp_path, vocab, family, type_name, **writer_args) -> Path:
+    """A tiny MoE model written as llama.cpp's converter writes it, matrices (experts stacked) in type_name."""
+    tiny_hf_model(family, len(vocab["tokens"])).save_pretrained(tmp_path / "hf")
+    gguf = tmp_path / f"{family}.gguf"
+    write_llama_cpp_gguf(tmp_path / "hf", gguf, vocab, GGMLQuantizationType[type_name], **writer_args)
+    return gguf
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_moe_experts_stay_quantized_in_place(tmp_path, byte_vocab, family, type_name):
+    """Each expert's gate, up and down come out of the stacked ffn_*_exps as its own block rows: every expert's
+    Linear keeps the GGUF's bits, the router stays float32, and the logits are the dequantized model's but for the
+    quantized GEMMs' rounding of activations (measured: 5e-6..1e-5 of the largest logit, every argmax equal)."""
+    gguf = write_moe_gguf(tmp_path, byte_vocab, family, type_name)
+    dense, _ = logits(GGUFSource(gguf), quantized=False)
+    ours, config = KERNELS.load(GGUFSource(gguf), linear=QuantizedLinear(cpu_kernels(), PlainLinear()))
+    experts = {n: m for n, m in ours.named_modules() if isinstance(m, Linear) and ".experts." in n}
+    assert len(experts) == config.num_layers * config.moe.num_experts * 2  # up (gate | up) and down
+    assert {m.bits for m in experts.values()} == {8 if type_name == "Q8_0" else 4}
+    assert all(layer.mlp.router.weight.dtype == torch.float32 for layer in ours.layers)
+    ids = prompt_ids(config.vocab_size)[0].tolist()
+    quantized = KERNELS.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    assert (quantized - dense).abs().max() < 1e-3 * dense.abs().max()
+    assert (quantized.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_in_place_is_the_folder_and_each_expert_its_own_blocks(tmp_path, byte_vocab, family):
+    """Q8_0: an expert's tensor is exactly the blocks quantize gives its Hugging Face matrix (its slice of the
+    stacked tensor, no arithmetic), and in place gives the converted folder's logits, bit for bit."""
+    gguf = write_moe_gguf(tmp_path, byte_vocab, family, "Q8_0")
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    source = GGUFSource(gguf)
+    names = [name for name in source.shapes if ".experts." in name]
+    assert len(names) == 2 * 3 * source.config.get("num_experts", source.config.get("num_local_experts"))
+    for name in names:
+        got = source.get(name)
+        assert isinstance(got, GGMLBlocks) and got.type_name == "Q8_0", name
+        expected = quantize(saved[name].numpy(), GGMLQuantizationType.Q8_0)
+        assert np.array_equal(got.blocks.numpy(), expected), name
+    assert_in_place_is_the_folder(gguf, tmp_path / "converted")
+
+
+@pytest.mark.timeout(120)
+def test_fused_gate_up_exps_is_split_per_expert(tmp_path, byte_vocab):
+    """llama.cpp's --fuse-gate-up-exps stacks each expert's gate rows, then its up rows: split, they are the
+    unfused file's tensors."""
+    apart = GGUFSource(write_moe_gguf(tmp_path / "apart", byte_vocab, "qwen3moe", "Q8_0"))
+    fused_gguf = write_moe_gguf(tmp_path / "fused", byte_vocab, "qwen3moe", "Q8_0", fuse_gate_up_exps=True)
+    fused = GGUFSource(fused_gguf)
+    assert "blk.0.ffn_gate_up_exps.weight" in fused.tensors
+    assert "blk.0.ffn_up_exps.weight" not in fused.tensors
+    assert fused.shapes == apart.shapes
+    for name in apart.shapes:
+        ours, theirs = fused.get(name), apart.get(name)
+        if isinstance(theirs, GGMLBlocks):
+            assert ours.shape == theirs.shape and torch.equal(ours.blocks, theirs.blocks), name
+        else:
+            assert torch.equal(ours, theirs), name
+    assert_in_place_is_the_folder(fused_gguf, tmp_path / "converted")
+
+
+class MadviseLog:
+    """Stands in for the source's map where _release madvises: records the ranges let go."""
+
+    def __init__(self):
+        self.calls = []
+
+    def madvise(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.timeout(60)
+def test_an_expert_is_dequantized_and_let_go_alone(tmp_path, byte_vocab, monkeypatch):
+    """dense() on one expert dequantizes that expert's slice only (a 30B-A3B layer has 128), and both reads let
+    go of that expert's bytes only, never the whole stacked tensor."""
+    source = GGUFSource(write_moe_gguf(tmp_path, byte_vocab, "qwen3moe", "Q8_0"))
+    tensor = source.tensors["blk.1.ffn_down_exps.weight"]
+    per_expert = tensor.n_bytes // tensor.data.shape[0]
+    start = tensor.data_offset + 5 * per_expert
+    shapes = []
+    real = gguf_source.dequantize
+    monkeypatch.setattr(
+        gguf_source, "dequantize", lambda data, kind: shapes.append(data.shape) or real(data, kind)
+    )
+    released = source._map = MadviseLog()
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    value = source.dense(name)
+    assert shapes == [tensor.data.shape[1:]]
+    assert torch.equal(value, torch.from_numpy(dequantize(tensor.data[5], GGMLQuantizationType.Q8_0)))
+    source.get(name)
+    for advice, at, length in released.calls:
+        # from the page holding the expert's first byte to its last byte
+        assert advice == mmap.MADV_DONTNEED and at == start // mmap.PAGESIZE * mmap.PAGESIZE
+        assert at + length == start + per_expert
+    assert len(released.calls) == 2
