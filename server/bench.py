@@ -173,6 +173,41 @@ def bench_steps(engines: dict[str, Engine], batch_size: int, input_len: int, ste
     }
 
 
+def weight_bytes(module) -> int:
+    """The bytes a module's weights take as they run: parameters and buffers (quantized, packed), and oneDNN's
+    packed copies (attributes of their Linear); a weight let go for its packed form (a meta tensor) takes none."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [m.packed for m in module.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
+
+def active_weight_bytes(model) -> int:
+    """The weight bytes one token's decode step reads: every block's, the final norm and the LM head, but of each
+    sparse FFN only top_k / num_experts of its experts (a token reads its k; the router and a shared expert
+    whole), and of an untied embedding only a row."""
+    total = weight_bytes(model)
+    if model.embed is not model.lm_head:
+        total -= weight_bytes(model.embed)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "experts"):
+            experts = weight_bytes(layer.mlp.experts)
+            total -= experts - experts * layer.mlp.top_k // len(layer.mlp.experts)
+    return total
+
+
+def read_ms(num_bytes: int, reps: int = 5) -> float:
+    """Median time to read num_bytes once (a float32 sum over them, on torch's threads): what the memory gives a
+    step that only read its weights, measured on this host now."""
+    data = torch.ones(max(num_bytes // 4, 1))
+    data.sum()  # its pages in
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 # a block's GEMMs, by name: where each Linear sits in model/transformer.py
 GEMMS = {"qkv": ("attn", "qkv"), "o": ("attn", "o"), "gate_up": ("mlp", "up"), "down": ("mlp", "down")}
 
@@ -182,7 +217,9 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     ~context_len tokens each), then its parts replayed alone on the model's own weights and KV cache, in the
     order a step runs them (the weights as cold as a step finds them): the block GEMMs by shape, the LM head,
     attention (RoPE and K/V stores included), RMSNorm and SwiGLU, and a MoE model's sparse FFNs whole (router,
-    experts, sum: `moe_ffn`); medians of `reps` replays. The rest is the
+    experts, sum: `moe_ffn`); medians of `reps` replays. The step is set against one plain read of the weight
+    bytes a token's step reads (`active_weight_mib`; a MoE layer's chosen experts only): at batch 1,
+    step_over_read is how far the step is from the memory's floor. The rest is the
     step around the model: scheduling, metadata, embedding rows, RoPE tables, sampling and detokenizing."""
     engine.reset()
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -269,11 +306,17 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
                 totals["moe_ffn"].append(sum(timed(layer.mlp, hidden) for layer in sparse))
     step_ms = 1e3 * statistics.median(times)
     parts = {name: 1e3 * statistics.median(ts[1:]) for name, ts in totals.items()}
+    active = active_weight_bytes(model)
+    read = read_ms(active)
     return {
         "batch_size": B,
         "context_len": context_len,
         "dtype": str(dtype).removeprefix("torch."),
         "step_ms": round(step_ms, 2),
+        # a lone step against one read of what it must read (a floor: the weights a token touches, read once)
+        "active_weight_mib": round(active / 2**20, 1),
+        "weights_read_ms": round(read, 2),
+        "step_over_read": round(step_ms / read, 2),
         **{f"{name}_ms": round(ms, 2) for name, ms in parts.items()},
         "rest_ms": round(step_ms - sum(parts.values()), 2),
         "gemm_us_per_call": {

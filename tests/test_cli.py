@@ -134,6 +134,32 @@ def test_bench_profile_times_a_moe_models_sparse_ffns_whole(tiny_model_factory):
     assert all(row[p] > 0 for p in parts)
     assert row["rest_ms"] == pytest.approx(row["step_ms"] - sum(row[p] for p in parts), abs=0.04)
     assert list(row["gemm_us_per_call"]) == ["qkv 256x64", "o 64x128", "gate_up 256x64", "down 64x128"]
+    assert row["active_weight_mib"] > 0 and row["weights_read_ms"] > 0
+    assert row["step_over_read"] == pytest.approx(row["step_ms"] / row["weights_read_ms"], rel=0.02, abs=0.01)
+
+
+def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_model_factory):
+    """Qwen3-MoE's tiny model, 8-bit: a token reads 2 of layer 0's 8 experts (layer 1 is dense), its embedding
+    row only (untied), everything else whole."""
+    import torch
+
+    from model.kernels import cpu_kernels
+    from model.linear import PlainLinear
+    from model.loader import load_model
+    from model.quant import QuantizedLinear
+    from model.transformer import Ops
+    from server.bench import active_weight_bytes, weight_bytes
+    from tests.helpers.tiny_models import FAMILY_OVERRIDES
+
+    path = tiny_model_factory("qwen3moe", **FAMILY_OVERRIDES["qwen3moe"] | {"tie_word_embeddings": False})
+    ops = Ops.with_kernels(QuantizedLinear(cpu_kernels(), PlainLinear(), 8), cpu_kernels())
+    model, config = load_model(path, torch.float32, "cpu", ops)
+    expert = weight_bytes(model.layers[0].mlp.experts[0])
+    assert (
+        expert > 0 and (config.moe.num_experts, config.moe.top_k) == (8, 2) and not config.tie_word_embeddings
+    )
+    unread = 6 * expert + weight_bytes(model.embed)
+    assert active_weight_bytes(model) == weight_bytes(model) - unread
 
 
 def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_llama_dir):
