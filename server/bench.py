@@ -178,7 +178,9 @@ def weight_bytes(module) -> int:
     packed copies (attributes of their Linear); a weight let go for its packed form (a meta tensor) takes none."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [m.packed for m in module.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+    # each tensor once: a quantized Linear's `packed` is a buffer and an attribute
+    unique = {id(t): t for t in tensors if t.device.type != "meta"}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def active_weight_bytes(model) -> int:

@@ -158,6 +158,8 @@ def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_mod
     assert (
         expert > 0 and (config.moe.num_experts, config.moe.top_k) == (8, 2) and not config.tie_word_embeddings
     )
+    # an 8-bit expert's bytes are its packed buffers, each once (its `packed` is also an attribute)
+    assert expert == sum(b.numel() * b.element_size() for b in model.layers[0].mlp.experts[0].buffers())
     unread = 6 * expert + weight_bytes(model.embed)
     assert active_weight_bytes(model) == weight_bytes(model) - unread
 
