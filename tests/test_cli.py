@@ -134,8 +134,9 @@ def test_bench_profile_times_a_moe_models_sparse_ffns_whole(tiny_model_factory):
     assert all(row[p] > 0 for p in parts)
     assert row["rest_ms"] == pytest.approx(row["step_ms"] - sum(row[p] for p in parts), abs=0.04)
     assert list(row["gemm_us_per_call"]) == ["qkv 256x64", "o 64x128", "gate_up 256x64", "down 64x128"]
-    assert row["active_weight_mib"] > 0 and row["weights_read_ms"] > 0
-    assert row["step_over_read"] == pytest.approx(row["step_ms"] / row["weights_read_ms"], rel=0.02, abs=0.01)
+    # a step reads its weights and does more: never faster than one plain read of them (the ratio is computed
+    # before rounding: a tiny model's read rounds to 0.01 ms)
+    assert row["active_weight_mib"] > 0 and row["weights_read_ms"] > 0 and row["step_over_read"] > 1
 
 
 def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_model_factory):
