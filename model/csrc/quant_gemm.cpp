@@ -11,6 +11,10 @@
 // natively (model/cpu_tier.py): AMX's tiles, float32 activations as two bfloat16 parts (quant_gemm_amx.cpp);
 // bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp); float32 ones everywhere else (quant_gemm_f32.cpp,
 // quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU has no bfloat16 arithmetic).
+// A GEMM whose rows are only ever a step's sequences (the LM head: QuantGemm.tiles false) takes the vector
+// kernels on AMX's tier too: a tile's products pay for 16 rows whatever it holds, and one row of a Q6_K LM head
+// on tiles took ~2.5x the vector kernel's time (1 thread, 49,152 x 2048). The choice is the GEMM's, made once at
+// load, never the batch's: a row's bits still do not depend on its batch.
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
 //   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
@@ -113,13 +117,16 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
     const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
                    out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
 #if defined(__AMX_BF16__)
-    if (bf16)
-      gemm_amx(w, x_bf16, M, o);
-    else
-      gemm_amx(w, x_f32, M, o);
-    n0 += s.n;
-    continue;
-#elif defined(__AVX512BF16__)
+    if (gemm.tiles) {
+      if (bf16)
+        gemm_amx(w, x_bf16, M, o);
+      else
+        gemm_amx(w, x_f32, M, o);
+      n0 += s.n;
+      continue;
+    }
+#endif
+#if defined(__AVX512BF16__)
     if (bf16) {
       gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
       n0 += s.n;

@@ -6,9 +6,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from model import cpu_tier
 from model.gguf_blocks import from_gguf_blocks
 from model.gguf_blocks import gguf_weight as read_gguf_weight
-from model.kernels import cpu_kernels
+from model.kernels import cpu_kernels, load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
 
@@ -27,10 +28,11 @@ def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     return from_gguf_blocks(kind, torch.from_numpy(raw), (N, K)), quants.dequantize(raw, t)
 
 
-def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None) -> Linear:
+def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None, lm_head=False) -> Linear:
+    """A block's Linear (AMX's tiles where the tier has them), or with lm_head the LM head's (vectors)"""
     N, K = qt.shape
     layer = Linear(
-        K, N, bias is not None, QuantizedLinear(kernels or cpu_kernels(), PlainLinear()), rows=True
+        K, N, bias is not None, QuantizedLinear(kernels or cpu_kernels(), PlainLinear()), rows=lm_head
     )
     if bias is not None:
         layer.bias = torch.nn.Parameter(bias, requires_grad=False)
@@ -63,12 +65,13 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (7, 32), (100, 576)])  # N not a multiple of 16 too
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each tier's activations, on every tier
-def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype):
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype, lm_head):
     """The weights are the file's exact values on every tier; the activations are what the tier multiplies
     natively (kernels.gemm_*_as): bfloat16 and float32 as they are, int16 per group of 32 with AVX2, float32 as
-    two bfloat16 parts on AMX."""
+    two bfloat16 parts on AMX's tiles (the LM head runs off them: vectors_float32_as)."""
     qt, _ = gguf_weight(kind, N, K, seed=N + K)
-    layer = layer_for(qt, kernels=tier_kernels)
+    layer = layer_for(qt, kernels=tier_kernels, lm_head=lm_head)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).to(dtype)
     exact = x.double() @ qt.dequantize().double().T  # [13, N]
     with torch.inference_mode():
@@ -77,6 +80,8 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (13, N)
     scale = exact.abs().max()
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
+    if lm_head and dtype == torch.float32:
+        activations = tier_kernels.vectors_float32_as
     allowed = 1e-5 * scale  # float32 sums
     if activations == "int16":
         allowed = allowed + int16_rounding_bound(x, qt.dequantize())
@@ -84,6 +89,20 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
         allowed = allowed + x.double().abs() @ qt.dequantize().double().abs().T * 2.0**-17
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles")
+def test_the_lm_head_runs_off_amx_tiles():
+    """On the amx tier a block's GEMM multiplies on tiles, the LM head (a step's few rows) on the vector kernel:
+    its logits are the avx512bf16 tier's bits (int16 activations), a block's are not (two bfloat16 parts)."""
+    qt, _ = gguf_weight("Q4_1", 100, 192)
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(3))
+    amx, vectors = load("amx"), load("avx512bf16")
+    with torch.inference_mode():
+        head = layer_for(qt, kernels=amx, lm_head=True).logits(x)
+        assert torch.equal(head, layer_for(qt, kernels=vectors, lm_head=True).logits(x))
+        assert not torch.equal(layer_for(qt, kernels=amx).logits(x), head)
 
 
 @pytest.mark.timeout(120)
@@ -101,11 +120,12 @@ def test_bias_is_added_in_float32(tier_kernels, dtype):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype):
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype, lm_head):
     """Every kernel path (one row over several tiles, blocks of rows from the packed weights, one or several
     (5 to 8 rows with AVX2 alone), blocks of rows over a tile unpacked once) gives a row the same bits."""
     qt, _ = gguf_weight(kind, 100, 192)
-    layer = layer_for(qt, kernels=tier_kernels)
+    layer = layer_for(qt, kernels=tier_kernels, lm_head=lm_head)
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, 5] = 1e-30  # tiny activations, the same in every path too
     with torch.inference_mode():
