@@ -7,10 +7,12 @@
 // row-invariant (quant_gemm.cpp), and a token's sum has the same terms in the same order. So greedy decoding is
 // the same alone and batched, and speculation stays exact.
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
 
@@ -81,15 +83,32 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
       tokens[chosen[t * k + j]].push_back(t);
       token_weights[chosen[t * k + j]].push_back(weights[t * k + j]);
     }
+  // Each chosen expert's MLP on its tokens, the experts shared out among the threads, each expert's GEMMs on
+  // one thread (a GEMM called inside the parallel region runs on its caller's): one parallel region a step, not
+  // two a chosen expert, and each thread streams whole experts' weights. The largest first, each taken by the
+  // next free thread, so that a prefill's uneven experts end together. A GEMM's rows get the same bits on one
+  // thread or many (quant_gemm.h, run_tiles), so this changes no output.
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (!tokens[e].empty()) active.push_back(e);
+  std::vector<int64_t> order = active;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tokens[a].size() > tokens[b].size(); });
+  std::vector<at::Tensor> ys(E);
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (size_t i = next++; i < order.size(); i = next++) {
+      const int64_t e = order[i];
+      auto rows = at::empty({static_cast<int64_t>(tokens[e].size())}, x.options().dtype(at::kLong));
+      std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
+      ys[e] = down[e](silu_mul(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
+    }
+  });
   auto out = at::zeros({T, x.size(1)}, x.options().dtype(at::kFloat));
   float* outp = out.data_ptr<float>();
   const int64_t hidden = x.size(1);
-  for (int64_t e = 0; e < E; ++e) {  // ascending id: a token's terms are added in the same order in any batch
-    if (tokens[e].empty()) continue;
-    auto rows = at::empty({static_cast<int64_t>(tokens[e].size())}, x.options().dtype(at::kLong));
-    std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
-    const at::Tensor y = down[e](silu_mul(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
-    const float* yp = y.data_ptr<float>();
+  for (const int64_t e : active) {  // ascending id: a token's terms are added in the same order in any batch
+    const float* yp = ys[e].data_ptr<float>();
     for (size_t r = 0; r < tokens[e].size(); ++r) {
       float* o = outp + tokens[e][r] * hidden;
       const float w = token_weights[e][r];
