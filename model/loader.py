@@ -71,9 +71,14 @@ class Checkpoint:
         return None
 
     def get(self, name: str, expert: int | None = None) -> torch.Tensor | QuantizedTensor | tuple:
-        """expert: that expert's slice of a tensor stacking every expert's, read alone."""
+        """expert: that expert's slice of a tensor stacking every expert's, read alone (a quantized one's
+        [experts, N, bytes per row] blocks: that expert's rows)."""
         if expert is not None:
-            return self._open_file(name).get_slice(name)[expert]
+            rows = self._open_file(name).get_slice(name)[expert]
+            if name in self.ggml:
+                type_name, _, *shape = self.ggml[name]
+                return type_name, rows, tuple(shape)
+            return rows
         if name in self.ggml:
             type_name, *shape = self.ggml[name]
             return type_name, self._read(name), tuple(shape)

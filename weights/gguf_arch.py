@@ -80,8 +80,17 @@ def moe_layer(
     return {"ffn_gate_inp": f"{moe}.gate", "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down}
 
 
-# every layer sparse: llama.cpp's qwen2moe, qwen3moe, olmoe and Mixtral builds have no dense FFN beside experts
+# every layer sparse: llama.cpp's qwen2moe, qwen3moe, olmoe, granitemoe and Mixtral builds have no dense FFN beside
+# experts
 SPARSE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in DENSE_FFN}
+# Granite MoE keeps every expert's in one Hugging Face tensor: input_linear [experts, 2 x size, hidden], each
+# expert's gate rows then its up rows (llama.cpp's converter splits it there into ffn_gate_exps and ffn_up_exps),
+# and output_linear [experts, hidden, size]
+GRANITE_MOE_FFN = {
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_gate_up_exps": "block_sparse_moe.input_linear",
+    "ffn_down_exps": "block_sparse_moe.output_linear",
+}
 # Qwen2-MoE's shared expert, which every token takes, scaled by sigmoid(ffn_gate_inp_shexp . x)
 SHARED_EXPERT = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -211,6 +220,11 @@ def gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any
 def granite_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     if not arch_key(meta, "rope.scaling.finetuned", True):
         raise UnsupportedGGUFError("granite without RoPE (rope.scaling.finetuned = false)")
+    return granite_scalars(meta, config)
+
+
+def granite_scalars(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (llama.cpp's *_scale keys) but the logits', a key of its own."""
 
     def scale(key: str, default: float) -> float:
         # llama.cpp skips a scale of 0 (absent), and uses 1/sqrt(head_dim) for an absent attention scale
@@ -274,6 +288,22 @@ def qwen2moe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, A
     }
 
 
+def granitemoe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's granitemoe build (src/models/granite-moe.cpp, granite.cpp's graph): RoPE on every layer
+    whatever rope.scaling.finetuned says (unlike granite's), softmax over every expert, the top k renormalized,
+    as Hugging Face's softmax over the top k logits is. GraniteMoeShared (a shared expert beside the routed ones,
+    written as granitemoe with expert_shared_feed_forward_length) and a granitemoe without experts (a dense FFN)
+    have no Hugging Face class kvserve runs."""
+    if config["num_local_experts"] == 0:
+        raise UnsupportedGGUFError("granitemoe without experts (expert_count 0) is not supported")
+    if shared := arch_key(meta, "expert_shared_feed_forward_length", 0):
+        raise UnsupportedGGUFError(
+            f"granitemoe with a shared expert (GraniteMoeShared, expert_shared_feed_forward_length {shared}) "
+            "is not supported"
+        )
+    return moe_config(meta, config) | granite_scalars(meta, config)
+
+
 def olmoe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     if arch_key(meta, "attention.clamp_kqv"):
         raise UnsupportedGGUFError("olmoe with clip_qkv (attention.clamp_kqv) is not supported")
@@ -289,6 +319,11 @@ LLAMA_BIASES = (BiasGroup("attention_bias", ATTENTION_BIASES), BiasGroup("mlp_bi
 # feed_forward_length wide (their converters write intermediate_size, the expert's, there)
 EXPERT_KEYS = {
     "num_experts": ("expert_count", REQUIRED),
+    "num_experts_per_tok": ("expert_used_count", REQUIRED),
+}
+# Mixtral's and Granite MoE's classes name the expert count num_local_experts
+LOCAL_EXPERT_KEYS = {
+    "num_local_experts": ("expert_count", REQUIRED),
     "num_experts_per_tok": ("expert_used_count", REQUIRED),
 }
 QWEN_MOE_KEYS = EXPERT_KEYS | {"moe_intermediate_size": ("expert_feed_forward_length", REQUIRED)}
@@ -415,6 +450,19 @@ FAMILIES: dict[str, Family] = {
         qk_norm_per_head=False,
         extra=olmoe_config,
     ),
+    # Llama's q/k row order and rope_freqs, as the granite build; experts feed_forward_length wide (the converter
+    # writes Granite MoE's intermediate_size, the expert's, there)
+    "granitemoe": Family(
+        "GraniteMoeForCausalLM",
+        "granitemoe",
+        SPARSE_LAYER | GRANITE_MOE_FFN,
+        keys=LOCAL_EXPERT_KEYS | {"logits_scaling": ("logit_scale", REQUIRED)},
+        constants=SILU,
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        permute_qk=True,
+        rope_tensors=LLAMA3_ROPE,
+        extra=granitemoe_config,
+    ),
 }
 
 # llama.cpp writes MixtralForCausalLM as `llama` with experts (`llama.expert_count` > 0, ffn_*_exps): always
@@ -423,23 +471,16 @@ MIXTRAL = Family(
     "MixtralForCausalLM",
     "mixtral",
     SPARSE_LAYER | moe_layer("block_sparse_moe", ("w1", "w3", "w2")),
-    keys={
-        "num_local_experts": ("expert_count", REQUIRED),
-        "num_experts_per_tok": ("expert_used_count", REQUIRED),
-    },
+    keys=LOCAL_EXPERT_KEYS,
     constants=SILU | {"sliding_window": None},
     permute_qk=True,
     extra=moe_config,
 )
-# architectures llama.cpp writes that are refused with a reason of their own
-REFUSED = {"granitemoe": "GGUF Granite MoE is not supported yet; its safetensors folder is"}
 
 
 def family_for(meta: dict[str, Any]) -> Family:
     """The family of a GGUF's `general.architecture` (Mixtral: `llama` with experts)."""
     arch = meta.get("general.architecture")
-    if arch in REFUSED:
-        raise UnsupportedGGUFError(f"architecture {arch!r}: {REFUSED[arch]}")
     if arch not in FAMILIES:
         raise UnsupportedGGUFError(
             f"architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
@@ -473,7 +514,8 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
             "ffn_gate_inp": (experts, hidden),
             "ffn_gate_exps": (experts, size, hidden),
             "ffn_up_exps": (experts, size, hidden),
-            "ffn_gate_up_exps": (experts, 2 * size, hidden),  # some files fuse gate and up: rows gate | up
+            # some files fuse gate and up (as Granite MoE's Hugging Face tensor does): each expert's rows gate | up
+            "ffn_gate_up_exps": (experts, 2 * size, hidden),
             "ffn_down_exps": (experts, hidden, size),
             "ffn_gate_shexp": (shared, hidden),
             "ffn_up_shexp": (shared, hidden),

@@ -2,7 +2,8 @@
 what `kvserve convert-gguf` does. (kvserve serves a GGUF file in place, without this: weights/gguf_source.py.)
 
 Every architecture in weights/gguf_arch.py's FAMILIES (Llama 2/3.x and Mistral, Qwen 2/3, Gemma 2/3, Phi-3, OLMo 2,
-Granite, SmolLM3; the MoE Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral, one tensor per expert). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
+Granite, SmolLM3; the MoE Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral, one tensor per expert, and Granite MoE, every
+expert's in one tensor). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
 tokenizer_config.json (weights/gguf_tokenizer.py), and the weights under Hugging Face tensor names and row order,
 with llama.cpp's conversion undone as GGUFSource undoes it (q/k rows, Gemma's +1 on norms, fused or split q/k/v,
 RoPE tensors into config):
@@ -31,7 +32,8 @@ __all__ = ["QUANTIZED_FILE", "QUANTIZED_FORMAT", "UnsupportedGGUFError", "conver
 QUANTIZED_FILE = "quantized/model.safetensors"
 # How quantized/model.safetensors stores a quantized weight W [N, K], read by model/loader.py: "W" uint8
 # [N, bytes per row], the GGUF's block rows in Hugging Face's row order; the metadata's "ggml" (JSON) maps W to
-# [GGML type name, N, K]. Dense tensors are float32 under their plain name.
+# [GGML type name, N, K]. A weight stacking every expert's (Granite MoE's) is uint8 [experts, N, bytes per row]
+# and [GGML type name, experts, N, K]. Dense tensors are float32 under their plain name.
 QUANTIZED_FORMAT = "kvserve-quantized-2"
 
 

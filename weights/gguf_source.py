@@ -10,15 +10,17 @@ llama.cpp's conversion undone: q/k rows, Gemma's +1 on norms, fused or split q/k
 and read on demand, by Hugging Face name, from the map:
 - get(name): a 2-D weight made of one quantized type, with no arithmetic to undo, as a GGMLBlocks record (its
   block rows as they are: selecting and reordering rows is exact, since GGUF blocks run along K); anything else
-  as a float32 tensor (F32 as stored, F16/BF16 widened, other types dequantized by gguf).
-- dense(name): the tensor in float32, whatever its type.
+  as a float32 tensor (F32 as stored, F16/BF16 widened, other types dequantized by gguf). A Hugging Face tensor
+  that stacks every expert's (Granite MoE's [experts, rows, K]) reads as its experts' records stacked, or one
+  expert's alone: get(name, expert).
+- dense(name), dense(name, expert): the tensor in float32, whatever its type.
 Nothing here knows kvserve's kernels: model/quant.py turns a GGMLBlocks record into its quantized weight.
 """
 
 import mmap
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,14 +46,16 @@ from weights.gguf_tokenizer import UnsupportedGGUFError, build_tokenizer
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 QKV = ("attn_q", "attn_k", "attn_v")  # the order llama.cpp stacks a fused attn_qkv in, as Hugging Face does
+GATE_UP_EXPS = ("ffn_gate_exps", "ffn_up_exps")  # and a fused ffn_gate_up_exps, each expert's rows
 
 
 class GGMLBlocks(NamedTuple):
-    """A quantized weight [N, K] as the GGUF stores it, rows in Hugging Face's order."""
+    """A quantized weight [N, K] as the GGUF stores it, rows in Hugging Face's order (or every expert's,
+    [experts, N, K])."""
 
     type_name: str  # the GGML type, e.g. "Q4_1"
-    blocks: torch.Tensor  # uint8 [N, bytes per row]: each row's blocks, running along K
-    shape: tuple[int, int]  # [N, K]
+    blocks: torch.Tensor  # uint8 [N, bytes per row] ([experts, N, ...]): each row's blocks, running along K
+    shape: tuple[int, ...]  # [N, K] ([experts, N, K])
 
 
 # GGUF value type -> (struct format, numpy dtype) of its scalars (gguf's GGUFValueType numbering)
@@ -184,22 +188,29 @@ class GGUFSource:
     def resolve(self, name: str) -> str | None:
         return name if name in self.plan else None
 
-    def get(self, name: str) -> "torch.Tensor | GGMLBlocks":
-        """The Hugging Face tensor `name`: its raw blocks where it is a quantized weight that needs no arithmetic,
-        else float32."""
-        pieces, shape = self.plan[name], self.shapes[name]
+    def get(self, name: str, expert: int | None = None) -> "torch.Tensor | GGMLBlocks":
+        """The Hugging Face tensor `name` (expert: that expert's slice of a tensor stacking every expert's, read
+        alone): its raw blocks where it is a quantized weight that needs no arithmetic, else float32."""
+        pieces, shape = self._pieces(name, expert)
+        if len(shape) == 3:  # every expert's, expert by expert (each, of the same pieces, blocks or not)
+            parts = [self.get(name, e) for e in range(shape[0])]
+            if isinstance(parts[0], GGMLBlocks):
+                return GGMLBlocks(parts[0].type_name, torch.stack([p.blocks for p in parts]), shape)
+            return torch.stack(parts)
         types = {self.tensors[p.source].tensor_type for p in pieces}
         (kind,) = types if len(types) == 1 else (None,)
         if kind is None or kind in FLOAT_TYPES or len(shape) != 2 or any(p.shift for p in pieces):
-            return self.dense(name)
+            return self.dense(name, expert)
         rows = [order(p, stored(self.tensors[p.source], p.expert)) for p in pieces]
         blocks = np.concatenate(rows)  # a copy
         self._release(pieces)
         return GGMLBlocks(kind.name, torch.from_numpy(blocks), shape)
 
-    def dense(self, name: str) -> torch.Tensor:
-        """The Hugging Face tensor `name` in float32 (exact for every type)."""
-        pieces, shape = self.plan[name], self.shapes[name]
+    def dense(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """The Hugging Face tensor `name` (or one expert's slice, as get's) in float32 (exact for every type)."""
+        pieces, shape = self._pieces(name, expert)
+        if len(shape) == 3:
+            return torch.stack([self.dense(name, e) for e in range(shape[0])])
         # Gemma's norms: stored - 1 is exact for stored in [0.5, 2] (1 + w gives back stored), else rounded
         parts = [order(p, self._dequantized(p)) for p in pieces]
         parts = [
@@ -213,6 +224,16 @@ class GGUFSource:
             raise UnsupportedGGUFError(f"{name}: pieces give shape {values.shape}, expected {shape}")
         self._release(pieces)
         return torch.from_numpy(values)
+
+    def _pieces(self, name: str, expert: int | None) -> tuple[list["Piece"], tuple[int, ...]]:
+        """The pieces of `name` and its shape, or of one expert's slice of a tensor stacking every expert's (each
+        piece then that expert's slice of a GGUF tensor stacking every expert's)."""
+        pieces, shape = self.plan[name], self.shapes[name]
+        if expert is None:
+            return pieces, shape
+        if len(shape) != 3 or any(p.expert is not None for p in pieces):
+            raise ValueError(f"{name} {shape} does not stack every expert's")
+        return [replace(p, expert=expert) for p in pieces], shape[1:]
 
     def _dequantized(self, piece: "Piece") -> np.ndarray:
         """The piece's GGUF tensor, or its expert's slice alone, in float32."""
@@ -397,6 +418,9 @@ def tensor_pieces(
         ]
     elif short in QKV and "attn_qkv" in family.layer_tensors:
         targets = [("attn_qkv", QKV.index(short), slice(None))]  # Phi-3 stored with q, k, v apart
+    elif short in GATE_UP_EXPS and "ffn_gate_up_exps" in family.layer_tensors:
+        # Granite MoE's Hugging Face tensor: each expert's gate rows, then its up rows, as a fused file has them
+        targets = [("ffn_gate_up_exps", GATE_UP_EXPS.index(short), slice(None))]
     elif short == "ffn_gate_up_exps" and "ffn_gate_exps" in family.layer_tensors:
         # llama.cpp's --fuse-gate-up-exps: each expert's gate rows, then its up rows
         size = expert_size(config)

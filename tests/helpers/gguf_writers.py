@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from gguf import (
     MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
     GGMLQuantizationType,
     GGUFWriter,
     LlamaFileType,
@@ -187,11 +189,14 @@ def write_tiny_gguf(
 # Tiny random Hugging Face models of every family weights/gguf_arch.py supports, and GGUFs written from them the way
 # llama.cpp's convert_hf_to_gguf.py writes them (conversion/base.py TextModel, llama.py, qwen.py, gemma.py, phi.py,
 # olmo.py, granite.py; qwen.py's Qwen2MoeModel and Qwen3MoeModel, olmo.py's OlmoeModel and llama.py's LlamaModel for
-# Mixtral, with their experts stacked): the same metadata calls, tensor names (gguf's TensorNameMap), q/k row order, Gemma's +1 on
+# Mixtral, with their experts stacked, and granite.py's GraniteMoeModel, its stacked gate | up split in two): the same
+# metadata calls, tensor names (gguf's TensorNameMap), q/k row order, Gemma's +1 on
 # norms, generated RoPE tensors and tensor types. test_gguf_llama_cpp.py checks this writer against the real one.
 
 PROMPT_LENGTH = 40  # longer than every sliding window below
-LLAMA_LIKE = ("llama", "granite", "smollm3")  # conversion classes that inherit LlamaModel's q/k permutation
+# conversion classes that inherit LlamaModel's q/k permutation
+LLAMA_LIKE = ("llama", "granite", "granitemoe", "smollm3")
+GRANITE = ("granite", "granitemoe")  # GraniteModel's scalars, and no head_dim
 GEMMA = ("gemma2", "gemma3")  # the converter adds 1 to every *norm.weight
 
 
@@ -265,6 +270,11 @@ TINY_FAMILIES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         tie_word_embeddings=True)),
+    # Granite's scalars around experts stacked in one Hugging Face tensor (gate | up per expert); attention biases
+    "granitemoe": TinyFamily("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, attention_bias=True,
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
     # llama.cpp writes MixtralForCausalLM as `llama` with experts; no window (its llama build has none)
     "mixtral": TinyFamily("llama", "MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -340,7 +350,7 @@ def add_llama_cpp_metadata(writer: GGUFWriter, arch: str, hparams: dict, ftype: 
     rope = dict(hparams.get("rope_parameters") or hparams.get("rope_scaling") or {})
     full = rope.get("full_attention", rope)
     hidden, heads = hparams["hidden_size"], hparams["num_attention_heads"]
-    if arch == "granite":
+    if arch in GRANITE:
         hparams.pop("head_dim", None)  # GraniteModel ignores head_dim
     if arch == "gemma2":  # Gemma2Model writes its own list, without a RoPE base
         writer.add_context_length(hparams["max_position_embeddings"])
@@ -407,7 +417,7 @@ def add_llama_cpp_metadata(writer: GGUFWriter, arch: str, hparams: dict, ftype: 
     if arch in LLAMA_LIKE:  # LlamaModel
         writer.add_vocab_size(hparams["vocab_size"])
         writer.add_rope_dimension_count(hparams.get("head_dim") or hidden // heads)
-    if arch == "granite":
+    if arch in GRANITE:
         writer.add_attention_scale(hparams["attention_multiplier"])
         writer.add_embedding_scale(hparams["embedding_multiplier"])
         writer.add_residual_scale(hparams["residual_multiplier"])
@@ -461,6 +471,13 @@ def llama_cpp_tensors(
     tensors = {}
     for name, value in stack_experts(weights).items():
         value = value.float().numpy()
+        if arch == "granitemoe" and name.endswith("block_sparse_moe.input_linear.weight"):
+            # GraniteMoeModel.modify_tensors: every expert's gate rows [experts, size, hidden], then its up rows
+            layer = int(name.split(".")[2])
+            gate, up = np.split(value, 2, axis=-2)
+            tensors[TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_EXP].format(bid=layer) + ".weight"] = gate
+            tensors[TENSOR_NAMES[MODEL_TENSOR.FFN_UP_EXP].format(bid=layer) + ".weight"] = up
+            continue
         if arch == "gemma2" and name == "lm_head.weight":
             continue  # Gemma2Model drops it: llama.cpp ties Gemma 2
         if arch in LLAMA_LIKE and name.endswith(("q_proj.weight", "q_proj.bias")):

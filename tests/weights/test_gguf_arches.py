@@ -265,14 +265,27 @@ def test_unknown_architecture_is_refused_listing_the_supported(tmp_path, byte_vo
 
 
 @pytest.mark.timeout(60)
-def test_granite_moe_is_refused_by_name(tmp_path, byte_vocab):
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"granitemoe.expert_shared_feed_forward_length": 64},
+            "granitemoe with a shared expert \\(GraniteMoeShared, expert_shared_feed_forward_length 64\\)",
+        ),
+        ({"granitemoe.expert_count": 0}, "granitemoe without experts \\(expert_count 0\\)"),
+    ],
+)
+def test_granite_moe_kvserve_cannot_run_is_refused_by_name(tmp_path, byte_vocab, keys, message):
+    """GraniteMoeShared, which llama.cpp writes as granitemoe with a shared expert, and a granitemoe without
+    experts: refused in place and converted, naming what they are."""
     from weights.gguf_source import GGUFSource
 
-    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, arch="granitemoe")
-    message = "'granitemoe': GGUF Granite MoE is not supported yet; its safetensors folder is"
+    tiny_hf_model("granitemoe", len(byte_vocab["tokens"])).save_pretrained(tmp_path / "hf")
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", byte_vocab)
+    rewrite_with_keys(tmp_path / "tiny.gguf", tmp_path / "patched.gguf", keys)
     for read in (GGUFSource, lambda path: convert_gguf(path, tmp_path / "out", progress=False)):
-        with pytest.raises(UnsupportedGGUFError, match=message):
-            read(tmp_path / "tiny.gguf")
+        with pytest.raises(UnsupportedGGUFError, match=f"'granitemoe'\\): {message} is not supported"):
+            read(tmp_path / "patched.gguf")
 
 
 @pytest.mark.timeout(60)

@@ -140,7 +140,8 @@ def test_the_header_reads_as_ggufs_reader_reads_it(tmp_path, byte_vocab, type_na
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), theirs.name
 
 
-MOE_FAMILIES = ["qwen3moe", "qwen2moe", "olmoe", "mixtral"]
+# granitemoe: every expert's in one Hugging Face tensor, each expert read as its slice of it
+MOE_FAMILIES = ["qwen3moe", "qwen2moe", "olmoe", "granitemoe", "mixtral"]
 
 
 def write_moe_gguf(tmp_path, vocab, family, type_name, **writer_args) -> Path:
@@ -171,22 +172,45 @@ def test_moe_experts_stay_quantized_in_place(tmp_path, byte_vocab, family, type_
     assert (quantized.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
+def expert_matrices(source: GGUFSource) -> list[tuple[str, int | None]]:
+    """Each expert's matrices: (a Hugging Face tensor of its own, None), or (one stacking every expert's, which
+    expert: Granite MoE's)."""
+    own = [(name, None) for name in source.shapes if ".experts." in name]
+    stacked = [(name, e) for name, shape in source.shapes.items() if len(shape) == 3 for e in range(shape[0])]
+    return own + stacked
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_in_place_is_the_folder_and_each_expert_its_own_blocks(tmp_path, byte_vocab, family):
     """Q8_0: an expert's tensor is exactly the blocks quantize gives its Hugging Face matrix (its slice of the
-    stacked tensor, no arithmetic), and in place gives the converted folder's logits, bit for bit."""
+    stacked tensor, no arithmetic; Granite MoE's gate | up made of two), a tensor stacking every expert's
+    is theirs stacked, and in place gives the converted folder's logits, bit for bit."""
     gguf = write_moe_gguf(tmp_path, byte_vocab, family, "Q8_0")
     saved = load_file(tmp_path / "hf" / "model.safetensors")
     source = GGUFSource(gguf)
-    names = [name for name in source.shapes if ".experts." in name]
-    assert len(names) == 2 * 3 * source.config.get("num_experts", source.config.get("num_local_experts"))
-    for name in names:
-        got = source.get(name)
+    config = source.config
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    rows = 0
+    for name, e in expert_matrices(source):
+        got = source.get(name) if e is None else source.get(name, e)
         assert isinstance(got, GGMLBlocks) and got.type_name == "Q8_0", name
-        expected = quantize(saved[name].numpy(), GGMLQuantizationType.Q8_0)
-        assert np.array_equal(got.blocks.numpy(), expected), name
+        matrix = saved[name] if e is None else saved[name][e]
+        assert np.array_equal(got.blocks.numpy(), quantize(matrix.numpy(), GGMLQuantizationType.Q8_0)), name
+        assert torch.equal(source.dense(name) if e is None else source.dense(name, e), got_dense(got)), name
+        rows += got.shape[0]
+        if e == 0:
+            whole = source.get(name)
+            assert whole.shape == saved[name].shape and torch.equal(whole.blocks[0], got.blocks), name
+    # gate, up and down of every expert of both layers, once each
+    assert rows == config["num_hidden_layers"] * experts * (2 * size + config["hidden_size"])
     assert_in_place_is_the_folder(gguf, tmp_path / "converted")
+
+
+def got_dense(blocks: GGMLBlocks) -> torch.Tensor:
+    values = dequantize(blocks.blocks.numpy(), GGMLQuantizationType[blocks.type_name])
+    return torch.from_numpy(values.reshape(blocks.shape))
 
 
 @pytest.mark.timeout(120)
@@ -219,26 +243,43 @@ class MadviseLog:
 
 
 @pytest.mark.timeout(60)
-def test_an_expert_is_dequantized_and_let_go_alone(tmp_path, byte_vocab, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "name", "expert", "sources"),
+    [
+        ("qwen3moe", "model.layers.1.mlp.experts.5.down_proj.weight", None, ["ffn_down_exps"]),
+        # expert 5's slice of Granite MoE's every-expert tensor: its gate rows and its up rows
+        (
+            "granitemoe",
+            "model.layers.1.block_sparse_moe.input_linear.weight",
+            5,
+            ["ffn_gate_exps", "ffn_up_exps"],
+        ),
+    ],
+)
+def test_an_expert_is_dequantized_and_let_go_alone(
+    tmp_path, byte_vocab, monkeypatch, family, name, expert, sources
+):
     """dense() on one expert dequantizes that expert's slice only (a 30B-A3B layer has 128), and both reads let
     go of that expert's bytes only, never the whole stacked tensor."""
-    source = GGUFSource(write_moe_gguf(tmp_path, byte_vocab, "qwen3moe", "Q8_0"))
-    tensor = source.tensors["blk.1.ffn_down_exps.weight"]
-    per_expert = tensor.n_bytes // tensor.data.shape[0]
-    start = tensor.data_offset + 5 * per_expert
+    source = GGUFSource(write_moe_gguf(tmp_path, byte_vocab, family, "Q8_0"))
+    tensors = [source.tensors[f"blk.1.{short}.weight"] for short in sources]
+    # from the page holding the expert's first byte to its last byte, in each GGUF tensor
+    ranges = set()
+    for tensor in tensors:
+        per_expert = tensor.n_bytes // tensor.data.shape[0]
+        start = tensor.data_offset + 5 * per_expert
+        ranges.add((start // mmap.PAGESIZE * mmap.PAGESIZE, start + per_expert))
     shapes = []
     real = gguf_source.dequantize
     monkeypatch.setattr(
         gguf_source, "dequantize", lambda data, kind: shapes.append(data.shape) or real(data, kind)
     )
     released = source._map = MadviseLog()
-    name = "model.layers.1.mlp.experts.5.down_proj.weight"
-    value = source.dense(name)
-    assert shapes == [tensor.data.shape[1:]]
-    assert torch.equal(value, torch.from_numpy(dequantize(tensor.data[5], GGMLQuantizationType.Q8_0)))
-    source.get(name)
-    for advice, at, length in released.calls:
-        # from the page holding the expert's first byte to its last byte
-        assert advice == mmap.MADV_DONTNEED and at == start // mmap.PAGESIZE * mmap.PAGESIZE
-        assert at + length == start + per_expert
-    assert len(released.calls) == 2
+    value = source.dense(name, expert)
+    assert shapes == [tensor.data.shape[1:] for tensor in tensors]
+    expected = np.concatenate([dequantize(t.data[5], GGMLQuantizationType.Q8_0) for t in tensors])
+    assert torch.equal(value, torch.from_numpy(expected))
+    source.get(name, expert)
+    assert {(at, at + length) for _, at, length in released.calls} == ranges
+    assert all(advice == mmap.MADV_DONTNEED for advice, _, _ in released.calls)
+    assert len(released.calls) == 2 * len(tensors)

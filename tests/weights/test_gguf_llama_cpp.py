@@ -114,7 +114,7 @@ def test_llama_cpp_converter_writes_what_the_test_writer_writes(llama_cpp_tree, 
 
 
 @pytest.mark.timeout(300)
-# qwen2moe: stacked experts quantized, its router and shared expert's gate kept F32
-@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3", "qwen2moe"])
+# qwen2moe: stacked experts quantized, its router and shared expert's gate kept F32; granitemoe: its gate | up split
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3", "qwen2moe", "granitemoe"])
 def test_llama_cpp_q8_0_matches_the_test_writer(llama_cpp_tree, tmp_path, byte_vocab, family):
     assert_same_gguf(*convert_both_ways(llama_cpp_tree, tmp_path, byte_vocab, family, "q8_0")[1:])
