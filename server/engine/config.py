@@ -47,9 +47,8 @@ class EngineConfig:
     # int8, int4: also quantize dense weights at load (weight-only, groups of 32)
     quantization: str = "auto"
     cpu_kernels: str = "auto"  # C++ kernels on CPU: auto (where they built at install) | on | off
-    cpu_tier: str = (
-        "auto"  # the CPU tier to run as (model/cpu_tier.py): auto | amx | avx512bf16 | avx512 | avx2 | generic
-    )
+    # the CPU tier to run as (model/cpu_tier.py): auto | amx | avx512bf16 | avx512 | avx2 | generic
+    cpu_tier: str = "auto"
     # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
     # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change
     speculative: SpeculativeConfig | str | None = None

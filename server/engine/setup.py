@@ -96,7 +96,9 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         sampler = SamplerKernels(cpu_kernels.uniform_noise, cpu_kernels.argmax_rows)
     # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
     # by the kernel or padded. On GPUs kvserve does not make them so.
-    gemms_invariant = invariant or all(getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear))
+    gemms_invariant = invariant or all(
+        getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear)
+    )
     batch_invariant = device.type == "cpu" and gemms_invariant and (cpu_kernels is not None or invariant)
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
 
@@ -105,11 +107,15 @@ def select_speculation(runner: ModelRunner) -> SpeculativeConfig | None:
     """--speculative-config auto: n-gram drafts where every step op is batch-invariant, so that a drafted token
     is kept exactly when plain decoding would have produced it; off elsewhere. Logged with why."""
     if runner.batch_invariant:
-        log.info("speculative decoding: n-gram drafts (auto: this run's steps are batch-invariant, so the output "
-                 "is the same with or without them; --speculative-config off turns them off)")
+        log.info(
+            "speculative decoding: n-gram drafts (auto: this run's steps are batch-invariant, so the output "
+            "is the same with or without them; --speculative-config off turns them off)"
+        )
         return SpeculativeConfig()
-    log.info("speculative decoding: off (auto: this run's steps are not batch-invariant, so drafts could change "
-             "the output)")
+    log.info(
+        "speculative decoding: off (auto: this run's steps are not batch-invariant, so drafts could change "
+        "the output)"
+    )
     return None
 
 

@@ -48,7 +48,8 @@ def test_the_fused_ffn_computes_the_python_loops_sums(tiny_model_factory, tier_k
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_output_does_not_depend_on_its_batch(tiny_model_factory, tier_kernels, dtype):
-    (ffn,) = sparse_ffns(tiny_family(tiny_model_factory, "qwen3moe"), tier_kernels, 4, dtype)  # 1 sparse layer
+    # one sparse layer
+    (ffn,) = sparse_ffns(tiny_family(tiny_model_factory, "qwen3moe"), tier_kernels, 4, dtype)
     x = hidden_states(33, ffn.router.weight.shape[1], dtype)
     with torch.inference_mode():
         together = ffn(x)

@@ -92,7 +92,9 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif("amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles")
+@pytest.mark.skipif(
+    "amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles"
+)
 def test_the_lm_head_runs_off_amx_tiles():
     """On the amx tier a block's GEMM multiplies on tiles, the LM head (a step's few rows) on the vector kernel:
     its logits are the avx512bf16 tier's bits (int16 activations), a block's are not (two bfloat16 parts)."""
