@@ -131,6 +131,7 @@ async def bench_http(args) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None]
+    streaming = [r for r in ok if r.output_tokens > 1 and r.e2e > r.ttft]
     prompt_tokens = sum(r.prompt_tokens for r in reported)
     summary = {
         "url": url,
@@ -142,6 +143,12 @@ async def bench_http(args) -> dict:
         "wall_s": round(wall, 2),
         "requests_per_s": round(len(ok) / wall, 3),
         "output_tokens_per_s": round(out_tokens / wall, 1),
+        # one stream's decode rate, prefill left out: the tokens after each first one over the time after it
+        "decode_tokens_per_s_per_stream": round(
+            sum(r.output_tokens - 1 for r in streaming) / sum(r.e2e - r.ttft for r in streaming), 2
+        )
+        if streaming
+        else None,
         # share of prompt tokens the server found in its prefix cache (None: it does not say)
         "cached_prompt_share": round(sum(r.cached_tokens for r in reported) / prompt_tokens, 3)
         if prompt_tokens
@@ -152,6 +159,7 @@ async def bench_http(args) -> dict:
     }
     print(f"requests ok {len(ok)}, failed {summary['requests_failed']}, in {wall:.1f} s")
     print(f"output tokens/s {summary['output_tokens_per_s']}, requests/s {summary['requests_per_s']}")
+    print(f"decode tokens/s per stream {summary['decode_tokens_per_s_per_stream']}")
     if summary["cached_prompt_share"] is not None:
         print(f"prompt tokens found in the prefix cache: {100 * summary['cached_prompt_share']:.1f}%")
     for name in ("ttft_s", "itl_s", "e2e_s"):

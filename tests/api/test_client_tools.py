@@ -39,6 +39,7 @@ def test_bench_reports_every_request_and_a_json_line(start_server, tiny_engine):
     assert summary["requests_ok"] == 12 and summary["requests_failed"] == 0
     assert summary["output_tokens_per_s"] > 0
     assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+    assert summary["decode_tokens_per_s_per_stream"] > 0
 
 
 @pytest.mark.slow
