@@ -12,18 +12,23 @@ import numpy as np
 from gguf.quants import dequantize
 
 
-def dequantize_gguf(source: str, target: str) -> None:
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(target, arch)
-    # the writer writes the architecture itself; the file type is float32's now
-    rewritten = (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE)
+def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, rewritten: set[str]) -> None:
+    """Every key-value of reader's file into writer's, but those in `rewritten` and the file's own layout
+    (GGUF.*); the writer writes the architecture itself."""
+    rewritten = rewritten | {gguf.Keys.General.ARCHITECTURE}
     for field in reader.fields.values():
-        if field.name in rewritten or field.name.startswith("GGUF."):  # GGUF.*: the file's own layout
+        if field.name in rewritten or field.name.startswith("GGUF."):
             continue
         kind = field.types[0]
         sub_kind = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_kind)
+
+
+def dequantize_gguf(source: str, target: str) -> None:
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    copy_metadata(reader, writer, {gguf.Keys.General.FILE_TYPE})  # the file type is float32's now
     writer.add_key_value(gguf.Keys.General.FILE_TYPE, 0, gguf.GGUFValueType.UINT32)  # LLAMA_FTYPE_ALL_F32
     for tensor in reader.tensors:
         # GGUF lists dims fastest first; numpy wants them slowest first

@@ -29,6 +29,7 @@ import time
 
 import gguf
 import numpy as np
+from dequantize_gguf import copy_metadata  # this folder's: scripts run from it
 from gguf.quants import quantize
 
 CHUNK_ELEMENTS = 1 << 24  # float32 values drawn and quantized at once: 64 MiB
@@ -106,19 +107,13 @@ def make(cut: str, target: str, layers: int, type_name: str, seed: int, std: flo
     writer = gguf.GGUFWriter(target, arch)
     block_count = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
     rewritten = {
-        gguf.Keys.General.ARCHITECTURE,  # the writer writes it
         gguf.Keys.General.FILE_TYPE,
         gguf.Keys.General.NAME,
         gguf.Keys.General.FINETUNE,  # llama.cpp's converter names the cut's layer count here, e.g. "30b-L12"
         gguf.Keys.General.ALIGNMENT,  # the writer's default alignment is used
         block_count,
     }
-    for field in reader.fields.values():
-        if field.name in rewritten or field.name.startswith("GGUF."):  # GGUF.*: the file's own layout
-            continue
-        kind = field.types[0]
-        sub_kind = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_kind)
+    copy_metadata(reader, writer, rewritten)
     name = reader.fields.get(gguf.Keys.General.NAME)
     name = re.sub(r"\s+L\d+$", "", name.contents()) if name else arch
     writer.add_name(f"{name} (random weights, {layers} layers)")
