@@ -16,10 +16,11 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from server.engine.engine import Engine
-from server.engine.grammar import COMPILE_SECONDS, CompiledGrammar
+from server.engine.grammar import COMPILE_SECONDS, CompiledGrammar, is_quick
 from server.engine.request import FinishReason, GrammarSpec, RequestError, RequestOutput, SamplingParams
 from server.engine.stats import EngineStats
 
@@ -58,6 +59,13 @@ class AsyncEngine:
         self._stopped = False
         self._stats_lock = threading.Lock()
         self._num_queued = 0  # _Add messages not yet applied
+        # Grammar compiles have threads of their own (asyncio's default pool is shared with other work), in two
+        # lanes: quick specs (grammar.is_quick: milliseconds whatever they ask) never queue behind slow ones, so a
+        # burst of big grammars costs other clients nothing. Two threads a lane: compiles are CPU-bound
+        # (llguidance, the GBNF converter's child) on cores shared with the stepping thread; more would only
+        # slow each other and the running streams.
+        self._quick_compiles = ThreadPoolExecutor(2, thread_name_prefix="kvserve-grammar-quick")
+        self._slow_compiles = ThreadPoolExecutor(2, thread_name_prefix="kvserve-grammar")
         built: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(engine, built), name="kvserve-engine", daemon=True
@@ -78,14 +86,22 @@ class AsyncEngine:
         self._engine.validate(prompt_token_ids, params)
 
     async def compile_grammar(self, spec: GrammarSpec, received: float) -> CompiledGrammar:
-        """The grammar for SamplingParams.grammar, compiled on a worker thread (cached by spec). Raises
+        """The grammar for SamplingParams.grammar, compiled on a grammar thread (cached by spec). Raises
         ValueError with the grammar library's message when the spec is not a usable grammar, or when it is not
         ready COMPILE_SECONDS after `received` (time.monotonic() when the request arrived: its parsing counts
-        too): a request is refused in time whatever it asks for. The compile itself cannot be stopped
-        (llguidance's own limits bound it); it ends in its thread and is cached, so asking again finds it ready."""
-        compiling = asyncio.to_thread(self._engine.grammars.compile, spec)
+        too): a request is refused in time whatever it asks for. A refused request's compile that has not
+        started never does (its future is cancelled with the wait), and a GBNF conversion running at the
+        deadline is stopped; llguidance's compile cannot be (its own limits bound it): it ends in its thread
+        and is cached, so asking again finds it ready."""
+        grammars = self._engine.grammars
+        compiled = grammars.cached(spec)  # a cached grammar never waits behind anyone's compile
+        if compiled is not None:
+            return compiled
+        deadline = received + COMPILE_SECONDS
+        lane = self._quick_compiles if is_quick(spec) else self._slow_compiles
+        compiling = asyncio.wrap_future(lane.submit(grammars.compile, spec, deadline))
         try:
-            return await asyncio.wait_for(compiling, max(received + COMPILE_SECONDS - time.monotonic(), 0.0))
+            return await asyncio.wait_for(compiling, max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise ValueError(
                 f"the grammar was not ready within {COMPILE_SECONDS:g} s of the request: make it smaller"
@@ -156,6 +172,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for lane in (self._quick_compiles, self._slow_compiles):
+            lane.shutdown(wait=False, cancel_futures=True)  # one running ends by itself, bounded as above
 
     def _send(self, message: _Add | _Abort) -> None:
         with self._stats_lock:

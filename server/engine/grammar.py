@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ CACHE_SIZE = 256  # compiled grammars kept, by request
 # 2 MB schema takes a while to read; AsyncEngine.compile_grammar waits what is left)
 COMPILE_SECONDS = 1.5
 GBNF_SECONDS = 1.2  # a GBNF grammar's conversion to Lark, at most: inside the compile's budget
+# A spec this small, unless GBNF, compiles in milliseconds whatever it asks for (is_quick)
+QUICK_BYTES = 8192
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
 _GBNF_TO_LARK = """import sys
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -150,19 +153,31 @@ class GrammarCompiler:
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Raise ValueError with the grammar library's message when the spec is not a usable grammar."""
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The spec's compiled grammar if it is in the cache (cheap: no compile ever runs here)."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
+        return None
+
+    def compile(self, spec: GrammarSpec, deadline: float | None = None) -> CompiledGrammar:
+        """Raise ValueError with the grammar library's message when the spec is not a usable grammar.
+        `deadline` (time.monotonic()) is when nobody waits for it any more: a GBNF conversion still running
+        then is stopped, so that a refused request's compile lets go of its thread."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._source.to_json(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids
                 )
             tokenizer = self._tokenizer
         # Outside the lock: a large grammar takes a while, and llguidance lets go of the GIL meanwhile.
-        matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0, limits=self._limits)
+        gbnf_seconds = GBNF_SECONDS if deadline is None else min(GBNF_SECONDS, deadline - time.monotonic())
+        text = grammar_text(spec, gbnf_seconds)
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=self._limits)
         # a grammar that did not build, or whose first mask fails (over the per-token budget, or no token may
         # start it), leaves the matcher failed
         first = fill_bitmasks([GrammarState(matcher)], self._vocab_size)
@@ -178,8 +193,18 @@ class GrammarCompiler:
         return compiled
 
 
-def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar for a spec (ValueError when the source cannot be read as its kind)."""
+def is_quick(spec: GrammarSpec) -> bool:
+    """Whether a spec compiles in milliseconds whatever it asks for: small, and not GBNF (whose conversion starts
+    a child process, ~0.1 s each). Measured (2 cores): a one-property schema 2 ms; the slowest small hostile spec
+    found, the regex a{100000}, 0.2 s; but a 1,000-rule GBNF chain (18 KB) 0.9 s, a 5,000-way anyOf (330 KB) 2.8 s."""
+    if len(spec.source) > QUICK_BYTES:
+        return False
+    return spec.kind != "grammar" or is_lark_syntax(spec.source)
+
+
+def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
+    """The llguidance grammar for a spec (ValueError when the source cannot be read as its kind); a GBNF
+    grammar's conversion may take gbnf_seconds."""
     try:
         if spec.kind == "json_schema":
             schema = json.loads(spec.source)
@@ -198,7 +223,7 @@ def grammar_text(spec: GrammarSpec) -> str:
                 raise ValueError("choice must be a non-empty list of strings")
             return llguidance.grammar_from("choice", choices)
         if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
-            lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source)
+            lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source, gbnf_seconds)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "tool_calls":
             return llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(json.loads(spec.source)))
@@ -233,8 +258,8 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
 
 
-def gbnf_to_lark(source: str) -> str:
-    """A GBNF grammar in Lark, converted by llguidance in a child process that may run GBNF_SECONDS. The converter
+def gbnf_to_lark(source: str, seconds: float = GBNF_SECONDS) -> str:
+    """A GBNF grammar in Lark, converted by llguidance in a child process that may run `seconds`. The converter
     is Python, holds the GIL, and takes time quadratic in how deeply rules chain (a chain of 3,000 rules took
     20 s): in this process it would stall every other request's tokens while it ran, and nothing could stop it
     (a shutdown waited on it). A child costs ~0.1 s per new grammar (compiled grammars are cached)."""
@@ -243,11 +268,11 @@ def gbnf_to_lark(source: str) -> str:
             [sys.executable, "-I", "-c", _GBNF_TO_LARK],
             input=source.encode(),
             capture_output=True,
-            timeout=GBNF_SECONDS,
+            timeout=max(seconds, 0.0),
         )
     except subprocess.TimeoutExpired:
         raise ValueError(
-            f"the GBNF grammar took more than {GBNF_SECONDS:g} s to convert (too many rules chained)"
+            f"the GBNF grammar took more than {max(seconds, 0.0):.2g} s to convert (too many rules chained)"
         ) from None
     if done.returncode != 0:
         why = done.stderr.decode(errors="replace").strip() or f"the converter exited with {done.returncode}"
