@@ -243,3 +243,65 @@ def test_a_grammar_whose_first_mask_is_over_budget_is_refused_at_compile(engine_
         tight_compiler(engine, step_lexer_fuel=1).compile(GrammarSpec("regex", "[a-z]+[0-9]"))
     assert "<state>" not in str(refused.value)
 
+
+def gbnf_chain(n: int, tag: str) -> str:
+    """A GBNF grammar of n + 1 rules, each the next's only way in: llguidance's GBNF converter takes time
+    quadratic in such a chain (10,000 rules: past GBNF_SECONDS, so each ties up a compile for its whole budget)."""
+    return "root ::= r0\n" + "".join(f'r{i} ::= "{tag}" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "x"\n'
+
+
+def test_a_burst_of_hostile_grammars_does_not_starve_an_ordinary_one(engine_factory):
+    """50 distinct 10,000-rule GBNF grammars arrive within a second (as a server reads their bodies), then a
+    one-property schema: the schema is ready well within its budget and its request completes, and a running
+    stream keeps its pace (issue 50: on asyncio's shared pool the schema queued behind the burst and was
+    refused at 1.5 s)."""
+    engine = AsyncEngine(engine_factory())
+    schema = {"type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"]}
+    ordinary = GrammarSpec("json_schema", json.dumps({**schema, "additionalProperties": False}))
+    hostile = [GrammarSpec("grammar", gbnf_chain(10_000, f"x{i}")) for i in range(50)]
+    loose = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def stream(gaps: list[float], done: asyncio.Event) -> None:
+        n = 0
+        while not done.is_set():  # one stream after another: gaps are measured within a stream only
+            n += 1
+            last = None
+            async for _ in engine.generate(f"stream-{n}", [5, 6, 7, 8], loose):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+    async def scenario():
+        gaps: list[float] = []
+        done = asyncio.Event()
+        streaming = asyncio.create_task(stream(gaps, done))
+        await asyncio.sleep(0.5)
+        burst = []
+        for spec in hostile:
+            burst.append(asyncio.create_task(engine.compile_grammar(spec, time.monotonic())))
+            await asyncio.sleep(0.02)
+        start = time.monotonic()
+        try:
+            compiled = await engine.compile_grammar(ordinary, start)
+        finally:
+            waited = time.monotonic() - start
+            refused = await asyncio.gather(*burst, return_exceptions=True)
+            done.set()
+            await streaming
+        params = SamplingParams(max_tokens=40, temperature=0.0, grammar=compiled)
+        outputs = [o async for o in engine.generate("ordinary", [9, 10, 11, 12], params)]
+        return waited, outputs, refused, gaps
+
+    try:
+        waited, outputs, refused, gaps = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    print(f"ordinary compile {waited:.3f} s during the burst; stream max gap {max(gaps):.3f} s ({len(gaps)})")
+    # The issue's bar is 2 s, but a late compile is refused at COMPILE_SECONDS anyway: what shows starving is the
+    # wait. The compile itself takes ~2 ms; 0.5 s is generous for a busy 2-core host (on asyncio's pool: 1.48 s).
+    assert waited < 0.5, waited
+    assert outputs[-1].finished and outputs[-1].error is None
+    assert json.loads("".join(o.text for o in outputs)).keys() == {"n"}
+    assert all(isinstance(r, ValueError) for r in refused), refused
+    assert max(gaps) < 1.0, max(gaps)  # generous: a step of the tiny model takes milliseconds
