@@ -2,12 +2,12 @@
 numbers each tier computes in.
 
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
-instruction, so activations and dense weights are bfloat16 there. With AMX (Intel Xeons since Sapphire Rapids)
-a tile of 16 x 16 x 32 bfloat16 products is one instruction, eight times a core's AVX-512 rate: the quantized
-GEMMs run on tiles at every batch size, on float32 activations split into two bfloat16 parts each. Everywhere
-else bfloat16 arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their
-quantized GEMMs multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp)
-or float32 ones (baseline).
+instruction, so activations and dense weights are bfloat16 there. Everywhere else bfloat16
+arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs
+multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones
+(baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of 16 x 16 x 64 int8 products is one
+instruction: there a GEMM of many rows runs on tiles, each int16 activation as two bytes, with the same integer
+sums as the vectors that run a decode step's few rows (quant_gemm_amx.cpp), so its bits are the avx512 tier's.
 The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to
 float32 is a shift, and half the bytes float32 would cost (attention at 32 streams is bound by them). A
 request's bits may differ between tiers (other instructions, other sums) but never within one.
@@ -51,17 +51,17 @@ def _m(flags: tuple[str, ...]) -> tuple[str, ...]:
 
 # Best first.
 TIERS = (
-    # float32 activations: the tiles multiply each as two bfloat16 parts (16 bits) at little cost, where
-    # bfloat16 activations lost top-1 agreement with float32 (quant_gemm_amx.cpp)
+    # float32 activations as int16, as the avx512 tier's: bfloat16 activations (the avx512bf16 tier's) lost top-1
+    # agreement with float32 (kvserve bench-quality: 97.9% on the default model)
     CpuTier(
         "amx",
-        (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16", *_AVX2),
-        (*_m((*_AVX512, "avx512_bf16", *_AVX2)), "-mamx-tile", "-mamx-bf16"),
+        (*_AVX512, "avx512_bf16", "amx_tile", "amx_int8", *_AVX2),
+        (*_m((*_AVX512, "avx512_bf16", *_AVX2)), "-mamx-tile", "-mamx-int8"),
         torch.float32,
         torch.bfloat16,
         "avx512",
         "AVX512_CORE_AMX",
-        "AMX tiles: float32 activations, multiplied on tiles as two bfloat16 parts in the quantized GEMMs; "
+        "AMX tiles: float32 activations (int16 in the quantized GEMMs, whose many rows run on int8 tiles); "
         "bfloat16 KV cache",
         tiles=True,
     ),

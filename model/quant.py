@@ -208,9 +208,8 @@ class QuantizedLinear:
                                                    n=segment.shape[0]))  # fmt: skip
         bias = layer.bias.float() if layer.bias is not None else None
         # The kernel's argument after x, one object read once per GEMM: the buffers above (and a missing
-        # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step. The LM head (the
-        # layer that reads rows) multiplies a step's sequences, a few rows: on vectors, not AMX's tiles.
-        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features, tiles=not layer.reads_rows)
+        # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
+        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
         layer.quantized = None
 

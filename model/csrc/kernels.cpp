@@ -29,14 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gemm_bfloat16_as") = "float32";
 #endif
 #if defined(__AVX2__)
-  m.attr("vectors_float32_as") = "int16";  // a GEMM off AMX's tiles (QuantGemm.tiles false)
+  m.attr("gemm_float32_as") = "int16";  // on AMX's int8 tiles too, as two bytes each (quant_gemm_amx.cpp)
 #else
-  m.attr("vectors_float32_as") = "float32";
-#endif
-#if defined(__AMX_BF16__)
-  m.attr("gemm_float32_as") = "bfloat16x2";  // two bfloat16 parts, high and low: 16 bits (quant_gemm_amx.cpp)
-#else
-  m.attr("gemm_float32_as") = m.attr("vectors_float32_as");
+  m.attr("gemm_float32_as") = "float32";
 #endif
   m.def("quant_rows", &quant_rows, "rows of a quantized weight, dequantized to float32", py::arg("gemm"),
         py::arg("ids"), py::arg("K"));
@@ -55,10 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("supers"), py::arg("super_mins"),
            py::arg("bits"), py::arg("group"), py::arg("n"));
   py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on quantized weights: its segments, bias, width")
-      .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n, bool tiles) {
-             return QuantGemm{std::move(segments), bias, n, tiles};
+      .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
+             return QuantGemm{std::move(segments), bias, n};
            }),
-           py::arg("segments"), py::arg("bias"), py::arg("n"), py::arg("tiles") = true);
+           py::arg("segments"), py::arg("bias"), py::arg("n"));
   py::class_<MoeFfn>(m, "MoeFfn", py::module_local(), "a sparse MoE FFN on quantized experts (moe.cpp)")
       .def(py::init([](at::Tensor router, std::vector<QuantGemm> up, std::vector<QuantGemm> down, int64_t top_k,
                        bool renormalize, std::optional<QuantGemm> shared_up, std::optional<QuantGemm> shared_down,

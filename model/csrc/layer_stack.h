@@ -19,9 +19,6 @@ struct QuantGemm {
   std::vector<QuantSegment> segments;
   std::optional<at::Tensor> bias;
   int64_t n;  // output features
-  // On AMX's tiles where the CPU has them (every batch size: a row's bits never depend on its batch), else on
-  // vector instructions: the LM head, whose rows are a step's sequences, never a prompt's tokens (quant_gemm.cpp)
-  bool tiles = true;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

@@ -8,13 +8,10 @@
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
 // row of x for every output): nothing is rounded to a 16-bit weight. The kernels, by what the CPU multiplies
-// natively (model/cpu_tier.py): AMX's tiles, float32 activations as two bfloat16 parts (quant_gemm_amx.cpp);
-// bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp); float32 ones everywhere else (quant_gemm_f32.cpp,
-// quant_gemm_i16.cpp; bfloat16 ones are widened to float32 first where the CPU has no bfloat16 arithmetic).
-// A GEMM whose rows are only ever a step's sequences (the LM head: QuantGemm.tiles false) takes the vector
-// kernels on AMX's tier too: a tile's products pay for 16 rows whatever it holds, and one row of a Q6_K LM head
-// on tiles took ~2.5x the vector kernel's time (1 thread, 49,152 x 2048). The choice is the GEMM's, made once at
-// load, never the batch's: a row's bits still do not depend on its batch.
+// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp); float32 ones as int16
+// per group of 32 with AVX2 (quant_gemm_i16.cpp; many rows on AMX's int8 tiles where the CPU has them, with the
+// same integer sums: quant_gemm_amx.cpp), as they are elsewhere (quant_gemm_f32.cpp). bfloat16 ones are widened
+// to float32 first where the CPU has no bfloat16 arithmetic.
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
 //   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
@@ -106,26 +103,12 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
   const bool bf16 = false;
 #endif
   x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
-#if defined(__AMX_BF16__)
-  const c10::BFloat16* x_bf16 = bf16 ? reinterpret_cast<const c10::BFloat16*>(x.data_ptr()) : nullptr;
-  const float* x_f32 = bf16 ? nullptr : x.data_ptr<float>();
-#endif
   int64_t n0 = 0;
   for (const QuantSegment& s : gemm.segments) {
     TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
     const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
     const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
                    out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
-#if defined(__AMX_BF16__)
-    if (gemm.tiles) {
-      if (bf16)
-        gemm_amx(w, x_bf16, M, o);
-      else
-        gemm_amx(w, x_f32, M, o);
-      n0 += s.n;
-      continue;
-    }
-#endif
 #if defined(__AVX512BF16__)
     if (bf16) {
       gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);

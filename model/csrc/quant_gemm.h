@@ -229,7 +229,8 @@ void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out);
 #if defined(__AVX512BF16__)
 void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
 #endif
-#if defined(__AMX_BF16__)
-void gemm_amx(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
-void gemm_amx(const Packed& w, const float* x, int64_t M, const Output& out);  // x as two bfloat16 parts
+#if defined(__AMX_INT8__)
+// x as gemm_i16 rounds it: xq [M, K] int16, step [M, K / 32], xsum [M, K / group] (with a minimum)
+void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float* xsum, int64_t M,
+              const Output& out);
 #endif

@@ -1,6 +1,5 @@
-// What the kernels on bfloat16 activations share (quant_gemm_bf16.cpp: AVX512-BF16's pair products;
-// quant_gemm_amx.cpp: AMX tiles): a group's exact integers as bfloat16 pairs, its scales, and the sums of x per
-// group that a minimum multiplies.
+// What the kernel on bfloat16 activations (quant_gemm_bf16.cpp: AVX512-BF16's pair products) reads: a group's
+// exact integers as bfloat16 pairs, its scales, and the sums of x per group that a minimum multiplies.
 #pragma once
 
 #include "quant_gemm.h"

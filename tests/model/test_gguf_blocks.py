@@ -38,11 +38,10 @@ def weight(type_name: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     return from_gguf_blocks(type_name, torch.from_numpy(blocks), (N, K)), reference(type_name, blocks)
 
 
-def layer_for(qt, kernels, lm_head=False) -> Linear:
-    """A block's Linear (AMX's tiles where the tier has them), or with lm_head the LM head's (vectors)"""
+def layer_for(qt, kernels) -> Linear:
     segments = qt if isinstance(qt, list) else [qt]
     N, K = sum(s.shape[0] for s in segments), segments[0].shape[1]
-    layer = Linear(K, N, False, QuantizedLinear(kernels, PlainLinear()), rows=lm_head)
+    layer = Linear(K, N, False, QuantizedLinear(kernels, PlainLinear()), rows=True)
     layer.quantized = qt
     layer.method.prepare(layer)
     return layer
@@ -52,8 +51,7 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
     """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
     over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
     they add: |x| times |d| (128 + max |q|) and |m| per group (the bfloat16 kernel adds 128 d to a 4-bit q and
-    takes it back with the minimum). int16 activations add their own rounding, half a step per input, and
-    float32 ones split into two bfloat16 parts (AMX) what the two leave out."""
+    takes it back with the minimum). int16 activations add their own rounding, half a step per input."""
     M, K = x.shape
     d, m = qt.scales()
     G = qt.group
@@ -67,8 +65,6 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
         half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / 32767 / 2  # [M, K / 32]
         w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
         bound = bound + half_step @ w.T
-    if activations == "bfloat16x2":  # each input as two bfloat16 parts: 2^-17 of it at most is left out
-        bound = bound + x.double().abs() @ qt.dequantize().double().abs().T * 2.0**-17
     return bound
 
 
@@ -109,12 +105,11 @@ def test_resident_bits_per_weight(tier_kernels):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lm_head", [False, True])
-def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K, dtype, lm_head):
+def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K, dtype):
     """x W^T with W as gguf-py dequantizes the blocks, in float64: x as the kernel gets it (bfloat16, or
     float32), so the only error is the float32 sums' (and, on AVX2 tiers, int16 activations')."""
     qt, ref = weight(type_name, N, K, seed=M + N + K)
-    layer = layer_for(qt, tier_kernels, lm_head)
+    layer = layer_for(qt, tier_kernels)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).to(dtype)
     exact = x.double() @ torch.from_numpy(ref).T
     with torch.inference_mode():
@@ -122,8 +117,6 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
         out = layer(x)
     assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (M, N)
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
-    if lm_head and dtype == torch.float32:
-        activations = tier_kernels.vectors_float32_as
     bound = error_bound(x, qt, activations)
     assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
@@ -134,12 +127,11 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lm_head", [False, True])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype, lm_head):
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype):
     """Batches of 1..40 rows take every kernel path (packed tiles, blocks of rows, tiles unpacked once): each
     row's bits are those it gets alone."""
     qt, _ = weight(type_name, 40, 512, seed=7)
-    layer = layer_for(qt, tier_kernels, lm_head)
+    layer = layer_for(qt, tier_kernels)
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer.logits(x[i : i + 1]) for i in range(40)])

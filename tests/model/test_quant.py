@@ -28,11 +28,10 @@ def gguf_weight(kind: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     return from_gguf_blocks(kind, torch.from_numpy(raw), (N, K)), quants.dequantize(raw, t)
 
 
-def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None, lm_head=False) -> Linear:
-    """A block's Linear (AMX's tiles where the tier has them), or with lm_head the LM head's (vectors)"""
+def layer_for(qt: QuantizedTensor, bias: torch.Tensor | None = None, kernels=None) -> Linear:
     N, K = qt.shape
     layer = Linear(
-        K, N, bias is not None, QuantizedLinear(kernels or cpu_kernels(), PlainLinear()), rows=lm_head
+        K, N, bias is not None, QuantizedLinear(kernels or cpu_kernels(), PlainLinear()), rows=True
     )
     if bias is not None:
         layer.bias = torch.nn.Parameter(bias, requires_grad=False)
@@ -65,13 +64,11 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (7, 32), (100, 576)])  # N not a multiple of 16 too
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each tier's activations, on every tier
-@pytest.mark.parametrize("lm_head", [False, True])
-def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype, lm_head):
+def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype):
     """The weights are the file's exact values on every tier; the activations are what the tier multiplies
-    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, int16 per group of 32 with AVX2, float32 as
-    two bfloat16 parts on AMX's tiles (the LM head runs off them: vectors_float32_as)."""
+    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, or int16 per group of 32 with AVX2."""
     qt, _ = gguf_weight(kind, N, K, seed=N + K)
-    layer = layer_for(qt, kernels=tier_kernels, lm_head=lm_head)
+    layer = layer_for(qt, kernels=tier_kernels)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).to(dtype)
     exact = x.double() @ qt.dequantize().double().T  # [13, N]
     with torch.inference_mode():
@@ -80,13 +77,9 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (13, N)
     scale = exact.abs().max()
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
-    if lm_head and dtype == torch.float32:
-        activations = tier_kernels.vectors_float32_as
     allowed = 1e-5 * scale  # float32 sums
     if activations == "int16":
         allowed = allowed + int16_rounding_bound(x, qt.dequantize())
-    if activations == "bfloat16x2":  # two bfloat16 parts of each input: 2^-17 of it at most left out
-        allowed = allowed + x.double().abs() @ qt.dequantize().double().abs().T * 2.0**-17
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
 
@@ -95,16 +88,16 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
 @pytest.mark.skipif(
     "amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles"
 )
-def test_the_lm_head_runs_off_amx_tiles():
-    """On the amx tier a block's GEMM multiplies on tiles, the LM head (a step's few rows) on the vector kernel:
-    its logits are the avx512bf16 tier's bits (int16 activations), a block's are not (two bfloat16 parts)."""
-    qt, _ = gguf_weight("Q4_1", 100, 192)
-    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(3))
-    amx, vectors = load("amx"), load("avx512bf16")
-    with torch.inference_mode():
-        head = layer_for(qt, kernels=amx, lm_head=True).logits(x)
-        assert torch.equal(head, layer_for(qt, kernels=vectors, lm_head=True).logits(x))
-        assert not torch.equal(layer_for(qt, kernels=amx).logits(x), head)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_amx_tiles_give_the_vector_kernels_bits(kind):
+    """On the amx tier a GEMM of a few rows runs on vectors and one of many on AMX's int8 tiles, with the same
+    integer sums: every row count gives the avx512 tier's bits (int16 activations on vectors alone)."""
+    qt, _ = gguf_weight(kind, 100, 192)
+    amx, vectors = layer_for(qt, kernels=load("amx")), layer_for(qt, kernels=load("avx512"))
+    for rows in (1, 4, 5, 16, 17, 40):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            assert torch.equal(amx.logits(x), vectors.logits(x)), rows
 
 
 @pytest.mark.timeout(120)
@@ -122,12 +115,11 @@ def test_bias_is_added_in_float32(tier_kernels, dtype):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lm_head", [False, True])
-def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype, lm_head):
+def test_a_row_gets_the_same_bits_in_any_batch(tier_kernels, kind, dtype):
     """Every kernel path (one row over several tiles, blocks of rows from the packed weights, one or several
     (5 to 8 rows with AVX2 alone), blocks of rows over a tile unpacked once) gives a row the same bits."""
     qt, _ = gguf_weight(kind, 100, 192)
-    layer = layer_for(qt, kernels=tier_kernels, lm_head=lm_head)
+    layer = layer_for(qt, kernels=tier_kernels)
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, 5] = 1e-30  # tiny activations, the same in every path too
     with torch.inference_mode():
