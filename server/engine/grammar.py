@@ -10,14 +10,17 @@ preemption: recomputing a request's tokens draws nothing the state has not alrea
 Compiling (~1 ms for a typical schema, more for large ones) happens on the caller's thread, off the event
 loop and off the stepping thread; results are cached by what was asked, so a repeated schema costs nothing.
 llguidance's limits bound the compile and each step's mask; a GBNF grammar's conversion to Lark, which is
-Python, runs in a child process with a time limit (gbnf_to_lark).
+Python, runs in a child process with a time limit (gbnf_to_lark); how deep a grammar nests, which llguidance
+does not bound (past its thread's stack the process dies), is bounded here first (MAX_LEVELS).
 """
 
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,6 +41,19 @@ COMPILE_SECONDS = 1.5
 GBNF_SECONDS = 1.2  # a GBNF grammar's conversion to Lark, at most: inside the compile's budget
 # A spec this small, unless GBNF, compiles in milliseconds whatever it asks for (is_quick)
 QUICK_BYTES = 8192
+# How deep llguidance's compilers may recurse for a grammar, in levels as lark_levels and json_levels count them
+# (an upper bound). They recurse along rule, terminal and $ref chains and into nested groups with no limit of
+# their own, and a grammar deeper than the thread's stack kills the process (SIGSEGV), not just its request.
+# Measured on llguidance 1.9.1 with 8 MB stacks (Linux's default, main and pool threads alike), it crashed at:
+# a chain of Lark rules 2,689 levels (2,687 rules), of terminals 3,548, of rules each in 28 nested groups
+# 4,526, of JSON $refs 2,504 (also as a tool's schema), of $refs each under a property 2,820.
+MAX_LEVELS = 1000  # 2.5x under the lowest: a 500-rule chain is 502
+# What llguidance's Lark lexer reads as one lexeme holding characters that mean nothing to its parser (a
+# string, a comment, a regex, a special token; each unrolled: a 4 MB grammar of them is one C pass, ~0.2 s),
+# and %json, which a JSON value follows
+_LARK_OPAQUE = re.compile(
+    r'"[^"\\]*(?:\\.[^"\\]*)*"i?|(?:#|//)[^\n]*|/[^/\\]*(?:\\.[^/\\]*)*/[imslux]*|<[^<>\s]+>|%json\s*'
+)
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
 _GBNF_TO_LARK = """import sys
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -210,6 +226,7 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             schema = json.loads(spec.source)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
+            check_levels(json_levels(schema))
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
         if spec.kind == "regex":
             # \d and \w as JSON Schema and JavaScript read them ([0-9], [0-9a-zA-Z_]): Rust's Unicode classes
@@ -224,9 +241,12 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             return llguidance.grammar_from("choice", choices)
         if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
             lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source, gbnf_seconds)
+            check_levels(lark_levels(lark))
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "tool_calls":
-            return llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(json.loads(spec.source)))
+            lark = tool_calls_lark(json.loads(spec.source))
+            check_levels(lark_levels(lark))  # the schemas' $ref chains, in its %json blocks
+            return llguidance.LLMatcher.grammar_from_lark(lark)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON: {e}") from None
     except RecursionError:
@@ -234,6 +254,82 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
     except ValueError as e:
         raise ValueError(_short(str(e))) from None
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def check_levels(levels: int) -> None:
+    if levels > MAX_LEVELS:
+        raise ValueError(
+            f"the grammar nests too deeply: {levels} levels of rules, groups and references, over {MAX_LEVELS}"
+        )
+
+
+def lark_levels(lark: str) -> int:
+    """An upper bound on how deep llguidance's compiler recurses for a Lark grammar: every definition (its
+    ':'), group ('(', '[') and template ('{') counts as if all were nested in one another, and each %json
+    block as one more plus its json_levels. Strings, regexes and comments hold none (llguidance bounds their
+    nesting). Linear, and in C but for one step per lexeme where the grammar has %json."""
+    if "%json" not in lark:
+        return _lark_structure(lark)
+    levels = 0
+    end = 0  # where the Lark not yet counted starts
+    decoder = json.JSONDecoder()
+    for lexeme in _LARK_OPAQUE.finditer(lark):  # inside a JSON value only its strings are lexemes
+        if lexeme.start() < end or not lexeme.group().startswith("%json"):
+            continue
+        try:
+            schema, json_end = decoder.raw_decode(lark, lexeme.end())
+        except (ValueError, RecursionError):
+            continue  # llguidance will refuse it; it counts as Lark
+        levels += _lark_structure(lark[end : lexeme.start()]) + 1 + json_levels(schema)
+        end = json_end
+        if levels > MAX_LEVELS:
+            break
+    return levels + _lark_structure(lark[end:])
+
+
+def _lark_structure(lark: str) -> int:
+    plain = _LARK_OPAQUE.sub("", lark)
+    return sum(plain.count(c) for c in ":([{")
+
+
+def json_levels(schema) -> int:
+    """An upper bound on how deep llguidance's compiler recurses for a JSON schema: the schema's own nesting
+    (containers within containers), plus that of each distinct $ref's target (each is compiled once, where it
+    is first met: a chain of refs nests their targets), or of the whole schema where it cannot tell the
+    target. Computed without recursion: the schema may be as deep as json.loads allows."""
+    height: dict[int, int] = {}  # id of each container -> 1 + its highest child container's
+    refs: set[str] = set()
+    stack = [(schema, False)] if isinstance(schema, dict | list) else []
+    while stack:
+        value, children_done = stack.pop()
+        children = [
+            c for c in (value.values() if isinstance(value, dict) else value) if isinstance(c, dict | list)
+        ]
+        if children_done:
+            height[id(value)] = 1 + max((height[id(c)] for c in children), default=0)
+            continue
+        if isinstance(value, dict) and isinstance(value.get("$ref"), str):
+            refs.add(value["$ref"])
+        stack.append((value, True))
+        stack.extend((c, False) for c in children)
+    top = height.get(id(schema), 0)
+    return top + sum(height.get(id(_json_pointer(schema, ref)), top) for ref in refs)
+
+
+def _json_pointer(schema, ref: str):
+    """What a local $ref ("#/$defs/a") points to in schema, or None."""
+    if not ref.startswith("#/"):
+        return None
+    target = schema
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return None
+    return target
 
 
 def tool_calls_lark(calls: dict) -> str:

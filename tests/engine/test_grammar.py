@@ -6,8 +6,11 @@ import dataclasses
 import gc
 import json
 import re
+import subprocess
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -17,7 +20,7 @@ from model.sampling import apply_token_bitmask
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
-from server.engine.grammar import COMPILE_SECONDS, GrammarCompiler, bitmask_words
+from server.engine.grammar import COMPILE_SECONDS, MAX_LEVELS, GrammarCompiler, bitmask_words
 from server.engine.request import FinishReason, GrammarSpec, SamplingParams
 from tests.helpers.engine_runs import alone, assert_all_blocks_free, random_prompts, run
 
@@ -305,3 +308,98 @@ def test_a_burst_of_hostile_grammars_does_not_starve_an_ordinary_one(engine_fact
     assert json.loads("".join(o.text for o in outputs)).keys() == {"n"}
     assert all(isinstance(r, ValueError) for r in refused), refused
     assert max(gaps) < 1.0, max(gaps)  # generous: a step of the tiny model takes milliseconds
+
+
+def lark_chain(n: int) -> str:
+    """A Lark grammar of n + 1 rules, each only the next (llguidance's compiler recurses once per rule)."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
+
+
+def ref_chain(n: int, under_a_property: bool = False) -> dict:
+    """A JSON schema whose $defs chain n deep by $ref, each plain or as an object's one property."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    if under_a_property:
+        defs = {
+            name: {"type": "object", "properties": {"a": d}, "required": ["a"]} for name, d in defs.items()
+        }
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def tool_calls(schema: dict) -> GrammarSpec:
+    calls = {"calls": [schema], "open": "<call>", "close": "</call>", "separator": "\n", "many": False}
+    return GrammarSpec("tool_calls", json.dumps(calls))
+
+
+# Each (but the GBNF one, which a faster host converts at 3,000 rules) overflowed llguidance's stack and killed
+# the process before depth was checked: from 2,687 rules, 2,500 $refs, 938 $refs under a property, ~3,500
+# terminals, 156 rules each in 28 groups (server/engine/grammar.py, MAX_LEVELS)
+TOO_DEEP = {
+    "lark rules": GrammarSpec("grammar", lark_chain(3000)),
+    "lark terminals": GrammarSpec(
+        "grammar", "start: T0\n" + "".join(f"T{i}: T{i + 1}\n" for i in range(4000)) + 'T4000: "x"\n'
+    ),
+    "lark groups": GrammarSpec(
+        "grammar",
+        "start: r0\n" + "".join(f"r{i}: {'(' * 28}r{i + 1}{')' * 28}\n" for i in range(200)) + 'r200: "x"\n',
+    ),
+    # converted to Lark first (in a child, time-limited: 1,500 rules convert well within it on 2 busy cores)
+    "gbnf rules": GrammarSpec(
+        "grammar", "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1500)) + 'r1500 ::= "x"\n'
+    ),
+    "json $refs": GrammarSpec("json_schema", json.dumps(ref_chain(3000))),
+    "json $refs under properties": GrammarSpec(
+        "json_schema", json.dumps(ref_chain(1000, under_a_property=True))
+    ),
+    "tool schema $refs": tool_calls(ref_chain(3000)),
+}
+# Compiles each of TOO_DEEP as the server does, in a child process: a regression fails the test, not the run
+_COMPILE_EACH = """import json, sys
+from model.tokenizer import Tokenizer
+from server.engine.grammar import GrammarCompiler
+from server.engine.request import GrammarSpec
+folder, vocab_size, eos, specs = json.loads(sys.stdin.read())
+compiler = GrammarCompiler(Tokenizer.load(folder), vocab_size, frozenset(eos))
+for name, (kind, source) in specs.items():
+    try:
+        compiler.compile(GrammarSpec(kind, source))
+        print(name, "compiled", flush=True)
+    except ValueError as e:
+        print(name, "refused:", e, flush=True)
+"""
+
+
+def test_grammars_deeper_than_llguidance_can_compile_are_refused(engine_factory, tiny_llama_dir):
+    engine = engine_factory()
+    specs = {name: (s.kind, s.source) for name, s in TOO_DEEP.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_EACH],
+        input=json.dumps([str(tiny_llama_dir), engine.vocab_size, sorted(engine.eos_token_ids), specs]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, (done.returncode, lines, done.stderr[-2000:])  # -11: SIGSEGV
+    assert len(lines) == len(TOO_DEEP), lines
+    for name, line in zip(TOO_DEEP, lines, strict=True):
+        assert line.startswith(f"{name} refused: the grammar nests too deeply"), line
+        assert f"over {MAX_LEVELS}" in line, line
+
+
+def test_moderately_deep_grammars_still_compile_and_constrain(engine_factory):
+    """Well within MAX_LEVELS: a 500-rule chain, a 300-deep $ref chain, and colons and parentheses that sit in
+    strings, regexes and comments (which llguidance does not recurse on)."""
+    engine = engine_factory()
+    quoted = "start: " + " ".join(['"(:"', "/[(:]/"] * 600) + "  // " + ":(" * 600 + "\n"
+    for spec in [
+        GrammarSpec("grammar", lark_chain(500)),
+        GrammarSpec("json_schema", json.dumps(ref_chain(300))),
+        tool_calls(ref_chain(300)),
+        GrammarSpec("grammar", quoted),
+    ]:
+        engine.grammars.compile(spec)
+    [(_, text, reason)] = run(
+        engine, {"chain": [5, 6, 7, 8]}, constrained(engine, GrammarSpec("grammar", lark_chain(500)))
+    ).values()
+    assert (text, reason) == ("x", FinishReason.STOP)
