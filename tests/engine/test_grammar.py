@@ -20,7 +20,14 @@ from model.sampling import apply_token_bitmask
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
-from server.engine.grammar import COMPILE_SECONDS, MAX_LEVELS, GrammarCompiler, bitmask_words
+from server.engine.grammar import (
+    COMPILE_SECONDS,
+    MAX_DEPTH,
+    GrammarCompiler,
+    bitmask_words,
+    json_depth,
+    lark_depth,
+)
 from server.engine.request import FinishReason, GrammarSpec, SamplingParams
 from tests.helpers.engine_runs import alone, assert_all_blocks_free, random_prompts, run
 
@@ -247,10 +254,12 @@ def test_a_grammar_whose_first_mask_is_over_budget_is_refused_at_compile(engine_
     assert "<state>" not in str(refused.value)
 
 
-def gbnf_chain(n: int, tag: str) -> str:
-    """A GBNF grammar of n + 1 rules, each the next's only way in: llguidance's GBNF converter takes time
-    quadratic in such a chain (10,000 rules: past GBNF_SECONDS, so each ties up a compile for its whole budget)."""
-    return "root ::= r0\n" + "".join(f'r{i} ::= "{tag}" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "x"\n'
+def gbnf_chain(n: int, tag: str | None = None) -> str:
+    """A GBNF grammar of n + 1 rules, each the next's only way in (after the tag, if any): llguidance's GBNF
+    converter takes time quadratic in such a chain (10,000 tagged rules: past GBNF_SECONDS, so each ties up a
+    compile for its whole budget; 1,000 untagged ones ~0.25 s on 2 busy cores, 1,000 tagged ~0.75 s)."""
+    head = "" if tag is None else f'"{tag}" '
+    return "root ::= r0\n" + "".join(f"r{i} ::= {head}r{i + 1}\n" for i in range(n)) + f'r{n} ::= "x"\n'
 
 
 def test_a_burst_of_hostile_grammars_does_not_starve_an_ordinary_one(engine_factory):
@@ -325,14 +334,30 @@ def ref_chain(n: int, under_a_property: bool = False) -> dict:
     return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
 
 
+def flat_lark(n: int) -> str:
+    """A Lark grammar of n rules side by side, none naming another: start is any one of them."""
+    return (
+        "start: "
+        + " | ".join(f"r{i}" for i in range(n))
+        + "\n"
+        + "".join(f'r{i}: "w{i}"\n' for i in range(n))
+    )
+
+
+def anchor_chain(n: int) -> dict:
+    """A JSON schema whose $defs chain n deep by $ref to each next one's $anchor (llguidance resolves those)."""
+    defs = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"$anchor": f"a{n}", "type": "integer"}}, "$ref": "#a0"}
+
+
 def tool_calls(schema: dict) -> GrammarSpec:
     calls = {"calls": [schema], "open": "<call>", "close": "</call>", "separator": "\n", "many": False}
     return GrammarSpec("tool_calls", json.dumps(calls))
 
 
 # Each (but the GBNF one, which a faster host converts at 3,000 rules) overflowed llguidance's stack and killed
-# the process before depth was checked: from 2,687 rules, 2,500 $refs, 938 $refs under a property, ~3,500
-# terminals, 156 rules each in 28 groups (server/engine/grammar.py, MAX_LEVELS)
+# the process before depth was checked: from 2,677 rules, 2,493 $refs (by pointer or, at 3,000, by $anchor), 925
+# $refs under a property, ~3,525 terminals, 157 rules each in 28 groups (server/engine/grammar.py, MAX_DEPTH)
 TOO_DEEP = {
     "lark rules": GrammarSpec("grammar", lark_chain(3000)),
     "lark terminals": GrammarSpec(
@@ -343,10 +368,9 @@ TOO_DEEP = {
         "start: r0\n" + "".join(f"r{i}: {'(' * 28}r{i + 1}{')' * 28}\n" for i in range(200)) + 'r200: "x"\n',
     ),
     # converted to Lark first (in a child, time-limited: 1,500 rules convert well within it on 2 busy cores)
-    "gbnf rules": GrammarSpec(
-        "grammar", "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1500)) + 'r1500 ::= "x"\n'
-    ),
+    "gbnf rules": GrammarSpec("grammar", gbnf_chain(1500)),
     "json $refs": GrammarSpec("json_schema", json.dumps(ref_chain(3000))),
+    "json $refs by $anchor": GrammarSpec("json_schema", json.dumps(anchor_chain(3000))),
     "json $refs under properties": GrammarSpec(
         "json_schema", json.dumps(ref_chain(1000, under_a_property=True))
     ),
@@ -384,12 +408,26 @@ def test_grammars_deeper_than_llguidance_can_compile_are_refused(engine_factory,
     assert len(lines) == len(TOO_DEEP), lines
     for name, line in zip(TOO_DEEP, lines, strict=True):
         assert line.startswith(f"{name} refused: the grammar nests too deeply"), line
-        assert f"over {MAX_LEVELS}" in line, line
+        assert f"over {MAX_DEPTH}" in line, line
 
 
-def test_moderately_deep_grammars_still_compile_and_constrain(engine_factory):
-    """Well within MAX_LEVELS: a 500-rule chain, a 300-deep $ref chain, and colons and parentheses that sit in
-    strings, regexes and comments (which llguidance does not recurse on)."""
+# A grammar shaped like JSON: recursive (value -> array -> value), so its rules refer back to one another
+JSON_LIKE_LARK = r"""
+start: value
+?value: object | array | STRING | NUMBER | "true" | "false" | "null"
+array: "[" [value ("," value)*] "]"
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+STRING: /"[a-z]*"/
+NUMBER: /-?[0-9]+/
+"""
+
+
+def test_large_grammars_that_do_not_nest_deeply_still_compile_and_constrain(engine_factory):
+    """Depth is what is refused, not size: a 500-rule chain, a 300-deep $ref chain, 3,000 rules side by side,
+    a 1,000-rule GBNF chain (1,002 levels once converted; it compiled before depth was checked), a recursive
+    grammar, and colons and parentheses that sit in strings, regexes and comments (which llguidance does not
+    recurse on)."""
     engine = engine_factory()
     quoted = "start: " + " ".join(['"(:"', "/[(:]/"] * 600) + "  // " + ":(" * 600 + "\n"
     for spec in [
@@ -397,9 +435,37 @@ def test_moderately_deep_grammars_still_compile_and_constrain(engine_factory):
         GrammarSpec("json_schema", json.dumps(ref_chain(300))),
         tool_calls(ref_chain(300)),
         GrammarSpec("grammar", quoted),
+        GrammarSpec("grammar", flat_lark(3000)),
+        GrammarSpec("grammar", gbnf_chain(1000)),
+        GrammarSpec("grammar", JSON_LIKE_LARK),
     ]:
         engine.grammars.compile(spec)
     [(_, text, reason)] = run(
         engine, {"chain": [5, 6, 7, 8]}, constrained(engine, GrammarSpec("grammar", lark_chain(500)))
     ).values()
     assert (text, reason) == ("x", FinishReason.STOP)
+
+
+def test_depth_follows_chains_not_size():
+    """lark_depth and json_depth: the longest chain of definitions and groups, each definition counted once and a
+    reference back to one in progress adding nothing."""
+    assert lark_depth(flat_lark(3000)) == 2
+    assert lark_depth(lark_chain(500)) == 502
+    assert lark_depth('start: a\na: ("x" (b))\nb: "y"  // (((\n') == 5  # start, a and its 2 groups, b
+    # start, value, object and its 2 groups, pair, STRING; value again adds nothing
+    assert lark_depth(JSON_LIKE_LARK) == 7
+    recursive = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert json_depth(recursive) == 4
+    assert json_depth(ref_chain(300)) == json_depth(anchor_chain(300)) == 303
+
+
+def test_a_deep_grammar_is_refused_quickly():
+    """The check holds the GIL (llguidance's compile lets go of it), so it walks once, in C where it can: 4 MB,
+    the largest body the API takes, of a Lark chain or of nested groups is refused in ~0.3-0.6 s on 2 busy
+    cores (the bound leaves room for busier ones)."""
+    chain = lark_chain(250_000)
+    groups = "start: " + "(" * 2_000_000 + '"x"' + ")" * 2_000_000 + "\n"
+    for lark in (chain, groups):
+        started = time.perf_counter()
+        assert lark_depth(lark) > MAX_DEPTH
+        assert time.perf_counter() - started < 1.5
