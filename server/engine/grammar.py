@@ -10,16 +10,21 @@ preemption: recomputing a request's tokens draws nothing the state has not alrea
 Compiling (~1 ms for a typical schema, more for large ones) happens on the caller's thread, off the event
 loop and off the stepping thread; results are cached by what was asked, so a repeated schema costs nothing.
 llguidance's limits bound the compile and each step's mask; a GBNF grammar's conversion to Lark, which is
-Python, runs in a child process with a time limit (gbnf_to_lark).
+Python, runs in a child process with a time limit (gbnf_to_lark); how deep a grammar nests, which llguidance
+does not bound (past its thread's stack the process dies), is bounded here first (MAX_DEPTH).
 """
 
 import json
+import operator
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import accumulate, compress, repeat
 
 import llguidance
 import torch
@@ -38,6 +43,29 @@ COMPILE_SECONDS = 1.5
 GBNF_SECONDS = 1.2  # a GBNF grammar's conversion to Lark, at most: inside the compile's budget
 # A spec this small, unless GBNF, compiles in milliseconds whatever it asks for (is_quick)
 QUICK_BYTES = 8192
+# How deep llguidance's compilers may recurse for a grammar, in levels as lark_depth and json_depth count them.
+# They recurse along rule, terminal and $ref chains and into nested groups with no limit of their own, and a
+# grammar deeper than the thread's stack kills the process (SIGSEGV), not just its request.
+# Measured on llguidance 1.9.1 with 8 MB stacks (Linux's default, main and pool threads alike), it crashed at:
+# a chain of Lark rules 2,679 levels (fine at 2,670), of terminals 3,527 (3,514), of rules each in 28 nested
+# groups 4,555 (4,497), of JSON $refs 2,496 (2,490), of $refs each under a property 2,778 (2,769), of $refs in a
+# tool's schema (%json) 2,499 (2,493); of $refs to $anchors, 3,000 $refs. The limit is 42% of the lowest, as low
+# as lets a 1,000-rule GBNF chain (1,002 levels once converted) compile as it did before depth was checked.
+MAX_DEPTH = 1050
+# What llguidance's Lark lexer reads as one lexeme holding characters that mean nothing to its parser (a
+# string, a comment, a regex, a special token; each unrolled: a 4 MB grammar of them is one C pass, ~0.2 s),
+# and %json, which a JSON value follows
+_LARK_OPAQUE = re.compile(
+    r'"[^"\\]*(?:\\.[^"\\]*)*"i?|(?:#|//)[^\n]*|/[^/\\]*(?:\\.[^/\\]*)*/[imslux]*|<[^<>\s]+>|%json\s*'
+)
+# Once those are blanked: a definition's head (rule or terminal, `?`/`!` and llguidance's [attributes] allowed;
+# llguidance wants each at a line's start), whose name is the group; or a directive (%ignore, %llguidance ...)
+_LARK_HEAD = re.compile(r"(?m)^[ \t]*(?:[?!]?([A-Za-z_]\w*)[ \t]*(?:\[[^\[\]:\n]*\])?[ \t]*:|%)")
+_LARK_NAME = re.compile(r"[A-Za-z_]\w*|@\d+")  # what a body may name: a definition, or %json block @i
+_BRACKET = re.compile(r"[()\[\]{}]")
+_NOT_BRACKET = re.compile(r"[^()\[\]{}]+")
+_BRACKET_KIND = str.maketrans("[{]}", "(())")
+_NAMING = re.compile(r"[A-Za-z_@]")
 # llguidance's own converter, run in a child process: it reads GBNF on stdin and writes Lark, or its error
 _GBNF_TO_LARK = """import sys
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -210,6 +238,7 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             schema = json.loads(spec.source)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
+            check_depth(json_depth(schema))
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
         if spec.kind == "regex":
             # \d and \w as JSON Schema and JavaScript read them ([0-9], [0-9a-zA-Z_]): Rust's Unicode classes
@@ -224,9 +253,12 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             return llguidance.grammar_from("choice", choices)
         if spec.kind == "grammar":  # GBNF (llama.cpp's) or Lark (llguidance's)
             lark = spec.source if is_lark_syntax(spec.source) else gbnf_to_lark(spec.source, gbnf_seconds)
+            check_depth(lark_depth(lark))
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "tool_calls":
-            return llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(json.loads(spec.source)))
+            lark = tool_calls_lark(json.loads(spec.source))
+            check_depth(lark_depth(lark))  # the schemas' $ref chains, in its %json blocks
+            return llguidance.LLMatcher.grammar_from_lark(lark)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON: {e}") from None
     except RecursionError:
@@ -234,6 +266,179 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
     except ValueError as e:
         raise ValueError(_short(str(e))) from None
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def check_depth(depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(
+            f"the grammar nests too deeply: over {MAX_DEPTH} levels of rules, groups and references"
+        )
+
+
+def lark_depth(lark: str, limit: int | None = MAX_DEPTH) -> int:
+    """How deep llguidance's compiler recurses for a Lark grammar, in levels: a definition (rule or terminal)
+    is its deepest group nesting + 1 + the depth of the deepest definition or %json block it names. Each
+    definition is built once (a name met again is not followed again), and a name that refers back to one
+    being built adds nothing: recursive grammars are normal. Strings, regexes, comments and special tokens hold
+    no structure (llguidance bounds their nesting). Past `limit` it stops with a depth over it. Without
+    recursion, and near-linear: a 4 MB grammar takes 0.2-0.7 s on 2 busy cores (as deep as may be: ~0.4 s)."""
+    blocks: list[int] = []  # the depth of each %json block, which the Lark then names @i
+    if "%json" in lark:
+        pieces = []
+        end = 0  # where the Lark not yet copied starts
+        decoder = json.JSONDecoder()
+        for lexeme in _LARK_OPAQUE.finditer(lark):  # inside a JSON value only its strings are lexemes
+            if lexeme.start() < end or not lexeme.group().startswith("%json"):
+                continue
+            try:
+                schema, json_end = decoder.raw_decode(lark, lexeme.end())
+            except (ValueError, RecursionError):
+                continue  # llguidance will refuse it
+            pieces += [lark[end : lexeme.start()], f" @{len(blocks)} "]
+            blocks.append(json_depth(schema, limit))
+            end = json_end
+        lark = "".join(pieces) + lark[end:]
+    # [text before the first head, name, body, name, body, ...]; a directive's name is None
+    parts = _LARK_HEAD.split(_LARK_OPAQUE.sub(" ", lark))
+    names = parts[1::2]
+    bodies = dict(zip(names, parts[2::2], strict=True))
+    if len(bodies) < len(names):  # a name defined twice (llguidance refuses it): measure both as one
+        bodies = {}
+        for name, body in zip(names, parts[2::2], strict=True):
+            bodies[name] = bodies.get(name, "") + "\n" + body
+    bodies.pop(None, None)
+    # Leaves (naming nothing) are found in C; Python parses the others only as the walk reaches them, so a deep
+    # grammar is refused once the walk is past the limit, whatever its size
+    keys, texts = list(bodies), list(bodies.values())
+    grouped = set(compress(keys, map(_BRACKET.search, texts)))
+    depth = dict.fromkeys(compress(keys, map(operator.not_, map(_NAMING.search, texts))), 1)
+    for name in grouped & depth.keys():
+        depth[name] += _group_depth(bodies[name])
+    own: dict[str, tuple[int, int]] = {}  # once parsed: each definition's group nesting, deepest %json block
+
+    def edges(name: str) -> list[str]:
+        named = dict.fromkeys(_LARK_NAME.findall(bodies[name]))  # in order: the walk is the same each time
+        blocks_below = [blocks[int(n[1:])] for n in named if n[0] == "@"]
+        own[name] = (_group_depth(bodies[name]) if name in grouped else 0, max(blocks_below, default=0))
+        return [n for n in named if n in bodies]
+
+    def depth_of(name: str, below: int) -> int:
+        groups, json_below = own[name]
+        return groups + 1 + max(below, json_below)
+
+    # llguidance builds from start; what it does not reach is measured too, from itself
+    roots = ["start", *keys] if "start" in bodies else keys
+    return _deepest(roots, edges, depth_of, limit, depth)
+
+
+def _group_depth(body: str) -> int:
+    """How deeply groups ((), [], {}) nest in a Lark body: the most open at once (for a long body in torch: 4 MB
+    of them take ~0.05 s)."""
+    brackets = _NOT_BRACKET.sub("", body).translate(_BRACKET_KIND)
+    if len(brackets) > 256:
+        opens = torch.frombuffer(bytearray(brackets.encode()), dtype=torch.uint8) == ord("(")
+        return max(int((opens.int() * 2 - 1).cumsum(0).max()), 0)
+    return max(accumulate((1 if b == "(" else -1 for b in brackets), initial=0))
+
+
+def json_depth(schema, limit: int | None = MAX_DEPTH) -> int:
+    """How deep llguidance's compiler recurses for a JSON schema, in levels: a container (object or array) is
+    1 + the depth of the deepest container in it or that its $ref names. Each container is built once, and a
+    $ref back to one being built adds nothing (recursive schemas are normal). $refs resolve as JSON Schema
+    resolves them and llguidance does: JSON pointers, $id and $anchor, relative to the enclosing $id. Past
+    `limit` it stops with a depth over it. Without recursion: the schema may be as deep as json.loads allows."""
+    if not isinstance(schema, dict | list):
+        return 0
+    found: dict[str, object] = {}  # absolute URI (with #anchor) -> what it identifies
+    refs: dict[int, str] = {}  # id of each object holding a $ref -> the absolute URI it names
+    children: dict[int, list] = {}
+    stack = [(schema, "")]
+    while stack:
+        value, base = stack.pop()
+        if id(value) in children:
+            continue
+        if isinstance(value, dict):
+            if isinstance(value.get("$id"), str):
+                base = urllib.parse.urldefrag(urllib.parse.urljoin(base, value["$id"])).url
+                found[base] = value
+            for key in ("$anchor", "$dynamicAnchor"):
+                if isinstance(value.get(key), str):
+                    found[f"{base}#{value[key]}"] = value
+            if isinstance(value.get("$ref"), str):
+                ref = value[
+                    "$ref"
+                ]  # most are "#/$defs/a" with no $id about: urljoin is slow for 100,000 of them
+                refs[id(value)] = ref if not base and ref.startswith("#") else urllib.parse.urljoin(base, ref)
+        children[id(value)] = [
+            c for c in (value.values() if isinstance(value, dict) else value) if isinstance(c, dict | list)
+        ]
+        stack.extend((c, base) for c in children[id(value)])
+    found.setdefault("", schema)
+
+    def edges(key: int) -> list[int]:
+        below = children[key]
+        target = _resolve(found, refs[key]) if key in refs else None
+        if isinstance(target, dict | list) and id(target) in children:
+            below = [*below, target]
+        return [id(c) for c in below]
+
+    return _deepest([id(schema)], edges, lambda key, below: 1 + below, limit)
+
+
+def _resolve(found: dict, uri: str):
+    """What an absolute $ref URI names: a resource ($id) or anchor, or a JSON pointer into a resource; or None."""
+    if uri in found:
+        return found[uri]
+    resource, pointer = urllib.parse.urldefrag(uri)
+    target = found.get(resource)
+    if target is None or not pointer.startswith("/"):
+        return None
+    for part in pointer[1:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return None
+    return target
+
+
+def _deepest(roots: list, edges, depth_of, limit: int | None, depth: dict | None = None) -> int:
+    """The greatest depth over a graph, by a depth-first walk from each root in turn with an explicit stack: a
+    node's depth is depth_of(node, deepest of the nodes edges(node) names), each node is measured once (the
+    first time it is met), and an edge back to a node still being measured counts 0, as a compiler that builds
+    each definition once and refers back to one in progress recurses no further. Once a path from a root holds
+    more than `limit` nodes (each at least a level deeper than the next), or a node measures more than `limit`,
+    that is returned. `depth` may hold nodes already measured (leaves)."""
+    depth = {} if depth is None else depth
+    for root in roots:
+        if root in depth:
+            continue
+        on_path = {root}
+        below = edges(root)
+        stack = [(root, below, iter(below))]
+        while stack:
+            node, below, pending = stack[-1]
+            for child in pending:
+                if child not in depth and child not in on_path:
+                    child_below = edges(child)
+                    if not child_below:  # a leaf: measured at once
+                        depth[child] = depth_of(child, 0)
+                        continue
+                    on_path.add(child)
+                    stack.append((child, child_below, iter(child_below)))
+                    break
+            else:
+                stack.pop()
+                on_path.discard(node)
+                depth[node] = depth_of(node, max(map(depth.get, below, repeat(0, len(below))), default=0))
+                if limit is not None and depth[node] > limit:
+                    return depth[node]
+                continue
+            if limit is not None and len(stack) > limit:
+                return len(stack)
+    return max(depth.values(), default=0)
 
 
 def tool_calls_lark(calls: dict) -> str:

@@ -455,3 +455,19 @@ def test_a_grammar_failing_midway_is_a_400_or_an_error_event_naming_the_grammar(
         # the server goes on: a free-text request after them is answered
         assert client.post("/v1/chat/completions", json=MESSAGE).status_code == 200
     assert tight_grammar_engine.stats().kv_cache_usage == 0
+
+
+def test_a_grammar_too_deep_to_compile_is_a_400_and_the_server_goes_on(tiny_engine, start_server):
+    """A Lark grammar chaining 3,000 rules, and a schema chaining 3,000 $refs, overflowed llguidance's stack
+    and killed the whole server; each is a 400 naming its field, and the next request is served."""
+    url, _ = start_server(tiny_engine)
+    chain = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "x"\n'
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+    schema = {"$defs": {**defs, "d3000": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    refs = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        lark = {**PROMPT, "structured_outputs": {"grammar": chain}}
+        assert_error(client.post("/v1/completions", json=lark), 400, "structured_outputs", "nests too deeply")
+        r = client.post("/v1/chat/completions", json={**MESSAGE, "response_format": refs})
+        assert_error(r, 400, "response_format", "nests too deeply")
+        assert client.post("/v1/completions", json=PROMPT).status_code == 200

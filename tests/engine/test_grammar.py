@@ -6,8 +6,11 @@ import dataclasses
 import gc
 import json
 import re
+import subprocess
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -17,7 +20,14 @@ from model.sampling import apply_token_bitmask
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
-from server.engine.grammar import COMPILE_SECONDS, GrammarCompiler, bitmask_words
+from server.engine.grammar import (
+    COMPILE_SECONDS,
+    MAX_DEPTH,
+    GrammarCompiler,
+    bitmask_words,
+    json_depth,
+    lark_depth,
+)
 from server.engine.request import FinishReason, GrammarSpec, SamplingParams
 from tests.helpers.engine_runs import alone, assert_all_blocks_free, random_prompts, run
 
@@ -244,10 +254,12 @@ def test_a_grammar_whose_first_mask_is_over_budget_is_refused_at_compile(engine_
     assert "<state>" not in str(refused.value)
 
 
-def gbnf_chain(n: int, tag: str) -> str:
-    """A GBNF grammar of n + 1 rules, each the next's only way in: llguidance's GBNF converter takes time
-    quadratic in such a chain (10,000 rules: past GBNF_SECONDS, so each ties up a compile for its whole budget)."""
-    return "root ::= r0\n" + "".join(f'r{i} ::= "{tag}" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "x"\n'
+def gbnf_chain(n: int, tag: str | None = None) -> str:
+    """A GBNF grammar of n + 1 rules, each the next's only way in (after the tag, if any): llguidance's GBNF
+    converter takes time quadratic in such a chain (10,000 tagged rules: past GBNF_SECONDS, so each ties up a
+    compile for its whole budget; 1,000 untagged ones ~0.25 s on 2 busy cores, 1,000 tagged ~0.75 s)."""
+    head = "" if tag is None else f'"{tag}" '
+    return "root ::= r0\n" + "".join(f"r{i} ::= {head}r{i + 1}\n" for i in range(n)) + f'r{n} ::= "x"\n'
 
 
 def test_a_burst_of_hostile_grammars_does_not_starve_an_ordinary_one(engine_factory):
@@ -305,3 +317,155 @@ def test_a_burst_of_hostile_grammars_does_not_starve_an_ordinary_one(engine_fact
     assert json.loads("".join(o.text for o in outputs)).keys() == {"n"}
     assert all(isinstance(r, ValueError) for r in refused), refused
     assert max(gaps) < 1.0, max(gaps)  # generous: a step of the tiny model takes milliseconds
+
+
+def lark_chain(n: int) -> str:
+    """A Lark grammar of n + 1 rules, each only the next (llguidance's compiler recurses once per rule)."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
+
+
+def ref_chain(n: int, under_a_property: bool = False) -> dict:
+    """A JSON schema whose $defs chain n deep by $ref, each plain or as an object's one property."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    if under_a_property:
+        defs = {
+            name: {"type": "object", "properties": {"a": d}, "required": ["a"]} for name, d in defs.items()
+        }
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def flat_lark(n: int) -> str:
+    """A Lark grammar of n rules side by side, none naming another: start is any one of them."""
+    return (
+        "start: "
+        + " | ".join(f"r{i}" for i in range(n))
+        + "\n"
+        + "".join(f'r{i}: "w{i}"\n' for i in range(n))
+    )
+
+
+def anchor_chain(n: int) -> dict:
+    """A JSON schema whose $defs chain n deep by $ref to each next one's $anchor (llguidance resolves those)."""
+    defs = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"$anchor": f"a{n}", "type": "integer"}}, "$ref": "#a0"}
+
+
+def tool_calls(schema: dict) -> GrammarSpec:
+    calls = {"calls": [schema], "open": "<call>", "close": "</call>", "separator": "\n", "many": False}
+    return GrammarSpec("tool_calls", json.dumps(calls))
+
+
+# Each (but the GBNF one, which a faster host converts at 3,000 rules) overflowed llguidance's stack and killed
+# the process before depth was checked: from 2,677 rules, 2,493 $refs (by pointer or, at 3,000, by $anchor), 925
+# $refs under a property, ~3,525 terminals, 157 rules each in 28 groups (server/engine/grammar.py, MAX_DEPTH)
+TOO_DEEP = {
+    "lark rules": GrammarSpec("grammar", lark_chain(3000)),
+    "lark terminals": GrammarSpec(
+        "grammar", "start: T0\n" + "".join(f"T{i}: T{i + 1}\n" for i in range(4000)) + 'T4000: "x"\n'
+    ),
+    "lark groups": GrammarSpec(
+        "grammar",
+        "start: r0\n" + "".join(f"r{i}: {'(' * 28}r{i + 1}{')' * 28}\n" for i in range(200)) + 'r200: "x"\n',
+    ),
+    # converted to Lark first (in a child, time-limited: 1,500 rules convert well within it on 2 busy cores)
+    "gbnf rules": GrammarSpec("grammar", gbnf_chain(1500)),
+    "json $refs": GrammarSpec("json_schema", json.dumps(ref_chain(3000))),
+    "json $refs by $anchor": GrammarSpec("json_schema", json.dumps(anchor_chain(3000))),
+    "json $refs under properties": GrammarSpec(
+        "json_schema", json.dumps(ref_chain(1000, under_a_property=True))
+    ),
+    "tool schema $refs": tool_calls(ref_chain(3000)),
+}
+# Compiles each of TOO_DEEP as the server does, in a child process: a regression fails the test, not the run
+_COMPILE_EACH = """import json, sys
+from model.tokenizer import Tokenizer
+from server.engine.grammar import GrammarCompiler
+from server.engine.request import GrammarSpec
+folder, vocab_size, eos, specs = json.loads(sys.stdin.read())
+compiler = GrammarCompiler(Tokenizer.load(folder), vocab_size, frozenset(eos))
+for name, (kind, source) in specs.items():
+    try:
+        compiler.compile(GrammarSpec(kind, source))
+        print(name, "compiled", flush=True)
+    except ValueError as e:
+        print(name, "refused:", e, flush=True)
+"""
+
+
+def test_grammars_deeper_than_llguidance_can_compile_are_refused(engine_factory, tiny_llama_dir):
+    engine = engine_factory()
+    specs = {name: (s.kind, s.source) for name, s in TOO_DEEP.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_EACH],
+        input=json.dumps([str(tiny_llama_dir), engine.vocab_size, sorted(engine.eos_token_ids), specs]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, (done.returncode, lines, done.stderr[-2000:])  # -11: SIGSEGV
+    assert len(lines) == len(TOO_DEEP), lines
+    for name, line in zip(TOO_DEEP, lines, strict=True):
+        assert line.startswith(f"{name} refused: the grammar nests too deeply"), line
+        assert f"over {MAX_DEPTH}" in line, line
+
+
+# A grammar shaped like JSON: recursive (value -> array -> value), so its rules refer back to one another
+JSON_LIKE_LARK = r"""
+start: value
+?value: object | array | STRING | NUMBER | "true" | "false" | "null"
+array: "[" [value ("," value)*] "]"
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+STRING: /"[a-z]*"/
+NUMBER: /-?[0-9]+/
+"""
+
+
+def test_large_grammars_that_do_not_nest_deeply_still_compile_and_constrain(engine_factory):
+    """Depth is what is refused, not size: a 500-rule chain, a 300-deep $ref chain, 3,000 rules side by side,
+    a 1,000-rule GBNF chain (1,002 levels once converted; it compiled before depth was checked), a recursive
+    grammar, and colons and parentheses that sit in strings, regexes and comments (which llguidance does not
+    recurse on)."""
+    engine = engine_factory()
+    quoted = "start: " + " ".join(['"(:"', "/[(:]/"] * 600) + "  // " + ":(" * 600 + "\n"
+    for spec in [
+        GrammarSpec("grammar", lark_chain(500)),
+        GrammarSpec("json_schema", json.dumps(ref_chain(300))),
+        tool_calls(ref_chain(300)),
+        GrammarSpec("grammar", quoted),
+        GrammarSpec("grammar", flat_lark(3000)),
+        GrammarSpec("grammar", gbnf_chain(1000)),
+        GrammarSpec("grammar", JSON_LIKE_LARK),
+    ]:
+        engine.grammars.compile(spec)
+    [(_, text, reason)] = run(
+        engine, {"chain": [5, 6, 7, 8]}, constrained(engine, GrammarSpec("grammar", lark_chain(500)))
+    ).values()
+    assert (text, reason) == ("x", FinishReason.STOP)
+
+
+def test_depth_follows_chains_not_size():
+    """lark_depth and json_depth: the longest chain of definitions and groups, each definition counted once and a
+    reference back to one in progress adding nothing."""
+    assert lark_depth(flat_lark(3000)) == 2
+    assert lark_depth(lark_chain(500)) == 502
+    assert lark_depth('start: a\na: ("x" (b))\nb: "y"  // (((\n') == 5  # start, a and its 2 groups, b
+    # start, value, object and its 2 groups, pair, STRING; value again adds nothing
+    assert lark_depth(JSON_LIKE_LARK) == 7
+    recursive = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert json_depth(recursive) == 4
+    assert json_depth(ref_chain(300)) == json_depth(anchor_chain(300)) == 303
+
+
+def test_a_deep_grammar_is_refused_quickly():
+    """The check holds the GIL (llguidance's compile lets go of it), so it walks once, in C where it can: 4 MB,
+    the largest body the API takes, of a Lark chain or of nested groups is refused in ~0.3-0.6 s on 2 busy
+    cores (the bound leaves room for busier ones)."""
+    chain = lark_chain(250_000)
+    groups = "start: " + "(" * 2_000_000 + '"x"' + ")" * 2_000_000 + "\n"
+    for lark in (chain, groups):
+        started = time.perf_counter()
+        assert lark_depth(lark) > MAX_DEPTH
+        assert time.perf_counter() - started < 1.5
