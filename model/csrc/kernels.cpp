@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
         py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
   // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && !defined(__AMX_INT8__)
   m.attr("gemm_bfloat16_as") = "bfloat16";
 #elif defined(__AVX2__)
   m.attr("gemm_bfloat16_as") = "int16";

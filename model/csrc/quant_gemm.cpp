@@ -8,10 +8,10 @@
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
 // row of x for every output): nothing is rounded to a 16-bit weight. The kernels, by what the CPU multiplies
-// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 (quant_gemm_bf16.cpp); float32 ones as int16
-// per group of 32 with AVX2 (quant_gemm_i16.cpp; many rows on AMX's int8 tiles where the CPU has them, with the
-// same integer sums: quant_gemm_amx.cpp), as they are elsewhere (quant_gemm_f32.cpp). bfloat16 ones are widened
-// to float32 first where the CPU has no bfloat16 arithmetic.
+// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 without AMX (quant_gemm_bf16.cpp); float32
+// ones as int16 per group of 32 with AVX2 (quant_gemm_i16.cpp; many rows on AMX's int8 tiles where the CPU has
+// them, with the same integer sums: quant_gemm_amx.cpp), as they are elsewhere (quant_gemm_f32.cpp). bfloat16 ones
+// are widened to float32 first where the CPU has no bfloat16 arithmetic, or has AMX.
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
 //   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
@@ -97,9 +97,9 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
   // float32 out for the logits, else x's own dtype
   const bool out_f32 = float_out || x.scalar_type() == at::kFloat;
   auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && !defined(__AMX_INT8__)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-#else
+#else  // widened: with AMX, int16 on its tiles beats bfloat16 pairs on vectors (~2.5x at 512 rows)
   const bool bf16 = false;
 #endif
   x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
