@@ -215,15 +215,15 @@ void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float
               const Output& out) {
   require_tiles();
   const int tile_rows = static_cast<int>(std::min<int64_t>(M, TILE));
-  const int64_t blocks = (M + TILE - 1) / TILE, K = w.K;
+  const int64_t blocks = (M + TILE - 1) / TILE, K = w.K, per_block = 2 * tile_rows * K;  // bytes of a block's A
+  // A's tiles in the calling thread's buffer, kept at its largest size (a 512-row x's are 2 MB for K = 2048)
+  thread_local std::vector<__m512i> buffer;
+  const size_t vectors = (blocks * per_block + 63) / 64;
+  if (buffer.size() < vectors) buffer.resize(vectors);
+  auto* a = reinterpret_cast<uint8_t*>(buffer.data());  // a pointer: in the region a thread_local is a worker's
   dispatch(w, [&](auto bits, auto g, auto min) {
     constexpr int G = g();
-    const int64_t groups = K / G, per_block = groups * 2 * tile_rows * G;
-    // A's tiles in the calling thread's buffer, kept at its largest size (a 512-row x's are 2 MB for K = 2048)
-    thread_local std::vector<__m512i> buffer;
-    const size_t vectors = (blocks * per_block + 63) / 64;
-    if (buffer.size() < vectors) buffer.resize(vectors);
-    auto* a = reinterpret_cast<uint8_t*>(buffer.data());  // a pointer: in the region a thread_local is a worker's
+    const int64_t groups = K / G;
     at::parallel_for(0, blocks, blocks > 1 ? 1 : blocks + 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t gi = 0; gi < groups; ++gi)

@@ -365,9 +365,8 @@ def json_depth(schema, limit: int | None = MAX_DEPTH) -> int:
                 if isinstance(value.get(key), str):
                     found[f"{base}#{value[key]}"] = value
             if isinstance(value.get("$ref"), str):
-                ref = value[
-                    "$ref"
-                ]  # most are "#/$defs/a" with no $id about: urljoin is slow for 100,000 of them
+                # most are "#/$defs/a" with no $id about: urljoin is slow for 100,000 of them
+                ref = value["$ref"]
                 refs[id(value)] = ref if not base and ref.startswith("#") else urllib.parse.urljoin(base, ref)
         children[id(value)] = [
             c for c in (value.values() if isinstance(value, dict) else value) if isinstance(c, dict | list)
