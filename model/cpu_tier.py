@@ -55,8 +55,9 @@ TIERS = (
     # agreement with float32 (kvserve bench-quality: 97.9% on the default model)
     CpuTier(
         "amx",
-        (*_AVX512, "avx512_bf16", "amx_tile", "amx_int8", *_AVX2),
-        (*_m((*_AVX512, "avx512_bf16", *_AVX2)), "-mamx-tile", "-mamx-int8"),
+        # every CPU with AMX has AVX512-VNNI (Sapphire Rapids on): one instruction a pair of int16 products
+        (*_AVX512, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", *_AVX2),
+        (*_m((*_AVX512, "avx512_bf16", "avx512_vnni", *_AVX2)), "-mamx-tile", "-mamx-int8"),
         torch.float32,
         torch.bfloat16,
         "avx512",

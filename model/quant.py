@@ -37,7 +37,7 @@ class QuantizedTensor:
     the file's d and -dmin), whose products are exact in float32.
 
     Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
-    (4 + 2 x 16 / 32); Q4_K 4.625 (4 + 2 x 8 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.625; Q6_K 6.625 (6 +
+    (4 + 2 x 16 / 32); Q4_K 4.5 (4 + 2 x 6 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.5; Q6_K 6.625 (6 +
     8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0 8.5; IQ4_NL 4.5; IQ4_XS
     4.3125. The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
     A minimum may be the scale's own tensor (`min is scale`, Q6_K): packed once. `kind` names the file's type."""
@@ -165,10 +165,34 @@ class QuantizedTensor:
                 return None
             return torch.nn.functional.pad(x, (0, 0, 0, pad)).view(T, TILE, -1).permute(0, 2, 1).contiguous()
 
-        scales = per_group(self.scale)
-        mins = scales if self.min is self.scale else per_group(self.min)
+        if self.six_bit_subs:
+            scales, mins = self._six_bit_subs()
+            scales, mins = per_group(scales), per_group(mins)
+        else:
+            scales = per_group(self.scale)
+            mins = scales if self.min is self.scale else per_group(self.min)
         return {"packed": kernels.pack_quant(self.q, self.bits, self.group), "scales": scales, "mins": mins,
                 "supers": per_group(self.supers), "super_mins": per_group(self.super_mins)}  # fmt: skip
+
+    @property
+    def six_bit_subs(self) -> bool:
+        """Q4_K's and Q5_K's form: 6-bit sub-scales and sub-minimums (0 .. 63), groups of 32."""
+        has_subs = self.supers is not None and self.min is not None
+        return has_subs and self.min is not self.scale and self.group == 32
+
+    def _six_bit_subs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sub-scales and sub-minimums in the file's 12 bits a group (model/csrc/quant_gemm.h, ScaleForm):
+        int8 [N, K / 32] of sc & 15 | (m & 15) << 4, and int32 [N, K / 256] of each super-block's high bits, its
+        group i's sc >> 4 at bits 2i, 2i + 1 and m >> 4 at bits 16 + 2i, 17 + 2i."""
+        sc, m = self.scale.long(), self.min.long()
+        if sc.min() < 0 or sc.max() > 63 or m.min() < 0 or m.max() > 63:
+            raise ValueError(f"{self.kind} sub-scales or sub-minimums outside 0 .. 63")
+        low = ((sc & 15) | (m & 15) << 4).to(torch.uint8).view(torch.int8)
+        per = SUPER // self.group
+        shift = 2 * (torch.arange(sc.shape[1]) % per)  # 2i for a super-block's group i
+        bits = (sc >> 4) << shift | (m >> 4) << 16 + shift
+        high = bits.unflatten(1, (-1, per)).sum(-1)  # disjoint bits: the sum is their or
+        return low, high.to(torch.uint32).view(torch.int32)
 
 
 class QuantizedLinear:

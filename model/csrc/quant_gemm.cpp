@@ -19,7 +19,9 @@
 //   5-, 6-bit: the same nibbles, then each group's high bits (quant_gemm.h: nibble_bytes, add_high)
 //   8-bit: [tiles, groups, group / 2 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[2c + i]
 //   scales (d), mins (m): [tiles, groups, 16] float16; or int8 sub-scales and sub-minimums [tiles, groups, 16]
-//   with supers (d) and super_mins (m) [tiles, K / 256, 16] float16
+//   with supers (d) and super_mins (m) [tiles, K / 256, 16] float16; Q4_K's and Q5_K's 6-bit ones in the file's
+//   12 bits a group: scales [tiles, groups, 16] bytes of the low bits, mins [tiles, K / 256, 16] int32 words of
+//   the high bits (quant_gemm.h, ScaleForm)
 // A fused layer whose parts come in several formats holds one segment per run of parts, each writing its own
 // columns of the output. Every row of x runs the same instructions in the same order whatever the batch, so a
 // token's output has the same bits alone or in any batch (no padding needed).
@@ -47,9 +49,17 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
   TORCH_CHECK(s.scales.scalar_type() == scale_type && s.scales.is_contiguous() &&
                   s.scales.numel() == tiles * groups * TILE,
               "scales mismatch");
-  if (s.mins)
+  // Q4_K's and Q5_K's 6-bit sub-scales and sub-minimums: the low bits' bytes in scales, the high bits' words
+  // in mins (quant_gemm.h, SIX_BIT_SUBS)
+  const bool six_bit = super && s.mins && s.mins->scalar_type() == at::kInt;
+  if (six_bit) {
+    TORCH_CHECK(s.mins->is_contiguous() && s.mins->numel() == tiles * (K / SUPER) * TILE && s.group == GROUP &&
+                    (s.bits == 4 || s.bits == 5),
+                "6-bit sub-scales mismatch");
+  } else if (s.mins) {
     TORCH_CHECK(s.mins->scalar_type() == scale_type && s.mins->is_contiguous() && s.mins->numel() == s.scales.numel(),
                 "mins mismatch");
+  }
   if (super) {
     TORCH_CHECK(K % SUPER == 0, "super-blocks: K must be a multiple of 256");
     TORCH_CHECK(s.supers->scalar_type() == at::kHalf && s.supers->is_contiguous() &&
@@ -68,7 +78,10 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
   w.w = s.packed.data_ptr<uint8_t>();
   if (super) {
     w.sub = s.scales.data_ptr<int8_t>();
-    w.sub_min = s.mins ? s.mins->data_ptr<int8_t>() : nullptr;
+    if (six_bit)
+      w.sub_high = reinterpret_cast<const uint32_t*>(s.mins->data_ptr<int32_t>());
+    else
+      w.sub_min = s.mins ? s.mins->data_ptr<int8_t>() : nullptr;
     w.super_d = s.supers->data_ptr<at::Half>();
     w.super_m = s.mins ? s.super_mins->data_ptr<at::Half>() : nullptr;
   } else {
@@ -154,7 +167,8 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
       for (int64_t g = 0; g < w.groups(); ++g) {
         const uint8_t* wg = w.tile(t) + g * w.group_bytes();
         // lane j's d and m: from the VL lanes holding it
-        const vfloat dv = w.group_scale(t, g, static_cast<int>(j / VL)), mv = w.group_min(t, g, static_cast<int>(j / VL));
+        vfloat dv, mv;
+        w.group_scales(t, g, static_cast<int>(j / VL), dv, mv);
         const float d = dv[j % VL], m = mv[j % VL];
         float* o = dst + r * K + g * G;
         if (w.bits < 8) {

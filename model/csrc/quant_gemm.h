@@ -49,20 +49,50 @@ inline vfloat load_bytes(const int8_t* p) {
 #endif
 }
 
+// VL bytes at p, zero-extended to int32
+inline vint load_ubytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return bitcast<vint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return bitcast<vint>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vint v;
+  for (int l = 0; l < VL; ++l) v[l] = p[l];
+  return v;
+#endif
+}
+
+// How a packed weight holds its groups' scales d (and minimums m):
+//   HALF_SCALES: float16 d and m per group (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, int4 and int8 made at load)
+//   INT8_SUBS: an int8 sub-scale (and sub-minimum) per group times a super-block's float16 d (and m): Q6_K, IQ4_XS
+//   SIX_BIT_SUBS: the same, the sub-scale and sub-minimum 6 bits each (0 .. 63: Q4_K, Q5_K), kept in the file's
+//     12 bits a group rather than two bytes: per group, a byte a lane, sc & 15 | (m & 15) << 4; per super-block,
+//     a 32-bit word a lane, group i's sc >> 4 at bits 2i, 2i + 1 and m >> 4 at bits 16 + 2i, 17 + 2i. Two bytes
+//     a group made a Q4_K weight 148 bytes per 256 against the file's 144: 375 MiB of a 30B-A3B's 17 GiB.
+enum ScaleForm { HALF_SCALES, INT8_SUBS, SIX_BIT_SUBS };
+
+// SIX_BIT_SUBS' sub-scales and sub-minimums of a group's lanes, from its bytes `low` (zero-extended) and the
+// lanes' super-block words `high` shifted right by 2i for the super-block's group i: any vector of int32
+template <class V>
+inline void six_bit_subs(V low, V high, V& sc, V& m) {
+  sc = (low & 15) | ((high & 3) << 4);
+  m = (low >> 4) | ((high >> 12) & 48);
+}
+
 // One GEMM's weights (or one run of a fused layer's rows), as model/quant.py packs them: integers q of `bits`
-// (4 to 6: 0 .. 2^bits - 1, in the nibble layouts; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K, w = d q + m per group, where d and m
-// are either float16 per group (`scale`, `min`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) or a super-block's
-// float16 d (and m: the file's dmin, negated) per 256 times the group's int8 sub-scale (and sub-minimum):
-// the K-quants and IQ4_XS. Those products (11 by at most 8 significant bits) are exact in float32.
+// (4 to 6: 0 .. 2^bits - 1, in the nibble layouts; 8: int8) in groups of `group` (32, or 16 for Q6_K) along K,
+// w = d q + m per group, d and m in one of the ScaleForms. The super-block forms' products (11 by at most 8
+// significant bits) are exact in float32.
 struct Packed {
   int bits, group;
   bool has_min;            // w = d q + m, else d q
   int64_t K, N;
   const uint8_t* w;        // [tiles, groups, group bytes]
-  const at::Half* scale;   // [tiles, groups, 16] (float16 form)
-  const at::Half* min;     // [tiles, groups, 16] (float16 form, with a minimum)
-  const int8_t* sub;       // [tiles, groups, 16] (super-block form)
-  const int8_t* sub_min;   // [tiles, groups, 16] (super-block form, with a minimum)
+  const at::Half* scale;   // [tiles, groups, 16] (HALF_SCALES)
+  const at::Half* min;     // [tiles, groups, 16] (HALF_SCALES, with a minimum)
+  const int8_t* sub;       // [tiles, groups, 16] (INT8_SUBS; SIX_BIT_SUBS: the low bits' bytes)
+  const int8_t* sub_min;   // [tiles, groups, 16] (INT8_SUBS, with a minimum)
+  const uint32_t* sub_high;  // [tiles, K / 256, 16] (SIX_BIT_SUBS: the high bits' words)
   const at::Half* super_d;  // [tiles, K / 256, 16]
   const at::Half* super_m;  // [tiles, K / 256, 16] (with a minimum)
   const float* bias;       // [N] or null
@@ -73,21 +103,47 @@ struct Packed {
   int64_t group_bytes() const { return TILE * group * bits / 8; }
   int64_t tiles() const { return (N + TILE - 1) / TILE; }
   const uint8_t* tile(int64_t t) const { return w + t * groups() * group_bytes(); }
+  ScaleForm scale_form() const { return sub_high ? SIX_BIT_SUBS : sub ? INT8_SUBS : HALF_SCALES; }
 
-  // d of lanes h VL .. h VL + VL - 1 of tile t's group g, float32 (exact)
-  vfloat group_scale(int64_t t, int64_t g, int h) const {
+  // d and m (0 without a minimum) of lanes h VL .. h VL + VL - 1 of tile t's group g, float32 (exact)
+  void group_scales(int64_t t, int64_t g, int h, vfloat& d, vfloat& m) const {
     const int64_t i = (t * groups() + g) * TILE + h * VL;
-    if (!sub) return load_halves(scale + i);
-    return load_bytes(sub + i) * load_halves(super_d + (t * supers() + g * group / SUPER) * TILE + h * VL);
-  }
-  // m of the same lanes (0 without a minimum)
-  vfloat group_min(int64_t t, int64_t g, int h) const {
-    if (!has_min) return vfloat{};
-    const int64_t i = (t * groups() + g) * TILE + h * VL;
-    if (!sub) return load_halves(min + i);
-    return load_bytes(sub_min + i) * load_halves(super_m + (t * supers() + g * group / SUPER) * TILE + h * VL);
+    if (!sub) {
+      d = load_halves(scale + i);
+      m = has_min ? load_halves(min + i) : vfloat{};
+      return;
+    }
+    const int64_t s = (t * supers() + g * group / SUPER) * TILE + h * VL;
+    vfloat sc, sm{};
+    if (sub_high) {
+      vint high, isc, im;
+      __builtin_memcpy(&high, sub_high + s, sizeof(high));
+      six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(sub) + i), high >> (2 * (g % (SUPER / GROUP))), isc, im);
+      sc = __builtin_convertvector(isc, vfloat);
+      sm = __builtin_convertvector(im, vfloat);
+    } else {
+      sc = load_bytes(sub + i);
+      if (has_min) sm = load_bytes(sub_min + i);
+    }
+    d = sc * load_halves(super_d + s);
+    m = has_min ? sm * load_halves(super_m + s) : vfloat{};
   }
 };
+
+// Calls f(FORM), a std::integral_constant of the packed weight's ScaleForm
+template <class F>
+void dispatch_scales(const Packed& w, F&& f) {
+  using std::integral_constant;
+  switch (w.scale_form()) {
+    case HALF_SCALES: return f(integral_constant<int, HALF_SCALES>{});
+    case INT8_SUBS: return f(integral_constant<int, INT8_SUBS>{});
+    case SIX_BIT_SUBS: return f(integral_constant<int, SIX_BIT_SUBS>{});
+  }
+}
+// The forms a kernel of BITS, G, MIN can meet (others are not compiled): SIX_BIT_SUBS is Q4_K's and Q5_K's only
+constexpr bool form_of(int form, int bits, int g, bool min) {
+  return form != SIX_BIT_SUBS || (min && g == GROUP && (bits == 4 || bits == 5));
+}
 
 // IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};

@@ -135,8 +135,10 @@ struct AmxKernel {
     for (int64_t g = 0; g < w.groups(); ++g) {
       __m512i* o = out + g * UNPACKED;
       for (int c = 0; c < QUADS; ++c) o[c] = quads(wt + g * GROUP_BYTES, c);
-      o[QUADS] = bitcast<__m512i>(w.group_scale(t, g, 0));
-      o[QUADS + 1] = bitcast<__m512i>(w.group_min(t, g, 0));
+      vfloat d, m;
+      w.group_scales(t, g, 0, d, m);
+      o[QUADS] = bitcast<__m512i>(d);
+      o[QUADS + 1] = bitcast<__m512i>(m);
     }
   }
 

@@ -26,8 +26,8 @@ inline vfloat dot_pairs(vfloat acc, vuint w, uint32_t x) {
 }
 
 // BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G
-// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
-template <int BITS, int G, bool MIN, bool SUPERS>
+// FORM: the scales' ScaleForm (quant_gemm.h); a super-block's scales are read once for its groups
+template <int BITS, int G, bool MIN, int FORM>
 struct Bf16Kernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
@@ -67,7 +67,8 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * (w.K / 2);
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
-    vfloat super_d{}, super_m{};  // the current super-block's (SUPERS)
+    vfloat super_d{}, super_m{};  // the current super-block's (FORM INT8_SUBS, SIX_BIT_SUBS)
+    vint high{};  // the current super-block's high bits (SIX_BIT_SUBS)
     for (int64_t g = 0; g < groups; ++g) {
       // Groups of 32: two chains of products a row, the group's even pair vectors (a chunk's low: v = 2c) and
       // its odd ones, added at the group's end (TWO_CHAINS). One chain waited on each product's latency (6 cycles
@@ -106,15 +107,23 @@ struct Bf16Kernel {
         } else {
           for (int c = 0; c < VECS; c += 2) dot_rows(unpack_q8(wg + c * 32), unpack_q8(wg + c * 32 + 32), c);
         }
-        if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+        if constexpr (FORM != HALF_SCALES) {  // Packed::group_scales' products, the super-block's read once
           if (g % (SUPER / G) == 0) {
             const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
             super_d = load_halves(w.super_d + at);
             if constexpr (MIN) super_m = load_halves(w.super_m + at);
+            if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
           }
           const int64_t at = (t * groups + g) * TILE;
-          d = load_bytes(w.sub + at) * super_d;
-          offset = MIN ? load_bytes(w.sub_min + at) * super_m - 128.0f * d : vfloat{};
+          if constexpr (FORM == SIX_BIT_SUBS) {
+            vint sc, sm;
+            six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
+            d = __builtin_convertvector(sc, vfloat) * super_d;
+            offset = __builtin_convertvector(sm, vfloat) * super_m - 128.0f * d;
+          } else {
+            d = load_bytes(w.sub + at) * super_d;
+            offset = MIN ? load_bytes(w.sub_min + at) * super_m - 128.0f * d : vfloat{};
+          }
         } else {
           group_scales<MIN>(w, t, g, d, offset);
         }
@@ -141,10 +150,10 @@ void gemm(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out)
   const auto* pairs = reinterpret_cast<const uint32_t*>(x);
   dispatch(w, [&](auto bits, auto g, auto min) {
     const std::vector<float> xsum = min() ? group_sums<g()>(x, M, w.groups()) : std::vector<float>();
-    if (w.sub)
-      run_tiles(Bf16Kernel<bits(), g(), min(), true>{w, pairs, xsum.data()}, w, M, out);
-    else
-      run_tiles(Bf16Kernel<bits(), g(), min(), false>{w, pairs, xsum.data()}, w, M, out);
+    dispatch_scales(w, [&](auto form) {
+      if constexpr (form_of(form(), bits(), g(), min()))
+        run_tiles(Bf16Kernel<bits(), g(), min(), form()>{w, pairs, xsum.data()}, w, M, out);
+    });
   });
 }
 

@@ -58,8 +58,9 @@ inline vuint unpack_q8(const uint8_t* p) {
 // A group's scale d and offset: m - 128 d (nibble layouts with a minimum: 128 + q), else 0; float32
 template <bool WITH_128>
 inline void group_scales(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& offset) {
-  d = w.group_scale(t, g, 0);
-  offset = WITH_128 ? w.group_min(t, g, 0) - 128.0f * d : vfloat{};
+  vfloat m;
+  w.group_scales(t, g, 0, d, m);
+  offset = WITH_128 ? m - 128.0f * d : vfloat{};
 }
 
 // the sum of G (32 or 16) bfloat16 in float32, in a fixed order: each pair, then a tree over the pair sums

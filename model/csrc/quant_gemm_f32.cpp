@@ -150,10 +150,7 @@ struct F32Kernel {
           unpack_chunk(wt + g * GROUP_BYTES, c, h, wf);
           for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
         }
-      for (int h = 0; h < NV; ++h) {
-        o[G * NV + h] = w.group_scale(t, g, h);
-        o[(G + 1) * NV + h] = MIN ? w.group_min(t, g, h) : vfloat{};
-      }
+      for (int h = 0; h < NV; ++h) w.group_scales(t, g, h, o[G * NV + h], o[(G + 1) * NV + h]);
     }
   }
 
@@ -201,10 +198,7 @@ struct F32Kernel {
           }
       vfloat d[TT][NV], m[TT][NV];
       for (int tt = 0; tt < TT; ++tt)
-        for (int h = 0; h < NV; ++h) {
-          d[tt][h] = w.group_scale(t + tt, g, h);
-          m[tt][h] = MIN ? w.group_min(t + tt, g, h) : vfloat{};
-        }
+        for (int h = 0; h < NV; ++h) w.group_scales(t + tt, g, h, d[tt][h], m[tt][h]);
       add_group<R, TT>(acc, d, m, m0, g, y);
     }
   }

@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int HALVES = TILE / 8;  // 8-lane vectors per tile
+typedef int32_t v8i __attribute__((vector_size(32)));
 // Rows of x computed together from unpacked tiles: 2 accumulators a row, 2 weight vectors and x's broadcast: 15
 // of 16 registers
 constexpr int BLOCK_ROWS = 6;
@@ -87,6 +88,53 @@ inline __m256i dot_pairs(__m256i acc, __m256i q, __m256i x) {
   return acc;
 }
 
+#if defined(__AVX512F__)
+// The same, 16 lanes at once (the avx512 and amx tiers' packed rows: half the instructions of two 8-lane
+// halves, for the same integers): a tile's q pairs of chunk c (pairs4), with high bits (pairs_high), IQ4's
+// levels (pairs_levels), 8-bit (pairs8)
+inline void pairs4_wide(const uint8_t* chunk, __m512i& a, __m512i& b) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  const __m512i nibble = _mm512_set1_epi16(15);
+  a = _mm512_and_si512(w, nibble);
+  b = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+}
+template <int HB, int G>
+inline void pairs_high_wide(const uint8_t* group, int c, __m512i& a, __m512i& b) {
+  pairs4_wide(group + c * 32, a, b);
+  const uint8_t* row = group + nibble_bytes(G) + high_row(HB, c) * TILE;
+  const vuint hb = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+  vuint low = bitcast<vuint>(a), high = bitcast<vuint>(b);
+  add_high<HB>(hb >> high_shift(HB, c), low, high);
+  a = bitcast<__m512i>(low);
+  b = bitcast<__m512i>(high);
+}
+inline void pairs_levels_wide(const uint8_t* chunk, __m512i& a, __m512i& b) {
+  pairs4_wide(chunk, a, b);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  a = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(table, a), 8), 8);
+  b = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(table, b), 8), 8);
+}
+inline __m512i pairs8_wide(const uint8_t* chunk) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+}
+inline __m512i broadcast_pair_wide(const int16_t* pair) {
+  int32_t v;
+  std::memcpy(&v, pair, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+// acc + the lane's two products: one instruction with AVX512-VNNI (the amx tier's), whose sums are vpmaddwd's
+// and vpaddd's exactly (no saturation: vpdpwssd, not vpdpwssds)
+inline __m512i dot_pairs_wide(__m512i acc, __m512i q, __m512i x) {
+#if defined(__AVX512VNNI__)
+  acc = _mm512_dpwssd_epi32(acc, q, x);
+#else
+  acc = _mm512_add_epi32(acc, _mm512_madd_epi16(q, x));
+#endif
+  asm("" : "+v"(acc));
+  return acc;
+}
+#endif
+
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -127,8 +175,8 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
 
 // BITS 4 to 6: the nibble layouts, with a minimum; 8: bytes, without (quant_gemm.h's dispatch); groups of G.
 // x's steps are per 32 whatever G: a group of 16 takes its half's.
-// SUPERS: the scales are int8 sub-scales times a super-block's (K-quants, IQ4_XS), read a super-block at a time
-template <int BITS, int G, bool MIN, bool SUPERS>
+// FORM: the scales' ScaleForm (quant_gemm.h); a super-block's scales are read once for its groups
+template <int BITS, int G, bool MIN, int FORM>
 struct I16Kernel {
   static constexpr bool Q4 = BITS < 8;  // the nibble layouts: 2 pairs per chunk
   static constexpr int HB = Q4 ? BITS - 4 : 0;
@@ -166,8 +214,12 @@ struct I16Kernel {
   const float* xsum;   // [M, K / G] s sum_k xq_k of each row's group (with a minimum)
 
   // d and m of lanes 8h .. 8h + 7 (Packed's own reads VL lanes: 16 on the avx512 tier, 8 on avx2)
-  __m256 group_scale(int64_t t, int64_t g, int h) const { return half_lanes(w.group_scale(t, g, h / (VL / 8)), h); }
-  __m256 group_min(int64_t t, int64_t g, int h) const { return half_lanes(w.group_min(t, g, h / (VL / 8)), h); }
+  void group_scales(int64_t t, int64_t g, int h, __m256& d, __m256& m) const {
+    vfloat dv, mv;
+    w.group_scales(t, g, h / (VL / 8), dv, mv);
+    d = half_lanes(dv, h);
+    m = half_lanes(mv, h);
+  }
   static __m256 sub_scales(const int8_t* p) {  // 8 int8 -> float32
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -193,8 +245,10 @@ struct I16Kernel {
           else
             o[c * HALVES + h] = pairs8(wg + c * 32, h);
         }
-        o[PAIRS * HALVES + h] = bitcast<__m256i>(group_scale(t, g, h));
-        o[(PAIRS + 1) * HALVES + h] = MIN ? bitcast<__m256i>(group_min(t, g, h)) : _mm256_setzero_si256();
+        __m256 d, m;
+        group_scales(t, g, h, d, m);
+        o[PAIRS * HALVES + h] = bitcast<__m256i>(d);
+        o[(PAIRS + 1) * HALVES + h] = bitcast<__m256i>(m);
       }
     }
   }
@@ -205,7 +259,8 @@ struct I16Kernel {
     const int64_t groups = w.groups(), K = w.K;
     const uint8_t* wt = w.tile(t);
     __m256 out[R][HALVES];
-    __m256 super_d[HALVES], super_m[HALVES];  // the current super-block's (SUPERS)
+    __m256 super_d[HALVES], super_m[HALVES];  // the current super-block's (FORM INT8_SUBS, SIX_BIT_SUBS)
+    v8i high[HALVES];  // the current super-block's high bits (SIX_BIT_SUBS)
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < HALVES; ++h) out[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -249,19 +304,27 @@ struct I16Kernel {
             }
           }
         for (int h = 0; h < HALVES; ++h) {
-          if constexpr (SUPERS) {  // Packed::group_scale's products, the super-block's read once for its groups
+          if constexpr (FORM != HALF_SCALES) {  // Packed::group_scales' products, the super-block's read once
             if (g % (SUPER / G) == 0) {
               const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE + 8 * h;
               super_d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_d + at)));
               if constexpr (MIN)
                 super_m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.super_m + at)));
+              if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high[h], w.sub_high + at, sizeof(high[h]));
             }
             const int64_t at = (t * groups + g) * TILE + 8 * h;
-            d[h] = _mm256_mul_ps(sub_scales(w.sub + at), super_d[h]);
-            m[h] = MIN ? _mm256_mul_ps(sub_scales(w.sub_min + at), super_m[h]) : _mm256_setzero_ps();
+            if constexpr (FORM == SIX_BIT_SUBS) {
+              const auto* low = reinterpret_cast<const __m128i*>(w.sub + at);
+              v8i sc, sm;
+              six_bit_subs(bitcast<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(low))), high[h] >> (2 * (g % (SUPER / G))), sc, sm);
+              d[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(bitcast<__m256i>(sc)), super_d[h]);
+              m[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(bitcast<__m256i>(sm)), super_m[h]);
+            } else {
+              d[h] = _mm256_mul_ps(sub_scales(w.sub + at), super_d[h]);
+              m[h] = MIN ? _mm256_mul_ps(sub_scales(w.sub_min + at), super_m[h]) : _mm256_setzero_ps();
+            }
           } else {
-            d[h] = group_scale(t, g, h);
-            m[h] = MIN ? group_min(t, g, h) : _mm256_setzero_ps();
+            group_scales(t, g, h, d[h], m[h]);
           }
         }
       }
@@ -280,6 +343,77 @@ struct I16Kernel {
       for (int h = 0; h < HALVES; ++h) _mm256_storeu_ps(y + r * stride + 8 * h, out[r][h]);
   }
 
+#if defined(__AVX512F__)
+  // rows<R, false> with the tile's 16 lanes in one vector: the same operations on each lane, so the same bits
+  // (measured on the amx Xeon, the 12 sparse FFNs of the Qwen3-30B-A3B cut at one token, cold, alternated with
+  // the build before, of 8-lane halves and 8-bit sub-scales: 30.7-33.1 -> 26.3-29.2 ms)
+  template <int R>
+  void rows_wide(int64_t t, int64_t m0, const uint8_t* next, float* y, int stride) const {
+    const int64_t groups = w.groups(), K = w.K;
+    const uint8_t* wt = w.tile(t);
+    __m512 out[R];
+    vfloat super_d{}, super_m{};  // the current super-block's (FORM INT8_SUBS, SIX_BIT_SUBS)
+    vint high{};  // the current super-block's high bits (SIX_BIT_SUBS)
+    for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (next)
+        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
+      __m512i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      const int16_t* x = xq + m0 * K + g * G;
+      const uint8_t* wg = wt + g * GROUP_BYTES;
+#pragma GCC unroll 16
+      for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c) {
+        if constexpr (Q4) {
+          __m512i a, b;
+          if constexpr (HB > 0)
+            pairs_high_wide<HB, G>(wg, c, a, b);
+          else if constexpr (!MIN)
+            pairs_levels_wide(wg + c * 32, a, b);
+          else
+            pairs4_wide(wg + c * 32, a, b);
+          for (int r = 0; r < R; ++r) {
+            acc[r] = dot_pairs_wide(acc[r], a, broadcast_pair_wide(x + r * K + 4 * c));
+            acc[r] = dot_pairs_wide(acc[r], b, broadcast_pair_wide(x + r * K + 4 * c + 2));
+          }
+        } else {
+          const __m512i a = pairs8_wide(wg + c * 32);
+          for (int r = 0; r < R; ++r) acc[r] = dot_pairs_wide(acc[r], a, broadcast_pair_wide(x + r * K + 2 * c));
+        }
+      }
+      vfloat d, m{};
+      if constexpr (FORM != HALF_SCALES) {  // Packed::group_scales' products, the super-block's read once
+        if (g % (SUPER / G) == 0) {
+          const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
+          super_d = load_halves(w.super_d + at);
+          if constexpr (MIN) super_m = load_halves(w.super_m + at);
+          if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
+        }
+        const int64_t at = (t * groups + g) * TILE;
+        if constexpr (FORM == SIX_BIT_SUBS) {
+          vint sc, sm;
+          six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
+          d = __builtin_convertvector(sc, vfloat) * super_d;
+          m = __builtin_convertvector(sm, vfloat) * super_m;
+        } else {
+          d = load_bytes(w.sub + at) * super_d;
+          if constexpr (MIN) m = load_bytes(w.sub_min + at) * super_m;
+        }
+      } else {
+        w.group_scales(t, g, 0, d, m);
+      }
+      // y += d (s sum) (+ m s sum_k xq_k), as rows<R, false>
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(step[(m0 + r) * (K / GROUP) + g * G / GROUP]));
+        out[r] = _mm512_fmadd_ps(sum, bitcast<__m512>(d), out[r]);
+        if constexpr (MIN)
+          out[r] = _mm512_fmadd_ps(bitcast<__m512>(m), _mm512_set1_ps(xsum[(m0 + r) * groups + g]), out[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * stride, out[r]);
+  }
+#endif
+
   // nt tiles: unpacked, one after the other (the plan's); packed, one (the plan's for a block of rows). next:
   // the next step's nt tiles, tile i's asked for while tile i runs (measured: with only the first of them asked
   // for, Q8_0's [49152, 576] LM head, whose bytes come from memory, ran 6 rows in 2.4x the time of 4)
@@ -288,13 +422,18 @@ struct I16Kernel {
       const __m256i* u = unpacked ? unpacked + i * w.groups() * UNPACKED : nullptr;
       const uint8_t* next_i = next && t + nt + i < w.tiles() ? next + i * w.groups() * GROUP_BYTES : nullptr;
       switch (R) {
+#if defined(__AVX512F__)
+#define PACKED(n) rows_wide<n>(t + i, m0, next_i, y + i * TILE, nt * TILE)
+#else
+#define PACKED(n) rows<n, false>(t + i, m0, nullptr, next_i, y + i * TILE, nt * TILE)
+#endif
 #define ROWS(n)                                                                      \
   case n:                                                                            \
-    u ? rows<n, true>(t + i, m0, u, next_i, y + i * TILE, nt * TILE)                 \
-      : rows<n, false>(t + i, m0, nullptr, next_i, y + i * TILE, nt * TILE);         \
+    u ? rows<n, true>(t + i, m0, u, next_i, y + i * TILE, nt * TILE) : PACKED(n);    \
     break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #undef ROWS
+#undef PACKED
       }
     }
   }
@@ -334,10 +473,10 @@ void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
 #if defined(__AMX_INT8__)
     if (M > VECTOR_ROWS) return gemm_amx(w, xq.data(), step.data(), sums.data(), M, out);
 #endif
-    if (w.sub)
-      run_tiles(I16Kernel<bits(), G, min(), true>{w, xq.data(), step.data(), sums.data()}, w, M, out);
-    else
-      run_tiles(I16Kernel<bits(), G, min(), false>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+    dispatch_scales(w, [&](auto form) {
+      if constexpr (form_of(form(), bits(), G, min()))
+        run_tiles(I16Kernel<bits(), G, min(), form()>{w, xq.data(), step.data(), sums.data()}, w, M, out);
+    });
   });
 }
 

@@ -1,4 +1,8 @@
-"""Where each GGUF block type keeps its float16 fields, for tests that write random blocks."""
+"""Where each GGUF block type keeps its float16 fields, for tests that write random blocks, and such blocks."""
+
+import numpy as np
+
+from model.gguf_blocks import BLOCKS
 
 # byte offset in the block -> "d" (a scale) or "m" (a minimum: Q4_1's and Q5_1's m, the K-quants' dmin)
 HALVES = {
@@ -6,3 +10,16 @@ HALVES = {
     "IQ4_NL": {0: "d"}, "Q4_K": {0: "d", 2: "m"}, "Q5_K": {0: "d", 2: "m"}, "Q6_K": {208: "d"},
     "IQ4_XS": {0: "d"}, "Q3_K": {108: "d"},
 }  # fmt: skip
+
+
+def random_blocks(type_name: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """uint8 [N, bytes per row]: random bytes, each float16 field a random finite value of sane magnitude (a
+    scale of about 2^-12 .. 2^-6 of either sign, as a weight's; a minimum up to ~16 of those)."""
+    size, nbytes = BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (N, K // size, nbytes), dtype=np.uint8)
+    for at, what in HALVES[type_name].items():
+        magnitude = 2.0 ** rng.uniform(-12, -6, (N, K // size)) * (16 if what == "m" else 1)
+        value = (magnitude * rng.choice([-1, 1], (N, K // size))).astype(np.float16)
+        blocks[..., at : at + 2] = value[..., None].view(np.uint8)
+    return blocks.reshape(N, -1)

@@ -13,7 +13,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
-ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 

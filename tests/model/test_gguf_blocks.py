@@ -10,22 +10,9 @@ from gguf import GGMLQuantizationType, quants
 from model.gguf_blocks import BLOCKS, from_gguf_blocks
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
-from tests.helpers.gguf_blocks import HALVES
+from tests.helpers.gguf_blocks import random_blocks
 
 NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
-
-
-def random_blocks(type_name: str, N: int, K: int, seed: int = 0) -> np.ndarray:
-    """uint8 [N, bytes per row]: random bytes, each float16 field a random finite value of sane magnitude (a
-    scale of about 2^-12 .. 2^-6 of either sign, as a weight's; a minimum up to ~16 of those)."""
-    size, nbytes = BLOCKS[type_name]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (N, K // size, nbytes), dtype=np.uint8)
-    for at, what in HALVES[type_name].items():
-        magnitude = 2.0 ** rng.uniform(-12, -6, (N, K // size)) * (16 if what == "m" else 1)
-        value = (magnitude * rng.choice([-1, 1], (N, K // size))).astype(np.float16)
-        blocks[..., at : at + 2] = value[..., None].view(np.uint8)
-    return blocks.reshape(N, -1)
 
 
 def reference(type_name: str, blocks: np.ndarray) -> np.ndarray:
@@ -83,8 +70,9 @@ def test_blocks_read_as_gguf_dequantizes_them(type_name):
 
 @pytest.mark.timeout(60)
 def test_resident_bits_per_weight(tier_kernels):
-    """The packed form is close to the file's bits (model/quant.py's docstring states them)."""
-    expected = {"Q4_K": 4.625, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.625, "Q5_1": 6.0, "IQ4_NL": 4.5,
+    """The packed form is close to the file's bits (model/quant.py's docstring states them); Q4_K's and Q5_K's
+    are the file's (their 6-bit sub-scales and sub-minimums kept in 12 bits a group)."""
+    expected = {"Q4_K": 4.5, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.5, "Q5_1": 6.0, "IQ4_NL": 4.5,
                 "IQ4_XS": 4.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5}  # fmt: skip
     for type_name, bpw in expected.items():
         qt, _ = weight(type_name, 32, 512)

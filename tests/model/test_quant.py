@@ -12,6 +12,7 @@ from model.gguf_blocks import gguf_weight as read_gguf_weight
 from model.kernels import cpu_kernels, load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
+from tests.helpers.gguf_blocks import random_blocks
 
 GGUF_TYPES = {
     "Q4_0": GGMLQuantizationType.Q4_0,
@@ -88,14 +89,19 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
 @pytest.mark.skipif(
     "amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles"
 )
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind):
     """On the amx tier a GEMM of a few rows runs on vectors and one of many on AMX's int8 tiles, with the same
-    integer sums: every row count gives the avx512 tier's bits (int16 activations on vectors alone)."""
-    qt, _ = gguf_weight(kind, 100, 192)
+    integer sums: every row count gives the avx512 tier's bits (int16 activations on vectors alone). The
+    K-quants' blocks are random bytes: every 6-bit sub-scale and sub-minimum."""
+    K = 512
+    if kind in GGUF_TYPES:
+        qt, _ = gguf_weight(kind, 100, K)
+    else:
+        qt = from_gguf_blocks(kind, torch.from_numpy(random_blocks(kind, 100, K)), (100, K))
     amx, vectors = layer_for(qt, kernels=load("amx")), layer_for(qt, kernels=load("avx512"))
     for rows in (1, 4, 5, 16, 17, 40):
-        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
             assert torch.equal(amx.logits(x), vectors.logits(x)), rows
 
