@@ -1,0 +1,169 @@
+"""Prefill-only requests (embeddings, reranker scores) in the engine: their vectors against transformers' float32
+on tiny Qwen3-Embedding- and Qwen3-Reranker-shaped models, the same whatever shares their steps, batched with
+generating requests under one token budget, prefix-cached, and no block kept once they end."""
+
+import pytest
+import torch
+
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.pooling import select_task
+from server.engine.request import FinishReason, Pooling, PoolingParams, SamplingParams
+from tests.helpers.engine_runs import assert_all_blocks_free, random_prompts
+from tests.helpers.pooling_models import QUERY_PROMPT, make_embedder, make_reranker
+from tests.helpers.tiny_models import FAMILY_OVERRIDES
+
+POOLINGS = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_token": Pooling.CLS}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_model_factory):
+    return tiny_model_factory("qwen3", **FAMILY_OVERRIDES["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def embedder_dir(qwen3_dir, tmp_path_factory):
+    return make_embedder(qwen3_dir, tmp_path_factory.mktemp("st") / "tiny-qwen3-embedding")
+
+
+@pytest.fixture(scope="module")
+def reranker_dir(qwen3_dir, tmp_path_factory):
+    return make_reranker(qwen3_dir, tmp_path_factory.mktemp("rr") / "tiny-qwen3-reranker")
+
+
+def engine_for(path, **config) -> Engine:
+    defaults = dict(
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        max_num_batched_tokens=64,
+        dtype="float32",
+        kv_cache_dtype="float32",
+    )
+    return Engine(str(path), EngineConfig(**{**defaults, **config}))
+
+
+def pooled(engine: Engine, prompts: dict[str, list[int]], params: PoolingParams, generate=()) -> dict:
+    """Run the prompts as prefill-only requests (and `generate`'s as greedy ones alongside); their vectors."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    for rid, ids in dict(generate).items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    vectors = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.pooled is not None:
+                assert out.finished and out.finish_reason is FinishReason.STOP and not out.new_token_ids
+                vectors[out.request_id] = torch.tensor(out.pooled)
+    return vectors
+
+
+def reference_pooled(path, ids: list[int], pooling: Pooling) -> torch.Tensor:
+    """transformers' float32 Qwen3Model (AutoModel: the checkpoint without its LM head): its last hidden state
+    (the final norm's output), pooled."""
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+    return {Pooling.LAST: hidden[-1], Pooling.MEAN: hidden.mean(0), Pooling.CLS: hidden[0]}[pooling]
+
+
+def test_sentence_transformers_files_choose_pooling_and_prompts(embedder_dir, qwen3_dir, reranker_dir):
+    task = select_task(str(embedder_dir))
+    assert (task.task, task.pooling, task.normalize) == ("embed", Pooling.LAST, True)
+    assert task.prompts["query"] == QUERY_PROMPT
+    assert select_task(str(qwen3_dir)).task == "generate"
+    assert select_task(str(qwen3_dir), pooling="mean").pooling is Pooling.MEAN
+    assert select_task(str(embedder_dir), pooling="cls").pooling is Pooling.CLS  # the flag wins
+    assert select_task(str(reranker_dir)).task == "score"
+    assert select_task(str(reranker_dir), task="generate").task == "generate"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernels", ["on", "off"])
+@pytest.mark.parametrize("pooling", list(POOLINGS.values()))
+def test_vectors_match_transformers_float32(qwen3_dir, pooling, kernels):
+    """Chunked over several steps (budget 16, prompts up to 60 tokens), cosine >= 0.99999."""
+    engine = engine_for(qwen3_dir, cpu_kernels=kernels, max_num_batched_tokens=16)
+    prompts = random_prompts(4, engine.vocab_size, seed=3, low=5, high=60)
+    vectors = pooled(engine, prompts, PoolingParams(pooling))
+    for rid, ids in prompts.items():
+        ref = reference_pooled(qwen3_dir, ids, pooling)
+        cosine = torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item()
+        assert cosine >= 0.99999, (rid, cosine)
+        assert torch.allclose(vectors[rid], ref, atol=1e-4, rtol=1e-4)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pooling", [Pooling.LAST, Pooling.MEAN])
+def test_vector_does_not_depend_on_its_batch(qwen3_dir, pooling):
+    """Alone, or chunked among other embeddings and generating requests: the same bits (bfloat16 with the
+    kernels, the CPU default, whose rows are batch-invariant)."""
+    engine = engine_for(qwen3_dir, dtype="bfloat16", kv_cache_dtype="bfloat16", max_num_batched_tokens=24)
+    prompts = random_prompts(6, engine.vocab_size, seed=5, low=5, high=50)
+    others = random_prompts(4, engine.vocab_size, seed=6, prefix="g")
+    together = pooled(engine, prompts, PoolingParams(pooling), generate=others)
+    for rid, ids in prompts.items():
+        engine.reset()  # a fresh prefix cache: nothing alone is served from what ran together
+        alone = pooled(engine, {rid: ids}, PoolingParams(pooling))[rid]
+        assert torch.equal(alone, together[rid]), rid
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_batched_with_generation_under_one_budget_and_prefix_cached(qwen3_dir):
+    engine = engine_for(qwen3_dir, max_num_batched_tokens=16)
+    shared = list(range(10, 42))  # 8 blocks of 4
+    prompts = {f"e{i}": shared + [50 + i, 60 + i] for i in range(3)}
+    generating = random_prompts(2, engine.vocab_size, seed=9, prefix="g")
+    for rid, ids in generating.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.add_request("e0", prompts["e0"], PoolingParams())
+    mixed_steps, outputs = 0, {}
+    while engine.has_work():
+        scheduled = engine.scheduler.schedule()
+        assert scheduled.num_batched_tokens <= 16
+        kinds = {c.pool for c in scheduled.chunks}
+        mixed_steps += kinds == {True, False}
+        computed = engine.runner.execute(scheduled)
+        step_outputs, finished = engine.outputs.process(scheduled, computed)
+        engine.scheduler.update(scheduled, {o.request_id: o.new_token_ids for o in step_outputs}, finished)
+        outputs.update({o.request_id: o for o in step_outputs if o.finished})
+        if "e0" in outputs and "e1" not in engine.scheduler.requests and "e1" not in outputs:
+            for rid in ("e1", "e2"):  # after e0 finished: its blocks are free but cached
+                engine.add_request(rid, prompts[rid], PoolingParams())
+    assert mixed_steps > 0
+    assert outputs["e0"].num_cached_tokens == 0
+    assert outputs["e1"].num_cached_tokens == outputs["e2"].num_cached_tokens == 32
+    assert engine.stats().num_pooled_requests == 3
+    assert engine.stats().num_generation_tokens == 24
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_reranker_logits_match_transformers(reranker_dir):
+    """The [no, yes] logits at the last position, as Qwen3-Reranker's card reads them, within 1e-4."""
+    import transformers
+
+    engine = engine_for(reranker_dir, max_num_batched_tokens=16)
+    assert engine.task.task == "score"
+    yes, no = engine.tokenizer.encode("yes"), engine.tokenizer.encode("no")
+    assert len(yes) == len(no) == 1
+    prompts = random_prompts(3, 300, seed=11, low=5, high=40)
+    vectors = pooled(engine, prompts, PoolingParams(logit_token_ids=(no[0], yes[0])))
+    model = transformers.AutoModelForCausalLM.from_pretrained(reranker_dir, dtype=torch.float32).eval()
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        ref = logits[[no[0], yes[0]]]
+        assert torch.allclose(vectors[rid], ref, atol=1e-4), (vectors[rid], ref)
+        score = torch.softmax(vectors[rid], 0)[1]
+        assert abs(score - torch.softmax(ref, 0)[1]) < 1e-4
+
+
+def test_prefill_only_requests_fit_the_whole_context(qwen3_dir):
+    engine = engine_for(qwen3_dir, max_model_len=32)
+    engine.validate(list(range(3, 35)), PoolingParams())  # 32 tokens: the whole context, nothing drawn
+    with pytest.raises(ValueError, match="exceeds the maximum context length"):
+        engine.validate(list(range(3, 36)), PoolingParams())
