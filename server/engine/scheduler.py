@@ -104,6 +104,11 @@ class Scheduler:
         if num_prompt_tokens < 1:
             return "the prompt must contain at least one token"
         total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len and max_tokens == 0:  # prefill-only
+            return (
+                f"prompt ({num_prompt_tokens} tokens) exceeds the maximum context length of "
+                f"{self.max_model_len} tokens"
+            )
         if total > self.max_model_len:
             return (
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
