@@ -15,7 +15,7 @@ from server.engine.request import Pooling
 
 log = logging.getLogger(__name__)
 
-TASKS = ("auto", "generate", "embed", "score")
+TASKS = ("auto", "generate", "embed", "score", "rerank")  # rerank: score, as llama.cpp's --reranking says it
 # sentence-transformers' Pooling modes kvserve computes (1_Pooling/config.json's pooling_mode_* keys)
 POOLING_MODES = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_token": Pooling.CLS}
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
@@ -39,6 +39,7 @@ def select_task(model, task: str = "auto", pooling: str | None = None) -> Served
     serve."""
     if task not in TASKS:
         raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    task = "score" if task == "rerank" else task
     folder = Path(model) if isinstance(model, str | Path) else None
     name = Path(model if folder is not None else model.name).name.lower()
     st = sentence_transformers_config(folder) if folder is not None else None
