@@ -64,8 +64,9 @@ class Checkpoint:
         self._open: dict[Path, object] = {}
 
     def resolve(self, name: str) -> str | None:
-        """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`."""
-        for candidate in (name, "transformer." + name):
+        """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`; an embedder saved by
+        sentence-transformers (Qwen3-Embedding) stores the backbone alone, without the `model.` prefix."""
+        for candidate in (name, "transformer." + name, name.removeprefix("model.")):
             if any(c in self.files for c in (candidate, candidate + ".q4", candidate + ".q8")):
                 return candidate
         return None

@@ -10,7 +10,7 @@ from server.engine.engine import Engine
 from server.engine.pooling import select_task
 from server.engine.request import FinishReason, Pooling, PoolingParams, SamplingParams
 from tests.helpers.engine_runs import assert_all_blocks_free, random_prompts
-from tests.helpers.pooling_models import QUERY_PROMPT, make_embedder, make_reranker
+from tests.helpers.pooling_models import QUERY_PROMPT, make_embedder, make_reranker, strip_to_backbone
 from tests.helpers.tiny_models import FAMILY_OVERRIDES
 
 POOLINGS = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_token": Pooling.CLS}
@@ -160,6 +160,20 @@ def test_reranker_logits_match_transformers(reranker_dir):
         assert torch.allclose(vectors[rid], ref, atol=1e-4), (vectors[rid], ref)
         score = torch.softmax(vectors[rid], 0)[1]
         assert abs(score - torch.softmax(ref, 0)[1]) < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_a_backbone_only_checkpoint_as_qwen3_embedding_ships(tiny_model_factory, tmp_path):
+    """Qwen3-Embedding-0.6B's files: flat backbone names, no LM head (tied), sentence-transformers' modules."""
+    tied = tiny_model_factory("qwen3", head_dim=32, tie_word_embeddings=True)
+    folder = strip_to_backbone(make_embedder(tied, tmp_path / "Qwen3-Embedding-tiny"))
+    engine = engine_for(folder)
+    assert engine.task.task == "embed" and engine.task.pooling is Pooling.LAST
+    prompts = random_prompts(2, engine.vocab_size, seed=4)
+    vectors = pooled(engine, prompts, PoolingParams())
+    for rid, ids in prompts.items():
+        ref = reference_pooled(tied, ids, Pooling.LAST)
+        assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
 
 
 def test_prefill_only_requests_fit_the_whole_context(qwen3_dir):

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
@@ -37,6 +38,15 @@ def make_embedder(qwen3: Path, out: Path, pooling: str = "lasttoken", normalize:
     prompts = {"prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None}
     (out / "config_sentence_transformers.json").write_text(json.dumps(prompts))
     return out
+
+
+def strip_to_backbone(folder: Path) -> Path:
+    """Store the checkpoint as Qwen3-Embedding's is: the backbone's tensors alone, without their `model.`
+    prefix and without the LM head (a model whose config ties it to the embedding)."""
+    tensors = load_file(folder / "model.safetensors")
+    flat = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    save_file(flat, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 def make_reranker(qwen3: Path, out: Path) -> Path:
