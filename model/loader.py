@@ -2,7 +2,8 @@
 source its caller opened (a GGUF file read in place: weights/gguf_source.py's GGUFSource).
 
 A source is any object with `name`, `config` and `generation_config` (config.json's and generation_config.json's
-contents), `quantized` (whether it stores quantized weights), `tokenizer` and `tokenizer_config` (a `tokenizers`
+contents), `quantized` (whether it stores quantized weights), `pooling_type` (an embedder's pooling: none, mean, cls, last,
+rank; None for a causal LM), `tokenizer` and `tokenizer_config` (a `tokenizers`
 Tokenizer and tokenizer_config.json's contents) and the two methods of a Checkpoint, `resolve(name)` and
 `get(name)`. get() gives a tensor, or a GGUF weight's raw blocks as a record (type name, uint8 blocks [N, bytes
 per row], shape [N, K]) that model/gguf_blocks.py reads.

@@ -1,7 +1,8 @@
 """What the model is served for, decided once at start: generation, embeddings (with which pooling, normalised
 or not, and the model's named prompts) or relevance scores (a reranker). --task and --pooling say it; otherwise
 the model's own files do: a sentence-transformers folder (modules.json, 1_Pooling/config.json,
-config_sentence_transformers.json) is an embedder, a model named a reranker (Qwen3-Reranker) scores.
+config_sentence_transformers.json) or a GGUF file with a `pooling_type` is an embedder, a model named a reranker
+(Qwen3-Reranker), or a GGUF of pooling type rank, scores.
 
 A served task adds routes; it takes none away: an embedder whose checkpoint has an LM head still generates.
 """
@@ -20,6 +21,7 @@ TASKS = ("auto", "generate", "embed", "score", "rerank")  # rerank: score, as ll
 POOLING_MODES = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_token": Pooling.CLS}
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 POOLING_MODULE = "sentence_transformers.models.Pooling"
+GGUF_POOLING = {"mean": Pooling.MEAN, "cls": Pooling.CLS, "last": Pooling.LAST}  # a GGUF's pooling_type
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,12 @@ def select_task(model, task: str = "auto", pooling: str | None = None) -> Served
     task = "score" if task == "rerank" else task
     folder = Path(model) if isinstance(model, str | Path) else None
     name = Path(model if folder is not None else model.name).name.lower()
-    st = sentence_transformers_config(folder) if folder is not None else None
+    st = sentence_transformers_config(folder) if folder is not None else gguf_config(model)
     if task == "auto":
-        if "reranker" in name:
-            task, why = "score", f"{name} is named a reranker"
+        if "reranker" in name or (folder is None and model.pooling_type == "rank"):
+            task, why = "score", f"{name} is a reranker (by its name, or its pooling_type)"
         elif st is not None:
-            task, why = "embed", "a sentence-transformers model (modules.json)"
+            task, why = "embed", "an embedder's files"
         elif pooling is not None:
             task, why = "embed", "--pooling was given"
         else:
@@ -60,6 +62,15 @@ def select_task(model, task: str = "auto", pooling: str | None = None) -> Served
     if pooling is not None:
         chosen = ServedTask("embed", Pooling(pooling), chosen.normalize, chosen.prompts, "--pooling")
     return ServedTask("embed", chosen.pooling, chosen.normalize, chosen.prompts, f"{why}; {chosen.why}")
+
+
+def gguf_config(source) -> ServedTask | None:
+    """An embedder's pooling as a GGUF file records it (llama.cpp normalises what it pools); None for a causal LM
+    (no pooling_type, or none) or a reranker (rank)."""
+    pooling = GGUF_POOLING.get(source.pooling_type)
+    if pooling is None:
+        return None
+    return ServedTask("embed", pooling, True, {}, f"the GGUF's pooling_type: {source.pooling_type}")
 
 
 def sentence_transformers_config(folder: Path) -> ServedTask | None:

@@ -12,6 +12,7 @@ from server.engine.request import FinishReason, Pooling, PoolingParams, Sampling
 from tests.helpers.engine_runs import assert_all_blocks_free, random_prompts
 from tests.helpers.pooling_models import QUERY_PROMPT, make_embedder, make_reranker, strip_to_backbone
 from tests.helpers.tiny_models import FAMILY_OVERRIDES
+from weights.gguf_source import GGUFSource
 
 POOLINGS = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_token": Pooling.CLS}
 
@@ -31,7 +32,7 @@ def reranker_dir(qwen3_dir, tmp_path_factory):
     return make_reranker(qwen3_dir, tmp_path_factory.mktemp("rr") / "tiny-qwen3-reranker")
 
 
-def engine_for(path, **config) -> Engine:
+def engine_for(model, **config) -> Engine:
     defaults = dict(
         kv_cache_memory=4 << 20,
         block_size=4,
@@ -39,7 +40,8 @@ def engine_for(path, **config) -> Engine:
         dtype="float32",
         kv_cache_dtype="float32",
     )
-    return Engine(str(path), EngineConfig(**{**defaults, **config}))
+    model = model if isinstance(model, GGUFSource) else str(model)
+    return Engine(model, EngineConfig(**{**defaults, **config}))
 
 
 def pooled(engine: Engine, prompts: dict[str, list[int]], params: PoolingParams, generate=()) -> dict:
@@ -174,6 +176,27 @@ def test_a_backbone_only_checkpoint_as_qwen3_embedding_ships(tiny_model_factory,
     for rid, ids in prompts.items():
         ref = reference_pooled(tied, ids, Pooling.LAST)
         assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
+
+
+@pytest.mark.timeout(300)
+def test_a_gguf_embedder_pools_as_its_pooling_type(tmp_path):
+    """A tiny Qwen3 written to GGUF as llama.cpp's converter writes Qwen3-Embedding (pooling_type 3, last), served
+    from the file in place: the same vectors as transformers' on the folder it came from."""
+    from tests.helpers.gguf_writers import byte_level_vocab, tiny_hf_model, write_llama_cpp_gguf
+
+    vocab = byte_level_vocab("qwen2")
+    tiny_hf_model("qwen3", len(vocab["tokens"])).save_pretrained(tmp_path / "hf")
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "embed.gguf", vocab, pooling_type=3)
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "rank.gguf", vocab, pooling_type=4)
+    assert select_task(GGUFSource(tmp_path / "rank.gguf")).task == "score"
+    engine = engine_for(GGUFSource(tmp_path / "embed.gguf"), quantization="none")
+    assert (engine.task.task, engine.task.pooling, engine.task.normalize) == ("embed", Pooling.LAST, True)
+    prompts = random_prompts(3, engine.vocab_size, seed=8, low=5, high=40)
+    vectors = pooled(engine, prompts, PoolingParams())
+    for rid, ids in prompts.items():
+        ref = reference_pooled(tmp_path / "hf", ids, Pooling.LAST)
+        assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
+        assert torch.allclose(vectors[rid], ref, atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_only_requests_fit_the_whole_context(qwen3_dir):
