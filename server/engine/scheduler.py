@@ -256,7 +256,8 @@ class Scheduler:
                 self.num_generation_tokens += len(kept)
             reason = finished.get(request.request_id)  # no token kept: its grammar failed on the draw
             if reason is not None:
-                self.num_pooled_requests += request.pooling is not None and reason is FinishReason.STOP
+                if request.pooling is not None and reason is FinishReason.STOP:
+                    self.num_pooled_requests += 1
                 self.finish_request(request, reason)
 
     @property

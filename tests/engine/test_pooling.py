@@ -44,12 +44,15 @@ def engine_for(model, **config) -> Engine:
     return Engine(model, EngineConfig(**{**defaults, **config}))
 
 
-def pooled(engine: Engine, prompts: dict[str, list[int]], params: PoolingParams, generate=()) -> dict:
-    """Run the prompts as prefill-only requests (and `generate`'s as greedy ones alongside); their vectors."""
+def pooled(
+    engine: Engine, prompts: dict[str, list[int]], params: PoolingParams, generate=(), max_tokens: int = 8
+) -> dict:
+    """Run the prompts as prefill-only requests (after `generate`'s, greedy ones of max_tokens, alongside); their
+    vectors."""
+    for rid, ids in dict(generate).items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
-    for rid, ids in dict(generate).items():
-        engine.add_request(rid, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     vectors = {}
     while engine.has_work():
         for out in engine.step():
@@ -197,6 +200,37 @@ def test_a_gguf_embedder_pools_as_its_pooling_type(tmp_path):
         ref = reference_pooled(tmp_path / "hf", ids, Pooling.LAST)
         assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
         assert torch.allclose(vectors[rid], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_preempted_and_aborted_prefill_only_requests(qwen3_dir):
+    """A cache too small for the generating requests beside them: prefills are preempted (the newest running
+    request goes first) and recomputed, and each mean vector comes out as it does alone; a request aborted
+    mid-prefill gives no vector and keeps no block."""
+    # 40 blocks of 4 tokens: 2 layers x K and V x 4 tokens x 2 heads x 32 dims x 4 bytes a block
+    engine = engine_for(qwen3_dir, kv_cache_memory=40 * 2 * 2 * 4 * 2 * 32 * 4, max_num_batched_tokens=16)
+    assert engine.runner.num_blocks == 40
+    prompts = random_prompts(4, engine.vocab_size, seed=12, low=50, high=60)  # ~14 blocks each
+    generating = random_prompts(3, engine.vocab_size, seed=13, low=20, high=20, prefix="g")  # 25 blocks each
+    seen_preempted = set()
+    step = engine.step
+
+    def step_and_watch():
+        outputs = step()
+        seen_preempted.update(r.request_id for r in engine.scheduler.waiting if r.num_preemptions)
+        return outputs
+
+    engine.step = step_and_watch
+    together = pooled(engine, prompts, PoolingParams(Pooling.MEAN), generate=generating, max_tokens=80)
+    del engine.step
+    assert seen_preempted & set(prompts), seen_preempted
+    for rid, ids in prompts.items():
+        engine.reset()
+        assert torch.equal(pooled(engine, {rid: ids}, PoolingParams(Pooling.MEAN))[rid], together[rid])
+    engine.add_request("gone", prompts["r0"], PoolingParams())
+    engine.step()
+    assert engine.abort("gone").pooled is None
+    assert_all_blocks_free(engine)
 
 
 def test_prefill_only_requests_fit_the_whole_context(qwen3_dir):
