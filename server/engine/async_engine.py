@@ -1,11 +1,11 @@
 """AsyncEngine: the engine client the API talks to, and the one place with asyncio.
 
 Its surface is all the API needs: validate, compile_grammar, generate, abort, stats, the tokenizer, the limits
-(max_model_len, vocab_size) and the served task (generation, embeddings, scores), plus drain and shutdown. A background thread steps the Engine while there is
-work; the event loop never waits on the model (the C++ kernels let go of the GIL while they run): new
-requests and aborts are handed to the stepping thread through a queue and applied between steps; outputs
-come back with call_soon_threadsafe into one asyncio queue per request. When idle, the thread blocks on an
-Event (no polling).
+(max_model_len, vocab_size, hidden_size) and the served task (generation, embeddings, scores), plus drain and
+shutdown. A background thread steps the Engine while there is work; the event loop never waits on the model
+(the C++ kernels let go of the GIL while they run): new requests and aborts are handed to the stepping thread
+through a queue and applied between steps; outputs come back with call_soon_threadsafe into one asyncio queue per
+request. When idle, the thread blocks on an Event (no polling).
 """
 
 import asyncio

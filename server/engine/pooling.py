@@ -8,13 +8,10 @@ A served task adds routes; it takes none away: an embedder whose checkpoint has 
 """
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.engine.request import Pooling
-
-log = logging.getLogger(__name__)
 
 TASKS = ("auto", "generate", "embed", "score", "rerank")  # rerank: score, as llama.cpp's --reranking says it
 # sentence-transformers' Pooling modes kvserve computes (1_Pooling/config.json's pooling_mode_* keys)
