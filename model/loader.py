@@ -16,6 +16,7 @@ model/linear.py) as soon as the layer is loaded, so only the prepared form of th
 """
 
 import ctypes
+import dataclasses
 import json
 import logging
 import re
@@ -148,6 +149,12 @@ def load_model(
     keeps_quantized = any(m.method.keeps_quantized for m in linears.values())
     ckpt = Checkpoint(path, quantized=keeps_quantized) if isinstance(model, str | Path) else model
     name_map = config.family.weights
+    if not config.tie_word_embeddings and ckpt.resolve(name_map["lm_head.weight"][0][0]) is None:
+        log.warning("%s has no LM head (an embedder's backbone): it serves embeddings, not generation", path)
+        config = dataclasses.replace(config, tie_word_embeddings=True, has_lm_head=False)
+        with torch.device("meta"):
+            transformer = Transformer(config, ops)
+        linears = {name: m for name, m in transformer.named_modules() if isinstance(m, Linear)}
     params = list(transformer.named_parameters())
     # each linear layer is prepared once its last parameter is loaded
     last_of = {name.rpartition(".")[0]: name for name, _ in params}

@@ -54,6 +54,8 @@ class Engine:
         """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
         Reads only what is fixed at start, so any thread may call it. PoolingParams: a prefill-only request."""
         params.validate(self.vocab_size)
+        if isinstance(params, SamplingParams) and not self.model_config.has_lm_head:
+            raise ParamError("model", "this model has no LM head (an embedder's checkpoint): it only embeds")
         if not prompt_token_ids:
             raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):

@@ -179,6 +179,22 @@ def test_a_backbone_only_checkpoint_as_qwen3_embedding_ships(tiny_model_factory,
     for rid, ids in prompts.items():
         ref = reference_pooled(tied, ids, Pooling.LAST)
         assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
+    engine.validate([5, 6], SamplingParams())  # tied: the head is there, it generates
+
+
+@pytest.mark.timeout(300)
+def test_an_untied_checkpoint_without_its_head_embeds_and_refuses_to_generate(qwen3_dir, tmp_path):
+    """Qwen3-Embedding-8B's files: untied in config.json, yet no LM head in the checkpoint."""
+    folder = strip_to_backbone(make_embedder(qwen3_dir, tmp_path / "Qwen3-Embedding-untied"))
+    engine = engine_for(folder)
+    assert not engine.model_config.has_lm_head
+    prompts = random_prompts(2, engine.vocab_size, seed=7)
+    vectors = pooled(engine, prompts, PoolingParams())
+    for rid, ids in prompts.items():
+        ref = reference_pooled(qwen3_dir, ids, Pooling.LAST)
+        assert torch.nn.functional.cosine_similarity(vectors[rid], ref, dim=0).item() >= 0.99999
+    with pytest.raises(ValueError, match="no LM head"):
+        engine.validate([5, 6], SamplingParams())
 
 
 @pytest.mark.timeout(300)

@@ -42,7 +42,7 @@ def make_embedder(qwen3: Path, out: Path, pooling: str = "lasttoken", normalize:
 
 def strip_to_backbone(folder: Path) -> Path:
     """Store the checkpoint as Qwen3-Embedding's is: the backbone's tensors alone, without their `model.`
-    prefix and without the LM head (a model whose config ties it to the embedding)."""
+    prefix and without the LM head (tied in 0.6B's config; untied in 8B's, whose head is simply not there)."""
     tensors = load_file(folder / "model.safetensors")
     flat = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
     save_file(flat, folder / "model.safetensors", metadata={"format": "pt"})
