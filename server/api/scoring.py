@@ -58,7 +58,7 @@ async def score_pairs(
     instruction = instruction or DEFAULT_INSTRUCTION
     prompts = [pair_ids(state, q, d, instruction) for q, d in pairs]
     params = PoolingParams(logit_token_ids=(no, yes))
-    outputs = await pooled(state, prompts, params, log_id, disconnected, param)
+    outputs = await pooled(state, prompts, params, log_id, disconnected, param, shared_prefix=True)
     if outputs is None:
         return None
     # softmax over [no, yes], the yes probability: 1 / (1 + e^(no - yes))

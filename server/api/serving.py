@@ -299,11 +299,16 @@ async def pooled(
     log_id: str,
     disconnected: Disconnected,
     param: str,
+    shared_prefix: bool = False,
 ) -> list[RequestOutput] | None:
     """Run the prompts as prefill-only requests (embeddings, scores), concurrently; each one's final output (its
     vector in `pooled`), in order, or None when the client went away. Every prompt is validated before any is
     queued: a 400 names the first bad one by `param` and its index (when there are several), and nothing of it
-    runs. Raises ApiError(500) when the engine failed; the others are aborted."""
+    runs. Raises ApiError(500) when the engine failed; the others are aborted.
+
+    shared_prefix: the prompts open alike (a reranker's prompt and query before each document). The first then
+    runs alone, and the others find the blocks they share in the prefix cache: queued together, each would
+    compute them, as a block is cached only once computed."""
     check_queue(state)
     response_id = f"pool-{uuid.uuid4().hex}"
     choices = []
@@ -314,16 +319,20 @@ async def pooled(
             if len(prompts) > 1:
                 e.message, e.param = f"{param}[{i}]: {e.message}", f"{param}[{i}]"
             raise
-    for c in choices:
-        c.arrival_time = time.monotonic()
-        c.outputs = state.engine.generate(c.request_id, c.prompt_ids, c.params, arrival_time=c.arrival_time)
     results: list[RequestOutput | None] = [None] * len(choices)
-    async with contextlib.aclosing(run(state, choices, log_id, disconnected())) as outputs:
-        async for c, out in outputs:
-            if out.finished:
-                results[c.index] = out
-    if any(r is None for r in results):
-        return None
+    waves = [choices[:1], choices[1:]] if shared_prefix and len(choices) > 1 else [choices]
+    for wave in waves:
+        for c in wave:
+            c.arrival_time = time.monotonic()
+            c.outputs = state.engine.generate(
+                c.request_id, c.prompt_ids, c.params, arrival_time=c.arrival_time
+            )
+        async with contextlib.aclosing(run(state, wave, log_id, disconnected())) as outputs:
+            async for c, out in outputs:
+                if out.finished:
+                    results[c.index] = out
+        if any(results[c.index] is None for c in wave):
+            return None
     return results
 
 

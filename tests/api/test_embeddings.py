@@ -212,6 +212,16 @@ def test_rerank_with_httpx(rerank_url, reranker):
     assert objects["results"] == out["results"]
 
 
+def test_rerank_pairs_share_the_prompt_and_query_through_the_prefix_cache(rerank_url, scrape):
+    before = scrape(rerank_url, idle=True)["kvserve:prefix_cache_hits_total"]
+    body = {"query": "Which one is new? A query no other test sends.", "documents": DOCS}
+    assert httpx.post(f"{rerank_url}/v1/rerank", json=body, timeout=60).status_code == 200
+    hits = scrape(rerank_url, idle=True)["kvserve:prefix_cache_hits_total"] - before
+    # byte tokens: the prompt up to the document is ~300 of them; the second and third pairs find all but the
+    # last partial block of it
+    assert hits >= 2 * 256, hits
+
+
 def test_rerank_score_is_the_model_cards(rerank_url, reranker, long_qwen3_dir):
     """Qwen3-Reranker's card: prefix, instruction/query/document, suffix tokenized apart; softmax over [no, yes]
     at the last position, against transformers' float32 on the same weights (the server runs bfloat16)."""
