@@ -304,7 +304,7 @@ async def pooled(
     """Run the prompts as prefill-only requests (embeddings, scores), concurrently; each one's final output (its
     vector in `pooled`), in order, or None when the client went away. Every prompt is validated before any is
     queued: a 400 names the first bad one by `param` and its index (when there are several), and nothing of it
-    runs. Raises ApiError(500) when the engine failed; the others are aborted.
+    runs. Raises ApiError(500) when the engine failed, 503 when a drain aborted one; the others are aborted.
 
     shared_prefix: the prompts open alike (a reranker's prompt and query before each document). The first then
     runs alone, and the others find the blocks they share in the prefix cache: queued together, each would
@@ -329,6 +329,9 @@ async def pooled(
             )
         async with contextlib.aclosing(run(state, wave, log_id, disconnected())) as outputs:
             async for c, out in outputs:
+                if out.finished and out.pooled is None:  # aborted: the server is draining
+                    why = "the server is shutting down; the request was stopped before its end"
+                    raise ApiError(503, why, type="unavailable_error")
                 if out.finished:
                     results[c.index] = out
         if any(results[c.index] is None for c in wave):

@@ -266,3 +266,29 @@ def test_routes_refuse_a_model_not_served_for_them(rerank_url, embed_url):
     assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"]
     r = httpx.post(f"{embed_url}/v1/rerank", json={"query": "q", "documents": ["d"]})
     assert r.status_code == 400 and "--task score" in r.json()["error"]["message"]
+
+
+def test_a_drain_that_aborts_an_embedding_answers_503(
+    qwen3_dir, tmp_path, new_engine, start_server, wait_for
+):
+    """One sequence at a time, held by a long generation: the embedding waits, the drain's timeout aborts both,
+    and the embedding's client gets a 503 (no vector to send), not a 500."""
+    import asyncio
+
+    from server.api.app import drain
+
+    engine = new_engine(make_embedder(qwen3_dir, tmp_path / "tiny-qwen3-embedding"), max_num_seqs=1)
+    url, app = start_server(engine, shutdown_timeout=0.3)
+    answers = []
+    long = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=long):
+        wait_for(lambda: engine.stats().num_running == 1, what="the generation running")
+        waiting = threading.Thread(
+            target=lambda: answers.append(http.post("/v1/embeddings", json={"input": "a"}))
+        )
+        waiting.start()
+        wait_for(lambda: engine.stats().num_waiting == 1, what="the embedding waiting")
+        asyncio.run(drain(app))
+        waiting.join(10)
+    assert answers[0].status_code == 503, answers[0].text
+    assert "shutting down" in answers[0].json()["error"]["message"]
