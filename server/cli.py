@@ -143,7 +143,8 @@ MODEL_FLAGS = (
         env=True,
         help="what the model serves besides generation, as vLLM's --task names it: embed (/v1/embeddings), score "
         "or rerank (/v1/rerank, /v1/score: a Qwen3-Reranker-style yes/no model); auto: embed for a "
-        "sentence-transformers folder, score for a model named a reranker, else generate",
+        "sentence-transformers folder (or a GGUF with a pooling_type), score for a Qwen3 named a reranker, else "
+        "generate",
     ),
     Flag(
         "--pooling",

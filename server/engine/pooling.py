@@ -1,8 +1,10 @@
 """What the model is served for, decided once at start: generation, embeddings (with which pooling, normalised
 or not, and the model's named prompts) or relevance scores (a reranker). --task and --pooling say it; otherwise
 the model's own files do: a sentence-transformers folder (modules.json, 1_Pooling/config.json,
-config_sentence_transformers.json) or a GGUF file with a `pooling_type` is an embedder, a model named a reranker
-(Qwen3-Reranker), or a GGUF of pooling type rank, scores.
+config_sentence_transformers.json) or a GGUF file with a `pooling_type` is an embedder; a Qwen3 named a
+reranker (Qwen3-Reranker), or a GGUF of pooling type rank, scores: the yes/no scoring of server/api/scoring.py
+is Qwen3-Reranker's, and another model named a reranker (a cross-encoder, another LLM's prompt) would be scored
+wrong, so only --task score serves one.
 
 A served task adds routes; it takes none away: an embedder whose checkpoint has an LM head still generates.
 """
@@ -19,6 +21,7 @@ POOLING_MODES = {"lasttoken": Pooling.LAST, "mean_tokens": Pooling.MEAN, "cls_to
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 POOLING_MODULE = "sentence_transformers.models.Pooling"
 GGUF_POOLING = {"mean": Pooling.MEAN, "cls": Pooling.CLS, "last": Pooling.LAST}  # a GGUF's pooling_type
+RERANKER_ARCHITECTURE = "Qwen3ForCausalLM"  # Qwen3-Reranker's, the scoring kvserve implements
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,11 @@ def select_task(model, task: str = "auto", pooling: str | None = None) -> Served
     folder = Path(model) if isinstance(model, str | Path) else None
     name = Path(model if folder is not None else model.name).name.lower()
     st = sentence_transformers_config(folder) if folder is not None else gguf_config(model)
+    config = json.loads((folder / "config.json").read_text()) if folder is not None else model.config
+    qwen3 = (config.get("architectures") or [""])[0] == RERANKER_ARCHITECTURE
     if task == "auto":
-        if "reranker" in name or (folder is None and model.pooling_type == "rank"):
-            task, why = "score", f"{name} is a reranker (by its name, or its pooling_type)"
+        if qwen3 and ("reranker" in name or (folder is None and model.pooling_type == "rank")):
+            task, why = "score", f"a Qwen3 named a reranker, or of GGUF pooling_type rank ({name})"
         elif st is not None:
             task, why = "embed", "an embedder's files"
         elif pooling is not None:

@@ -2,6 +2,8 @@
 on tiny Qwen3-Embedding- and Qwen3-Reranker-shaped models, the same whatever shares their steps, batched with
 generating requests under one token budget, prefix-cached, and no block kept once they end."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -73,7 +75,9 @@ def reference_pooled(path, ids: list[int], pooling: Pooling) -> torch.Tensor:
     return {Pooling.LAST: hidden[-1], Pooling.MEAN: hidden.mean(0), Pooling.CLS: hidden[0]}[pooling]
 
 
-def test_sentence_transformers_files_choose_pooling_and_prompts(embedder_dir, qwen3_dir, reranker_dir):
+def test_sentence_transformers_files_choose_pooling_and_prompts(
+    embedder_dir, qwen3_dir, reranker_dir, tiny_model_factory
+):
     task = select_task(str(embedder_dir))
     assert (task.task, task.pooling, task.normalize) == ("embed", Pooling.LAST, True)
     assert task.prompts["query"] == QUERY_PROMPT
@@ -82,6 +86,12 @@ def test_sentence_transformers_files_choose_pooling_and_prompts(embedder_dir, qw
     assert select_task(str(embedder_dir), pooling="cls").pooling is Pooling.CLS  # the flag wins
     assert select_task(str(reranker_dir)).task == "score"
     assert select_task(str(reranker_dir), task="generate").task == "generate"
+    llama = tiny_model_factory("llama")
+    named = llama.parent / "tiny-llama-reranker"
+    if not named.exists():
+        shutil.copytree(llama, named)
+    assert select_task(str(named)).task == "generate"  # not Qwen3-Reranker's kind: scored only if asked
+    assert select_task(str(named), task="rerank").task == "score"
 
 
 @pytest.mark.timeout(300)
