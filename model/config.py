@@ -89,6 +89,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # union of config.json and generation_config.json
     torch_dtype: str = "float32"  # the checkpoint's dtype
     moe: MoeSpec | None = None  # the experts of the layers whose ffn is "moe"
+    # False: the checkpoint is a backbone alone, with no LM head though untied (Qwen3-Embedding-8B's): it embeds,
+    # and the loader lets the embedding stand in for the head only so that the model is whole; it never generates
+    has_lm_head: bool = True
 
     @property
     def family(self) -> Family:

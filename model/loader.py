@@ -2,7 +2,8 @@
 source its caller opened (a GGUF file read in place: weights/gguf_source.py's GGUFSource).
 
 A source is any object with `name`, `config` and `generation_config` (config.json's and generation_config.json's
-contents), `quantized` (whether it stores quantized weights), `tokenizer` and `tokenizer_config` (a `tokenizers`
+contents), `quantized` (whether it stores quantized weights), `pooling_type` (an embedder's pooling: none, mean, cls, last,
+rank; None for a causal LM), `tokenizer` and `tokenizer_config` (a `tokenizers`
 Tokenizer and tokenizer_config.json's contents) and the two methods of a Checkpoint, `resolve(name)` and
 `get(name)`. get() gives a tensor, or a GGUF weight's raw blocks as a record (type name, uint8 blocks [N, bytes
 per row], shape [N, K]) that model/gguf_blocks.py reads.
@@ -15,6 +16,7 @@ model/linear.py) as soon as the layer is loaded, so only the prepared form of th
 """
 
 import ctypes
+import dataclasses
 import json
 import logging
 import re
@@ -64,8 +66,9 @@ class Checkpoint:
         self._open: dict[Path, object] = {}
 
     def resolve(self, name: str) -> str | None:
-        """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`."""
-        for candidate in (name, "transformer." + name):
+        """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`; an embedder saved by
+        sentence-transformers (Qwen3-Embedding) stores the backbone alone, without the `model.` prefix."""
+        for candidate in (name, "transformer." + name, name.removeprefix("model.")):
             if any(c in self.files for c in (candidate, candidate + ".q4", candidate + ".q8")):
                 return candidate
         return None
@@ -146,6 +149,12 @@ def load_model(
     keeps_quantized = any(m.method.keeps_quantized for m in linears.values())
     ckpt = Checkpoint(path, quantized=keeps_quantized) if isinstance(model, str | Path) else model
     name_map = config.family.weights
+    if not config.tie_word_embeddings and ckpt.resolve(name_map["lm_head.weight"][0][0]) is None:
+        log.warning("%s has no LM head (an embedder's backbone): it serves embeddings, not generation", path)
+        config = dataclasses.replace(config, tie_word_embeddings=True, has_lm_head=False)
+        with torch.device("meta"):
+            transformer = Transformer(config, ops)
+        linears = {name: m for name, m in transformer.named_modules() if isinstance(m, Linear)}
     params = list(transformer.named_parameters())
     # each linear layer is prepared once its last parameter is loaded
     last_of = {name.rpartition(".")[0]: name for name, _ in params}

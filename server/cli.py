@@ -136,6 +136,23 @@ MODEL_FLAGS = (
         "run's steps are batch-invariant, as on CPU, so the output is the same either way)",
     ),
     Flag("--chat-template", help="a Jinja chat template, or a file", env=True),
+    Flag(
+        "--task",
+        ENGINE.task,
+        choices=("auto", "generate", "embed", "score", "rerank"),
+        env=True,
+        help="what the model serves besides generation, as vLLM's --task names it: embed (/v1/embeddings), score "
+        "or rerank (/v1/rerank, /v1/score: a Qwen3-Reranker-style yes/no model); auto: embed for a "
+        "sentence-transformers folder (or a GGUF with a pooling_type), score for a Qwen3 named a reranker, else "
+        "generate",
+    ),
+    Flag(
+        "--pooling",
+        choices=("last", "mean", "cls"),
+        env=True,
+        help="an embedder's pooling of the final hidden states (implies --task embed; default: the model's "
+        "1_Pooling/config.json, else the last token's)",
+    ),
     log_level("info", from_env=True),
 )
 SERVER_FLAGS = (

@@ -62,6 +62,8 @@ def engine_config(args, **overrides):
         cpu_kernels=args.cpu_kernels,
         cpu_tier=args.cpu_tier,
         speculative=speculative_config(args.speculative_config),
+        task=args.task,
+        pooling=args.pooling,
     )
     for k, v in overrides.items():
         setattr(config, k, v)

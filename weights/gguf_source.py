@@ -156,6 +156,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor], mmap.m
     return meta, tensors, mapped
 
 
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
+
+
 class GGUFSource:
     """The model in a GGUF file, read from a memory map. Each tensor read is copied out of the map, and the map's
     pages it touched are let go (madvise): a loader that turns each weight into its own form as it goes holds
@@ -177,6 +180,9 @@ class GGUFSource:
             raise UnsupportedGGUFError(f"{self.path.name} ({arch!r}): {error}") from None
         keys = ("bos_token_id", "eos_token_id")
         self.generation_config = {k: self.config[k] for k in keys if self.config[k] is not None}
+        # an embedder's or reranker's pooling as llama.cpp's converter records it (`<arch>.pooling_type`): none,
+        # mean, cls, last or rank; None when the file says nothing (a causal LM)
+        self.pooling_type = POOLING_TYPES.get(meta.get(f"{arch}.pooling_type"))
         # whether any weight is stored quantized (the engine then keeps it so where its kernels can)
         self.quantized = any(t.tensor_type not in FLOAT_TYPES for t in self.tensors.values())
         # one GGUF tensor (or expert's slice) can feed several Hugging Face ones (a fused attn_qkv, an expert's

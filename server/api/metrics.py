@@ -87,6 +87,11 @@ class _EngineCollector:
         counters = [
             ("prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens),
             ("generation_tokens", "Generated tokens.", s.num_generation_tokens),
+            (
+                "pooled_requests",
+                "Prefill-only requests (embeddings, scores) finished.",
+                s.num_pooled_requests,
+            ),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted to free KV-cache blocks.", s.num_preemptions),

@@ -3,7 +3,8 @@
 A route is thin: it parses a body, calls a serving function and returns JSON or SSE. Here are what the routes
 depend on (the API key as OpenAI's or Anthropic's clients send it, the serving state with its 503s, the client
 going away), how a route documents its errors and its stream in openapi.yaml, the reply, and the routes no one
-API owns: /health, /metrics, /v1/models, /tokenize and /detokenize, in OpenAI's and vLLM's shapes. Each API's
+API owns: /health, /metrics, /v1/models, /tokenize and /detokenize, /v1/rerank (and /rerank) and /v1/score, in
+OpenAI's, vLLM's and Jina's shapes. Each API's
 own routes are in its package (openai/routes.py, anthropic/routes.py).
 """
 
@@ -19,6 +20,7 @@ from server.api.config import ServerConfig
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.prompt import chat_prompt_ids
+from server.api.scoring import rerank, score
 from server.api.serving import ServingState, check_model
 
 # --- dependencies -------------------------------------------------------------------------------
@@ -151,6 +153,26 @@ def detokenize(body: p.DetokenizeRequest, state: Ready) -> p.DetokenizeResponse:
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise ApiError(400, f"tokens must be ids in [0, {vocab_size})", param="tokens")
     return p.DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
+
+
+@api_router.post(
+    "/v1/rerank", response_model=p.RerankResponse, responses=documented_errors(400, 401, 404, 413, 429, 503)
+)
+@api_router.post("/rerank", response_model=p.RerankResponse, include_in_schema=False)
+async def rerank_documents(body: p.RerankRequest, request: Request, state: Ready) -> Response:
+    """The documents by relevance to the query, best first (a reranker served with --task score). /rerank is
+    the same route, as llama.cpp and Jina spell it."""
+    result = await rerank(state, body, request.state.request_id, lambda: client_gone(request))
+    return reply(result)
+
+
+@api_router.post(
+    "/v1/score", response_model=p.ScoreResponse, responses=documented_errors(400, 401, 404, 413, 429, 503)
+)
+async def score_pairs(body: p.ScoreRequest, request: Request, state: Ready) -> Response:
+    """vLLM's score route: each text_2's relevance to text_1 (or to its own text_1), in their order."""
+    result = await score(state, body, request.state.request_id, lambda: client_gone(request))
+    return reply(result)
 
 
 def reply(result, headers: dict[str, str] | None = None) -> Response:

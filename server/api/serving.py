@@ -11,6 +11,7 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
 from server.engine.async_engine import AsyncEngine
-from server.engine.request import ParamError, RequestOutput, SamplingParams
+from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,15 @@ def check_model(state: ServingState, model: str | None) -> None:
         raise ApiError(404, why, "not_found_error", param="model", code="model_not_found")
 
 
+def check_task(state: ServingState, task: str, what: str) -> None:
+    """A 400 unless the model is served for `task` (embed, score: server/engine/pooling.py)."""
+    served = state.engine.task.task
+    if served != task:
+        flag = "--task embed (or --pooling last|mean|cls)" if task == "embed" else "--task score"
+        why = f"{what} needs a model served with {flag}; this one is served for {served}"
+        raise ApiError(400, why, param="model", code="model_not_supported")
+
+
 def check_queue(state: ServingState) -> None:
     if state.engine.stats().num_waiting >= state.max_queue:
         why = f"the server is busy ({state.max_queue} requests waiting); retry shortly"
@@ -174,12 +184,13 @@ def new_choices(
     response_id: str,
     first_index: int,
     ids: list[int],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     n: int = 1,
     names: dict[str, str] | None = None,
 ) -> list[Choice]:
     """n choices of one prompt, validated once now, so that a bad request is a 400 before any stream starts.
-    `names` renames the fields the engine's errors name (prompt, max_tokens) to the endpoint's own."""
+    `names` renames the fields the engine's errors name (prompt, max_tokens) to the endpoint's own. A
+    PoolingParams choice is a prefill-only request (pooled())."""
     try:
         state.engine.validate(ids, params)
     except ParamError as e:
@@ -191,7 +202,9 @@ def new_choices(
     choices = []
     for j in range(n):
         choice_params = params
-        if params.seed is not None and j:  # seeded choices differ from each other, yet each is reproducible
+        if (
+            isinstance(params, SamplingParams) and params.seed is not None and j
+        ):  # seeded choices differ from each other, yet each is reproducible
             choice_params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)  # stays in int64
         index = first_index + j
         choices.append(Choice(index, f"{response_id}-{index}", ids, choice_params, counts_prompt=j == 0))
@@ -277,6 +290,53 @@ async def run(
             if c.finish_reason is None:  # the client went away; the engine's abort output never reaches us
                 state.metrics.request_finished("abort", None)
         log_request(log_id, choices)
+
+
+async def pooled(
+    state: ServingState,
+    prompts: list[list[int]],
+    params: PoolingParams,
+    log_id: str,
+    disconnected: Disconnected,
+    param: str,
+    shared_prefix: bool = False,
+) -> list[RequestOutput] | None:
+    """Run the prompts as prefill-only requests (embeddings, scores), concurrently; each one's final output (its
+    vector in `pooled`), in order, or None when the client went away. Every prompt is validated before any is
+    queued: a 400 names the first bad one by `param` and its index (when there are several), and nothing of it
+    runs. Raises ApiError(500) when the engine failed, 503 when a drain aborted one; the others are aborted.
+
+    shared_prefix: the prompts open alike (a reranker's prompt and query before each document). The first then
+    runs alone, and the others find the blocks they share in the prefix cache: queued together, each would
+    compute them, as a block is cached only once computed."""
+    check_queue(state)
+    response_id = f"pool-{uuid.uuid4().hex}"
+    choices = []
+    for i, ids in enumerate(prompts):
+        try:
+            choices += new_choices(state, response_id, i, ids, params, names={"prompt": param})
+        except ApiError as e:
+            if len(prompts) > 1:
+                e.message, e.param = f"{param}[{i}]: {e.message}", f"{param}[{i}]"
+            raise
+    results: list[RequestOutput | None] = [None] * len(choices)
+    waves = [choices[:1], choices[1:]] if shared_prefix and len(choices) > 1 else [choices]
+    for wave in waves:
+        for c in wave:
+            c.arrival_time = time.monotonic()
+            c.outputs = state.engine.generate(
+                c.request_id, c.prompt_ids, c.params, arrival_time=c.arrival_time
+            )
+        async with contextlib.aclosing(run(state, wave, log_id, disconnected())) as outputs:
+            async for c, out in outputs:
+                if out.finished and out.pooled is None:  # aborted: the server is draining
+                    why = "the server is shutting down; the request was stopped before its end"
+                    raise ApiError(503, why, type="unavailable_error")
+                if out.finished:
+                    results[c.index] = out
+        if any(results[c.index] is None for c in wave):
+            return None
+    return results
 
 
 def stream(state: ServingState, choices: list[Choice], shape: Shape, log_id: str) -> AsyncIterator[str]:

@@ -1,11 +1,11 @@
 """AsyncEngine: the engine client the API talks to, and the one place with asyncio.
 
-Its surface is all the API needs: validate, compile_grammar, generate, abort, stats, the tokenizer and the limits
-(max_model_len, vocab_size), plus drain and shutdown. A background thread steps the Engine while there is
-work; the event loop never waits on the model (the C++ kernels let go of the GIL while they run): new
-requests and aborts are handed to the stepping thread through a queue and applied between steps; outputs
-come back with call_soon_threadsafe into one asyncio queue per request. When idle, the thread blocks on an
-Event (no polling).
+Its surface is all the API needs: validate, compile_grammar, generate, abort, stats, the tokenizer, the limits
+(max_model_len, vocab_size, hidden_size) and the served task (generation, embeddings, scores), plus drain and
+shutdown. A background thread steps the Engine while there is work; the event loop never waits on the model
+(the C++ kernels let go of the GIL while they run): new requests and aborts are handed to the stepping thread
+through a queue and applied between steps; outputs come back with call_soon_threadsafe into one asyncio queue per
+request. When idle, the thread blocks on an Event (no polling).
 """
 
 import asyncio
@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from server.engine.engine import Engine
 from server.engine.grammar import COMPILE_SECONDS, CompiledGrammar, is_quick
-from server.engine.request import FinishReason, GrammarSpec, RequestError, RequestOutput, SamplingParams
+from server.engine.pooling import ServedTask
+from server.engine.request import (
+    FinishReason,
+    GrammarSpec,
+    PoolingParams,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
 from server.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -37,7 +45,7 @@ class _Stream:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float  # stamped on the event loop: the wait in the inbox counts as queue time
 
 
@@ -77,10 +85,12 @@ class AsyncEngine:
         self.tokenizer = self._engine.tokenizer
         self.max_model_len = self._engine.max_model_len  # prompt + output tokens of one request, at most
         self.vocab_size = self._engine.vocab_size
+        self.task: ServedTask = self._engine.task
+        self.hidden_size = self._engine.model_config.hidden_size  # an embedding's values, at most
 
     # --- called from the event loop -------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ParamError (a message for the client, naming the parameter) when the request can never be
         served. Call it once per prompt before generate()."""
         self._engine.validate(prompt_token_ids, params)
@@ -111,10 +121,11 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a validated request now and return the stream of its delta outputs.
+        """Queue a validated request now and return the stream of its delta outputs (a PoolingParams request's:
+        one, finished, with its vector).
 
         Queueing at call time keeps the waiting count exact under a burst. `arrival_time` (time.monotonic(),
         now if None) is where the request's latencies count from: stamped here, not when the stepping thread

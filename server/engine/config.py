@@ -52,3 +52,5 @@ class EngineConfig:
     # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
     # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change
     speculative: SpeculativeConfig | str | None = None
+    task: str = "auto"  # auto | generate | embed | score: what the model serves (server/engine/pooling.py)
+    pooling: str | None = None  # last | mean | cls: an embedder's pooling; None = the model's

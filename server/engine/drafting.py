@@ -152,7 +152,8 @@ class Drafter:
             self.forget(request_id)
         for request in running:
             request.draft_token_ids = []
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        # a prefill-only request one token short of its end is no decode: it never draws
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.pooling is None]
         room = self.config.max_step_rows - len(decoding)
         if room <= 0:
             return

@@ -6,6 +6,7 @@ which tokens run       what they computed    deltas, and who      advance, appen
 """
 
 import dataclasses
+import logging
 import random
 import time
 
@@ -16,11 +17,14 @@ from server.engine.config import EngineConfig
 from server.engine.drafting import Drafter, StepCosts
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
-from server.engine.request import ParamError, RequestOutput, SamplingParams
+from server.engine.pooling import select_task
+from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
 from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
 from server.engine.setup import build_runner, context_length, select_speculation
 from server.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -28,6 +32,7 @@ class Engine:
         """`model`: a Hugging Face folder's path, or a source its caller opened (a GGUF file read in place:
         model/loader.py says what a source holds)."""
         self.config = config
+        self.task = select_task(model, config.task, config.pooling)  # before loading: a bad one fails at once
         self.runner = build_runner(model, config)
         self.model_config = self.runner.model_config
         self.tokenizer = Tokenizer.load(model, chat_template)
@@ -43,20 +48,26 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_costs = StepCosts()  # what this host's steps cost by decodes and drafts: kept across resets
         self.drafter = self._drafter()
+        log.info("task: %s (%s)", self.task.task, self.task.why)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
-        Reads only what is fixed at start, so any thread may call it."""
+        Reads only what is fixed at start, so any thread may call it. PoolingParams: a prefill-only request."""
         params.validate(self.vocab_size)
+        if isinstance(params, SamplingParams) and not self.model_config.has_lm_head:
+            raise ParamError("model", "this model has no LM head (an embedder's checkpoint): it only embeds")
         if not prompt_token_ids:
             raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ParamError("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
-        error = self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+        max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
+        error = self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
         if error:
             raise ParamError("prompt", error)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
+    ) -> None:
         """Validate, then queue the request, arrived now (raises ParamError as validate() does)."""
         self.validate(prompt_token_ids, params)
         self.add_validated_request(request_id, prompt_token_ids, params)
@@ -65,17 +76,23 @@ class Engine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request its caller has validated (the async engine validates on the event loop).
         `arrival_time` is the time.monotonic() at which the caller received it (now if None): every latency
-        the request reports (queue time, TTFT, end to end) counts from it."""
+        the request reports (queue time, TTFT, end to end) counts from it. A PoolingParams request is
+        prefill-only: its one output comes after its prompt's last chunk, with its vector."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        pooling = None
+        if isinstance(params, PoolingParams):  # nothing is drawn: these sampling fields are only well-formed
+            pooling, params = params, SamplingParams(max_tokens=1, seed=0)
         if params.seed is None:  # a fixed seed per request keeps its draws independent of the batch
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        request = Request(
+            request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pooling=pooling
+        )
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.grammar is not None:

@@ -10,7 +10,7 @@ from model.kv_cache import KVCache
 from model.sampling import TORCH_SAMPLER, SamplerKernels, SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
 from server.engine.grammar import fill_bitmasks
-from server.engine.request import TokenLogprob
+from server.engine.request import Pooling, TokenLogprob
 from server.engine.request_state import Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.engine.stopping import banned_token_ids
@@ -30,6 +30,8 @@ class ModelOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # the logprobs of the prompt tokens a chunk scored (each scores the token after its position)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # what a prefill-only request's chunk gave its pooling (pooled()): the output stage makes the vector of them
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -75,6 +77,8 @@ class ModelRunner:
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
                 result.prompt_logprobs[c.request.request_id] = self._prompt_logprobs(hidden, c, start)
+            if c.pool and (pooled := self._pooled(hidden[start : start + c.num_tokens], c)) is not None:
+                result.pooled[c.request.request_id] = pooled
         sampled = [(c, start) for c, start in zip(out.chunks, starts, strict=True) if c.sample]
         if sampled:
             # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
@@ -104,6 +108,25 @@ class ModelRunner:
             hidden = self.model(torch.tensor(ids).to(self.device), positions, meta, self.kv_cache, long_rope)
             logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)
+
+    def _pooled(self, hidden: torch.Tensor, c: ScheduledChunk) -> torch.Tensor | None:
+        """What a prefill-only request's chunk gives its vector, from the chunk's hidden states [n, hidden]: the
+        last token's (or its logits of the asked-for tokens) when the chunk ends the prompt, the first token's
+        when it starts it, or for the mean the sum of every row. float32 on the host; None when the chunk gives
+        nothing. Each row is the same bits whatever shares the step (the kernels' rows are batch-invariant); the
+        mean's sum is float64, so that how the prompt was chunked hardly moves its float32 result."""
+        pooling = c.request.pooling
+        if pooling.pooling is Pooling.MEAN:
+            return hidden.double().sum(0).cpu()
+        if pooling.pooling is Pooling.CLS:
+            return hidden[0].float().cpu() if c.start == 0 else None
+        if c.start + c.num_tokens < c.request.num_tokens:
+            return None
+        last = hidden[-1:]  # [1, hidden]
+        if not pooling.logit_token_ids:
+            return last[0].float().cpu()
+        ids = torch.tensor(pooling.logit_token_ids, device=last.device)
+        return self.model.compute_logits(last)[0, ids].float().cpu()
 
     def _long_rope(self, chunks: list[tuple[int, int]]) -> torch.Tensor | None:
         """[T] bool for a LongRoPE model (None otherwise), from each chunk's (tokens, the longest its sequence may

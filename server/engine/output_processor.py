@@ -4,17 +4,28 @@ Per request it keeps the text so far (an incremental detokenizer, plus text held
 stop string), the prompt logprobs not yet sent and when the first token came. Whether a token ends the output
 is stopping.py's answer; a stop string in the text wins over it (the text is here). The scheduler frees the
 finished requests' blocks from what this stage says. A request under a grammar has its grammar state advanced
-here, by the token drawn; a grammar that fails midway ends its request with an error for the client.
+here, by the token drawn; a grammar that fails midway ends its request with an error for the client. A
+prefill-only request gathers what its chunks gave its pooling, and its prompt's last chunk finishes it with its
+vector.
 """
 
 import time
 from dataclasses import dataclass
 
+import torch
+
 from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.engine.model_runner import ModelOutput, SampledToken
-from server.engine.request import FinishReason, RequestError, RequestOutput, RequestTimes, TokenLogprob
+from server.engine.request import (
+    FinishReason,
+    Pooling,
+    RequestError,
+    RequestOutput,
+    RequestTimes,
+    TokenLogprob,
+)
 from server.engine.request_state import Request
-from server.engine.scheduler import SchedulerOutput
+from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.engine.stopping import finish_reason
 
 
@@ -28,6 +39,8 @@ class RequestState:
     # in the same places) until the first output carries them; None = not asked for, or sent
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
+    # a prefill-only request's pooling so far: the sum of its chunks' rows (mean), or the row it pools
+    pooled: torch.Tensor | None = None
 
     def release(self, new_text: str, final: bool) -> tuple[str, str | None]:
         """(text that can be sent now, the stop string that ended the output or None)."""
@@ -86,6 +99,12 @@ class OutputProcessor:
             if scored is not None and state.prompt_logprobs is not None:
                 # the logits at position p score the prompt token at p + 1
                 state.prompt_logprobs[c.start + 1 : c.start + 1 + len(scored)] = scored
+            if c.pool:
+                output = self._pool(c, state, model_output.pooled.get(request.request_id), now)
+                if output is not None:
+                    finished[request.request_id] = output.finish_reason
+                    outputs.append(output)
+                continue
             sampled = model_output.sampled.get(request.request_id)
             if sampled is None:
                 continue
@@ -113,6 +132,35 @@ class OutputProcessor:
                 del self.states[request.request_id]
             outputs.append(output)
         return outputs, finished
+
+    def _pool(
+        self, c: ScheduledChunk, state: RequestState, part: torch.Tensor | None, now: float
+    ) -> RequestOutput | None:
+        """Gather what a prefill-only request's chunk gave its pooling; after the prompt's last chunk, its one
+        output, finished, with the vector."""
+        request = c.request
+        mean = request.pooling.pooling is Pooling.MEAN
+        if part is not None:
+            # a chunk from position 0 starts over (a preempted request recomputes its prompt: mean pooling never
+            # takes cached blocks, so it always restarts there)
+            state.pooled = state.pooled + part if mean and c.start > 0 else part
+        if c.start + c.num_tokens < request.num_tokens:
+            return None
+        vector = state.pooled / request.num_prompt_tokens if mean else state.pooled
+        state.first_token_time = now
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            text="",
+            finished=True,
+            finish_reason=FinishReason.STOP,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            pooled=vector.float().tolist(),
+            times=self._times(request, state, now),
+        )
+        del self.states[request.request_id]
+        return output
 
     def _keep(
         self, request: Request, state: RequestState, sampled: list[SampledToken], drafts: list[int]

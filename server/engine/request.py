@@ -122,6 +122,30 @@ class SamplingParams:
             bad("logit_bias", "values must be in [-100, 100]")
 
 
+class Pooling(enum.Enum):
+    """Which positions' final hidden states (the last norm's output, before the LM head) make a vector."""
+
+    LAST = "last"  # the last token's (Qwen3-Embedding's: in a causal model only it has seen every token)
+    MEAN = "mean"  # the mean over every position
+    CLS = "cls"  # the first token's
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """A prefill-only request: its prompt runs through the model once, nothing is drawn, and its one output
+    carries a vector (RequestOutput.pooled)."""
+
+    pooling: Pooling = Pooling.LAST
+    # given: the vector is these tokens' logits at the last position (a reranker's [no, yes]), not hidden states
+    logit_token_ids: tuple[int, ...] = ()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if self.logit_token_ids and self.pooling is not Pooling.LAST:
+            raise ParamError("pooling", "logits are read at the last position only")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.logit_token_ids):
+            raise ParamError("logit_token_ids", f"must be token ids in [0, {vocab_size})")
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -165,3 +189,6 @@ class RequestOutput:
     error: RequestError | None = None  # with finish_reason ABORT: the engine ended the request early
     times: RequestTimes | None = None  # on the final output only
     stop_string: str | None = None  # the stop string that ended the output, on the final output
+    # a PoolingParams request's vector, float32 values, on its one (final) output: the pooled hidden state, or
+    # the logits it asked for
+    pooled: list[float] | None = None

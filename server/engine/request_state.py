@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from server.engine.grammar import GrammarState
-from server.engine.request import FinishReason, SamplingParams
+from server.engine.request import FinishReason, Pooling, PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +36,8 @@ class Request:
     # tokens guessed to follow its last one (drafting.py), verified in its next decode; never part of the output
     # until the step's draw agrees with them
     draft_token_ids: list[int] = field(default_factory=list)
+    # a prefill-only request (embeddings, scores): pooled after its prompt, finished without drawing a token
+    pooling: PoolingParams | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -48,6 +50,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether every prompt position must be computed, none served from the prefix cache: prompt logprobs
+        score each one, mean and CLS pooling read their hidden states (a cached block holds K/V, not those)."""
+        pooling = self.pooling.pooling if self.pooling is not None else None
+        return self.params.prompt_logprobs or pooling in (Pooling.MEAN, Pooling.CLS)
 
     @property
     def is_finished(self) -> bool:

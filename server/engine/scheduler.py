@@ -2,7 +2,9 @@
 
 Tokens, not phases: a request's `num_computed_tokens` catches up with its `num_tokens` (prompt + output).
 A step mixes decodes (1 token) and prefill chunks under one token budget. Each ScheduledChunk says which tokens
-of which request run and what the step does with them (draw a token after them, score the prompt tokens).
+of which request run and what the step does with them (draw a token after them, score the prompt tokens, pool
+their hidden states). A prefill-only request (PoolingParams: embeddings, scores) is scheduled as any prefill is
+(chunked, prefix-cached, under the budget); the output stage finishes it after its last chunk, with no draw.
 
 One step: schedule() -> the runner executes the chunks -> the output stage decides which requests finished
 (server/engine/output_processor.py) -> update() advances the requests, appends the drawn tokens and frees
@@ -32,6 +34,7 @@ class ScheduledChunk:
     prompt_logprobs: bool  # also score the prompt tokens it covers (completions' echo with logprobs)
     # a decode's drafts (drafting.py): the step also draws a token after each of them, to verify them
     drafts: list[int] = field(default_factory=list)
+    pool: bool = False  # a prefill-only request's chunk: the step returns what its pooling reads
 
     @property
     def is_decode(self) -> bool:
@@ -47,11 +50,13 @@ def chunk(request: Request, num_tokens: int, drafts: list[int] | None = None) ->
     start = request.num_computed_tokens
     wants_prompt_logprobs = request.params.prompt_logprobs and not request.output_token_ids
     drafts = drafts or []
+    pool = request.pooling is not None
     return ScheduledChunk(
         request,
         start,
         num_tokens + len(drafts),
-        sample=start + num_tokens == request.num_tokens,
+        sample=start + num_tokens == request.num_tokens and not pool,
+        pool=pool,
         prompt_logprobs=wants_prompt_logprobs and start < request.num_prompt_tokens,
         drafts=drafts,
     )
@@ -80,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # of admitted requests, once per request
         self.num_generation_tokens = 0
+        self.num_pooled_requests = 0  # prefill-only requests that finished with their vector
         self.num_steps = 0  # schedule() calls that scheduled something
 
     @property
@@ -98,13 +104,19 @@ class Scheduler:
         if num_prompt_tokens < 1:
             return "the prompt must contain at least one token"
         total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len and max_tokens == 0:  # prefill-only
+            return (
+                f"prompt ({num_prompt_tokens} tokens) exceeds the maximum context length of "
+                f"{self.max_model_len} tokens"
+            )
         if total > self.max_model_len:
             return (
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
-        # the last sampled token is never fed back, so at most total - 1 tokens need K/V slots
-        num_blocks = -(-(total - 1) // self.config.block_size)
+        # the last sampled token is never fed back, so at most total - 1 tokens need K/V slots (a prefill-only
+        # request, max_tokens 0, needs its prompt's)
+        num_blocks = -(-(num_prompt_tokens + max(max_tokens - 1, 0)) // self.config.block_size)
         if num_blocks > self.block_manager.num_blocks:
             return (
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {num_blocks} KV-cache "
@@ -171,8 +183,7 @@ class Scheduler:
             if budget == 0:
                 break
             request = self.waiting[0]
-            # prompt logprobs need the logits of every prompt position, so nothing may be skipped
-            cached = [] if request.params.prompt_logprobs else self.block_manager.find_cached_prefix(request)
+            cached = [] if request.reads_every_position else self.block_manager.find_cached_prefix(request)
             num_cached = len(cached) * self.config.block_size
             n = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, num_cached + n, cached):
@@ -196,7 +207,7 @@ class Scheduler:
         """The drafts a decode can verify this step: what the token budget and the free blocks allow (drafts
         never preempt anyone), with the slots allocated. Empty for a prefill chunk or when none fit."""
         drafts = request.draft_token_ids[: budget - n]
-        if n != 1 or not drafts:
+        if n != 1 or not drafts or request.pooling is not None:
             return []
         while drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
             drafts = drafts[:-1]
@@ -245,6 +256,8 @@ class Scheduler:
                 self.num_generation_tokens += len(kept)
             reason = finished.get(request.request_id)  # no token kept: its grammar failed on the draw
             if reason is not None:
+                if request.pooling is not None and reason is FinishReason.STOP:
+                    self.num_pooled_requests += 1
                 self.finish_request(request, reason)
 
     @property
@@ -264,6 +277,7 @@ class Scheduler:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_pooled_requests=self.num_pooled_requests,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
         )

@@ -18,6 +18,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_prompt_tokens: int = 0  # prompt tokens of requests admitted (counted once per request)
     num_generation_tokens: int = 0
+    num_pooled_requests: int = 0  # prefill-only requests (embeddings, scores) finished with their vector
     num_preemptions: int = 0
     num_steps: int = 0
     # speculative decoding: decodes verified with drafts, their drafts, the drafts kept, kept by draft position

@@ -17,6 +17,7 @@ from gguf import (
     GGMLQuantizationType,
     GGUFWriter,
     LlamaFileType,
+    PoolingType,
     RopeScalingType,
     TokenType,
     get_tensor_name_map,
@@ -517,6 +518,7 @@ def write_llama_cpp_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     fuse_qkv: bool = False,
     fuse_gate_up_exps: bool = False,
+    pooling_type: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write the Hugging Face folder (config.json, model.safetensors) to GGUF as llama.cpp's converter does, tensors
     of two or more dimensions in qtype (F16 where a row does not fill whole blocks, as it falls back), norms and
@@ -531,6 +533,8 @@ def write_llama_cpp_gguf(
     writer = GGUFWriter(path, arch)
     add_llama_cpp_metadata(writer, arch, hparams, ftype)
     add_vocab(writer, vocab)
+    if pooling_type is not None:  # an embedder's, as the converter writes it for Qwen3-Embedding (3: last)
+        writer.add_pooling_type(PoolingType(pooling_type))
     weights = load_file(hf_dir / "model.safetensors")
     tensors = llama_cpp_tensors(arch, hparams, weights, fuse_qkv, fuse_gate_up_exps)
     for name, value in tensors.items():

@@ -431,3 +431,125 @@ def error_body(error: ApiError) -> ErrorResponse:
     message = error.message[:MAX_ERROR_CHARS]  # bounded, whatever the input it quotes
     info = ErrorInfo(message=message, type=error.type, param=error.param, code=error.code)
     return ErrorResponse(error=info)
+
+
+# --- embeddings, rerank, score: prefill-only requests ------------------------------------------------
+
+MAX_POOLED_INPUTS = 2048  # inputs of one /v1/embeddings request (OpenAI's limit), documents of one rerank
+
+
+class EmbeddingRequest(Body):
+    """OpenAI's embeddings request; `prompt_name` is sentence-transformers' (a prompt the model names)."""
+
+    model: str | None = None
+    input: Text | list[Text] | list[int] | list[list[int]] = Field(
+        description=f"A text, texts, a text's token ids, or several texts' token ids; at most {MAX_POOLED_INPUTS}."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector's little-endian float32 bytes, base64-encoded."
+    )
+    dimensions: int | None = Field(
+        None,
+        ge=1,
+        description="Keep the first N values (Matryoshka), normalised again where the model normalises.",
+    )
+    prompt_name: str | None = Field(
+        None,
+        description="Put the model's prompt of this name (config_sentence_transformers.json, e.g. Qwen3-Embedding's "
+        "`query`) before each text input.",
+    )
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class RerankDocument(Body):
+    text: Text
+
+
+class RerankRequest(Body):
+    """Jina's and Cohere's rerank request, as vLLM and llama.cpp take it; `instruction` is Qwen3-Reranker's."""
+
+    model: str | None = None
+    query: Text
+    documents: list[Text | RerankDocument] = Field(description=f"At most {MAX_POOLED_INPUTS}.")
+    top_n: int | None = Field(None, ge=0, description="The best N results; left out or 0: every document.")
+    return_documents: bool = Field(True, description="Each result also holds its document's text.")
+    instruction: Text | None = Field(
+        None, description="The reranker's task instruction (default: its model card's, for web search)."
+    )
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreRequest(Body):
+    """vLLM's /v1/score: each text_2 scored against text_1 (one text, or one per text_2)."""
+
+    model: str | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    instruction: Text | None = Field(
+        None, description="The reranker's task instruction (default: its model card's, for web search)."
+    )
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(query, document) pairs: one text_1 goes with every text_2, else they pair up in order."""
+        queries = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        documents = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if len(queries) != len(documents):
+            raise ApiError(
+                400, f"text_1 has {len(queries)} texts and text_2 {len(documents)}: give one text_1, or one each",
+                param="text_1",
+            )  # fmt: skip
+        return list(zip(queries, documents, strict=True))
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
