@@ -160,6 +160,7 @@ def load_model(
     last_of = {name.rpartition(".")[0]: name for name, _ in params}
     # GGML type -> [weights, bytes stored, bytes in float32] of the weights no kernel keeps quantized
     dequantized: dict[str, list[int]] = {}
+    read_since_trim = 0  # bytes of weights read since the heap's free pages were last handed back
     # every parameter is filled (or, quantized, given to its layer) in this loop, or the load fails naming it
     for param_name, param in params:
         # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
@@ -176,6 +177,7 @@ def load_model(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
             parts.append(_read(ckpt, stored, dequantized, expert if transform == "expert" else None))
+        read_since_trim += sum(_nbytes(t) for t in parts)
         module_name = param_name.rpartition(".")[0]
         module = transformer.get_submodule(module_name)
         layer = linears.get(module_name)
@@ -210,6 +212,9 @@ def load_model(
         del parts
         if layer is not None and last_of[module_name] == param_name:
             layer.method.prepare(layer)  # its weight in the form it runs in; what was read is let go
+        if read_since_trim >= TRIM_EVERY:
+            return_freed_memory()
+            read_since_trim = 0
     if dequantized:
         log.info(
             "dequantized at load (no kernel keeps these types quantized): %s",
@@ -223,6 +228,20 @@ def load_model(
     transformer.weights_ready()
     return_freed_memory()
     return transformer, config
+
+
+# The heap's free pages go back to the OS every this many bytes of weights read (as the loader holds them: a 4-bit
+# weight's integer a byte), not only at the end: an MoE's experts are
+# thousands of small weights whose freed copies (below glibc's mmap threshold) piled up in the heap until then
+# (a 30B-A3B Q4_K_M's load peaked 2.6 GiB above its steady state; the 12-layer cut's 828 MiB -> 189 MiB, its load
+# 24.7 -> 25.4 s, measured 2026-11-29)
+TRIM_EVERY = 256 << 20
+
+
+def _nbytes(t: torch.Tensor | QuantizedTensor) -> int:
+    if isinstance(t, QuantizedTensor):
+        return t.q.numel() * t.q.element_size()  # its scales are a few percent more
+    return t.numel() * t.element_size()
 
 
 def return_freed_memory() -> None:

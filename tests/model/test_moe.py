@@ -64,3 +64,20 @@ def test_experts_left_dense_run_the_python_loop(tiny_model_factory):
     model, _ = load_model(tiny_family(tiny_model_factory, "mixtral"), torch.float32, "cpu",
                           Ops.with_kernels(PlainLinear(), kernels))  # fmt: skip
     assert all(layer.mlp.fused is None for layer in model.layers) and model.layer_stack is None
+
+
+def test_a_load_hands_the_heaps_free_pages_back_as_it_goes(tiny_model_factory, monkeypatch):
+    """An MoE's thousands of small expert weights leave freed copies in the C heap while loading: the loader
+    hands them back every TRIM_EVERY bytes read, not only once at the end (the load's peak)."""
+    import model.loader as loader
+
+    calls = []
+    monkeypatch.setattr(loader, "return_freed_memory", lambda: calls.append(1))
+    path = tiny_family(tiny_model_factory, "mixtral")
+    ops = Ops.with_kernels(PlainLinear(), cpu_kernels())
+    load_model(path, torch.float32, "cpu", ops)
+    assert len(calls) == 1  # a tiny model reads far less than TRIM_EVERY: once, at the end
+    calls.clear()
+    monkeypatch.setattr(loader, "TRIM_EVERY", 4096)
+    load_model(path, torch.float32, "cpu", ops)
+    assert len(calls) > 10
