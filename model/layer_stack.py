@@ -53,6 +53,7 @@ CONFIG_FIELDS = {
     "residual_scale": lambda c: c.residual_scale == 1.0,
     "logits_scaling": _any, "attn_softcap": _any, "final_softcap": _any, "tie_word_embeddings": _any,
     "bos_token_id": _any, "eos_token_ids": _any, "torch_dtype": _any,
+    "has_lm_head": _any,  # the LM head runs after the stack
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
 }  # fmt: skip
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it

@@ -121,7 +121,7 @@ def empty_install(installed_kernels, tmp_path, monkeypatch):
 
 @pytest.mark.slow  # a subprocess or more of a few seconds: make test, not test-fast
 @pytest.mark.timeout(30)
-def test_a_start_never_compiles_and_names_the_install_command(empty_install, monkeypatch):
+def test_a_start_never_compiles_and_names_the_install_command(empty_install, monkeypatch, tiny_llama_dir):
     import torch.utils.cpp_extension
 
     def compile_(*args, **kwargs):
@@ -138,7 +138,7 @@ def test_a_start_never_compiles_and_names_the_install_command(empty_install, mon
             "server.cli",
             "generate",
             "--model",
-            "unused",
+            str(tiny_llama_dir),  # a model that is there: the start gets as far as the kernels
             "--prompt",
             "x",
             "--device",
