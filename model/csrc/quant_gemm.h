@@ -130,6 +130,35 @@ struct Packed {
   }
 };
 
+// The super-block forms' d and m (0 without a minimum) of a tile's groups, all 16 lanes in one vector (the
+// AVX-512 kernels'), for a kernel that walks a tile's groups in order: a super-block's scales (and high bits)
+// are read once, at its first group
+template <int FORM, bool MIN, int G>
+struct SuperScales {
+  vfloat super_d{}, super_m{};
+  vint high{};  // SIX_BIT_SUBS
+
+  void group(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& m) {
+    static_assert(FORM != HALF_SCALES && VL == TILE, "a super-block form, a tile in one vector");
+    if (g % (SUPER / G) == 0) {
+      const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
+      super_d = load_halves(w.super_d + at);
+      if constexpr (MIN) super_m = load_halves(w.super_m + at);
+      if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
+    }
+    const int64_t at = (t * w.groups() + g) * TILE;
+    if constexpr (FORM == SIX_BIT_SUBS) {
+      vint sc, sm;
+      six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
+      d = __builtin_convertvector(sc, vfloat) * super_d;
+      m = __builtin_convertvector(sm, vfloat) * super_m;
+    } else {
+      d = load_bytes(w.sub + at) * super_d;
+      m = MIN ? load_bytes(w.sub_min + at) * super_m : vfloat{};
+    }
+  }
+};
+
 // Calls f(FORM), a std::integral_constant of the packed weight's ScaleForm
 template <class F>
 void dispatch_scales(const Packed& w, F&& f) {

@@ -67,8 +67,7 @@ struct Bf16Kernel {
     for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * (w.K / 2);
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
-    vfloat super_d{}, super_m{};  // the current super-block's (FORM INT8_SUBS, SIX_BIT_SUBS)
-    vint high{};  // the current super-block's high bits (SIX_BIT_SUBS)
+    [[maybe_unused]] SuperScales<FORM, MIN, G> supers;
     for (int64_t g = 0; g < groups; ++g) {
       // Groups of 32: two chains of products a row, the group's even pair vectors (a chunk's low: v = 2c) and
       // its odd ones, added at the group's end (TWO_CHAINS). One chain waited on each product's latency (6 cycles
@@ -107,23 +106,10 @@ struct Bf16Kernel {
         } else {
           for (int c = 0; c < VECS; c += 2) dot_rows(unpack_q8(wg + c * 32), unpack_q8(wg + c * 32 + 32), c);
         }
-        if constexpr (FORM != HALF_SCALES) {  // Packed::group_scales' products, the super-block's read once
-          if (g % (SUPER / G) == 0) {
-            const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
-            super_d = load_halves(w.super_d + at);
-            if constexpr (MIN) super_m = load_halves(w.super_m + at);
-            if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
-          }
-          const int64_t at = (t * groups + g) * TILE;
-          if constexpr (FORM == SIX_BIT_SUBS) {
-            vint sc, sm;
-            six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
-            d = __builtin_convertvector(sc, vfloat) * super_d;
-            offset = __builtin_convertvector(sm, vfloat) * super_m - 128.0f * d;
-          } else {
-            d = load_bytes(w.sub + at) * super_d;
-            offset = MIN ? load_bytes(w.sub_min + at) * super_m - 128.0f * d : vfloat{};
-          }
+        if constexpr (FORM != HALF_SCALES) {
+          vfloat m;
+          supers.group(w, t, g, d, m);
+          offset = MIN ? m - 128.0f * d : vfloat{};
         } else {
           group_scales<MIN>(w, t, g, d, offset);
         }

@@ -352,8 +352,7 @@ struct I16Kernel {
     const int64_t groups = w.groups(), K = w.K;
     const uint8_t* wt = w.tile(t);
     __m512 out[R];
-    vfloat super_d{}, super_m{};  // the current super-block's (FORM INT8_SUBS, SIX_BIT_SUBS)
-    vint high{};  // the current super-block's high bits (SIX_BIT_SUBS)
+    [[maybe_unused]] SuperScales<FORM, MIN, G> supers;
     for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       if (next)
@@ -381,27 +380,11 @@ struct I16Kernel {
           for (int r = 0; r < R; ++r) acc[r] = dot_pairs_wide(acc[r], a, broadcast_pair_wide(x + r * K + 2 * c));
         }
       }
-      vfloat d, m{};
-      if constexpr (FORM != HALF_SCALES) {  // Packed::group_scales' products, the super-block's read once
-        if (g % (SUPER / G) == 0) {
-          const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
-          super_d = load_halves(w.super_d + at);
-          if constexpr (MIN) super_m = load_halves(w.super_m + at);
-          if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
-        }
-        const int64_t at = (t * groups + g) * TILE;
-        if constexpr (FORM == SIX_BIT_SUBS) {
-          vint sc, sm;
-          six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
-          d = __builtin_convertvector(sc, vfloat) * super_d;
-          m = __builtin_convertvector(sm, vfloat) * super_m;
-        } else {
-          d = load_bytes(w.sub + at) * super_d;
-          if constexpr (MIN) m = load_bytes(w.sub_min + at) * super_m;
-        }
-      } else {
+      vfloat d, m;
+      if constexpr (FORM != HALF_SCALES)
+        supers.group(w, t, g, d, m);
+      else
         w.group_scales(t, g, 0, d, m);
-      }
       // y += d (s sum) (+ m s sum_k xq_k), as rows<R, false>
       for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(step[(m0 + r) * (K / GROUP) + g * G / GROUP]));
