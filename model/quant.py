@@ -176,9 +176,9 @@ class QuantizedTensor:
 
     @property
     def six_bit_subs(self) -> bool:
-        """Q4_K's and Q5_K's form: 6-bit sub-scales and sub-minimums (0 .. 63), groups of 32."""
-        has_subs = self.supers is not None and self.min is not None
-        return has_subs and self.min is not self.scale and self.group == 32
+        """Q4_K's and Q5_K's form: 6-bit sub-scales and sub-minimums (0 .. 63), groups of 32 (Q6_K's are 16,
+        IQ4_XS has no minimum)."""
+        return self.supers is not None and self.min is not None and self.group == GROUP
 
     def _six_bit_subs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sub-scales and sub-minimums in the file's 12 bits a group (model/csrc/quant_gemm.h, ScaleForm):
