@@ -2,10 +2,14 @@
 models, through real clients (the openai SDK, LangChain's OpenAIEmbeddings, httpx), and bad input refused with a
 clear 400 in OpenAI's error shape, never a 500, while other requests carry on."""
 
+import asyncio
 import base64
+import importlib
 import math
 import struct
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -292,3 +296,39 @@ def test_a_drain_that_aborts_an_embedding_answers_503(
         waiting.join(10)
     assert answers[0].status_code == 503, answers[0].text
     assert "shutting down" in answers[0].json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def bench_script():
+    """scripts/bench_embeddings.py, the benchmark the project ships against llama.cpp's embedding server (it
+    imports its server handling from scripts/bench_full_size.py, beside it)."""
+    scripts = Path(__file__).parents[2] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        yield importlib.import_module("bench_embeddings")
+    finally:
+        sys.path.remove(str(scripts))
+
+
+def test_the_embedding_benchmark_cuts_its_texts_to_the_asked_lengths(bench_script):
+    """Lengths drawn in [min, max] tokens, counted by the tokenizer it is given (here one where long words are
+    two tokens), and the same texts for the same seed."""
+
+    def tokenize(text: str) -> list[int]:
+        return [i for i, word in enumerate(text.split()) for _ in range(1 + (len(word) > 6))]
+
+    texts = bench_script.make_texts(200, 20, 60, 7, tokenize)
+    lengths = [len(tokenize(t)) for t in texts]
+    assert min(lengths) >= 19 and max(lengths) <= 60  # a cut may drop one two-token word below the draw
+    assert len(set(lengths)) > 20 and texts == bench_script.make_texts(200, 20, 60, 7, tokenize)
+
+
+def test_the_embedding_benchmark_gets_every_vector_in_order(embed_url, bench_script):
+    """Its client, 16 texts 4 in flight against kvserve: each text's vector is the one a lone request gets."""
+    texts = [f"text number {i} " + "word " * i for i in range(16)]
+    run = asyncio.run(bench_script.embed_all(embed_url, MODEL, texts, 4))
+    assert not run["failures"] and len(run["latencies"]) == 16
+    alone = client(embed_url).embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    for got, want in zip(run["vectors"], alone.data, strict=True):
+        assert got == pytest.approx(want.embedding, abs=1e-6)
+    assert sum(run["prompt_tokens"]) == alone.usage.prompt_tokens
