@@ -36,10 +36,11 @@ def paged_attention(
     scale: float,
     window: int | None = None,  # keys further back than this are not attended (this layer's sliding window)
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [H] float32 logits that join each softmax, with no value (GPT-OSS)
 ) -> torch.Tensor:  # [T, H, D]
     """softmax(rope(q) rope(k)^T * scale) v over each token's sequence: q and k rotated by their positions,
     the new k and v written into the cache by slot, and every query reading its keys through the block table."""
-    return meta.attend(q, k, v, k_cache, v_cache, rope, scale, window, softcap)
+    return meta.attend(q, k, v, k_cache, v_cache, rope, scale, window, softcap, sinks)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class TorchAttentionMetadata:
     sdpa: bool  # torch's fused SDPA (GPUs) rather than two matmuls
 
     def attend(
-        self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None
+        self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -105,7 +106,7 @@ class TorchAttentionMetadata:
                 for c in (k_cache, v_cache)
             )
             queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
-            o = fn(queries, keys, values, g.masked[window], scale, softcap)  # [B, Q, H, D]
+            o = fn(queries, keys, values, g.masked[window], scale, softcap, sinks)  # [B, Q, H, D]
             if g.whole:
                 return o.reshape(q.shape)
             if out is None:
@@ -234,6 +235,7 @@ def attend(
     masked: torch.Tensor,  # [B, 1, Q, 1, L] bool, True = may not attend
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: a logit per head that joins the softmax and takes no value
 ) -> torch.Tensor:  # [B, Q, H, D]
     B, Q, H, D = q.shape
     KVH = k.shape[1]
@@ -246,15 +248,20 @@ def attend(
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(B, KVH, Q, G, -1).masked_fill_(masked, float("-inf"))
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least float32
-    probs = torch.softmax(scores, dim=-1, dtype=acc).to(v.dtype).view(B, KVH, Q * G, -1)
+    if sinks is not None:  # the sink as one more key column, dropped after the softmax
+        sink = sinks.to(acc).view(1, KVH, 1, G, 1).expand(B, KVH, Q, G, 1)
+        probs = torch.softmax(torch.cat((scores.to(acc), sink), -1), dim=-1)[..., :-1]
+        probs = probs.to(v.dtype).reshape(B, KVH, Q * G, -1)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=acc).to(v.dtype).view(B, KVH, Q * G, -1)
     out = torch.matmul(probs, v)  # [B, KVH, Q*G, D]
     return out.view(B, KVH, Q, G, D).transpose(1, 2).reshape(B, Q, H, D)
 
 
-def attend_sdpa(q, k, v, masked, scale, softcap=None) -> torch.Tensor:
+def attend_sdpa(q, k, v, masked, scale, softcap=None, sinks=None) -> torch.Tensor:
     """attend() through torch's fused SDPA kernels: faster on GPUs, but its rows depend on key padding."""
-    if softcap is not None:  # SDPA has no soft-cap
-        return attend(q, k, v, masked, scale, softcap)
+    if softcap is not None or sinks is not None:  # SDPA has neither soft-cap nor sinks
+        return attend(q, k, v, masked, scale, softcap, sinks)
     mask = ~masked[:, :, :, 0, :]  # [B, 1, Q, L]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -262,8 +269,9 @@ def attend_sdpa(q, k, v, masked, scale, softcap=None) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def naive_attention(q, k, v, scale, causal_offset=0):
-    """The textbook formula softmax(QK^T * scale + M) V for one sequence, for tests: q [Q, H, D], k/v [L, KVH, D]."""
+def naive_attention(q, k, v, scale, causal_offset=0, sinks=None):
+    """The textbook formula softmax(QK^T * scale + M) V for one sequence, for tests: q [Q, H, D], k/v [L, KVH, D];
+    sinks [H]: a logit per head as one more key in the softmax, whose weight is dropped."""
     H, KVH = q.shape[1], k.shape[1]
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
@@ -271,4 +279,7 @@ def naive_attention(q, k, v, scale, causal_offset=0):
     Q, L = q.shape[0], k.shape[0]
     allowed = torch.arange(L)[None, :] <= torch.arange(Q)[:, None] + causal_offset
     s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat((s, sinks.double()[:, None, None].expand(H, Q, 1)), -1)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1)[..., :-1], v.double())
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v.double())

@@ -53,6 +53,7 @@ class MoeSpec:
     intermediate_size: int  # each expert's
     renormalize: bool  # the top k weights divided by their sum
     shared_intermediate_size: int = 0  # a shared expert every token takes, behind a sigmoid gate (Qwen2-MoE)
+    bias: bool = False  # the router and every expert's projections have biases (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,11 @@ class ModelConfig:
     norm_eps: float
     layers: tuple[LayerSpec, ...]  # one per layer
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    # swiglu: down(silu(gate) up) | geglu: down(gelu_tanh(gate) up) | gelu: GPT-2's down(gelu(up))
+    # swiglu: down(silu(gate) up) | geglu: down(gelu_tanh(gate) up) | gelu: GPT-2's down(gelu(up)) |
+    # clamped_swiglu: GPT-OSS's down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)), g = min(gate, limit)
     mlp: str = "swiglu"
+    swiglu_alpha: float = 1.0  # clamped_swiglu's
+    swiglu_limit: float = 0.0  # clamped_swiglu's
     positions: str = "rope"  # rope | learned
     block: str = "pre"  # where the norms sit: pre | sandwich | post (model/families.py)
     qk_norm: str = ""  # "" | head | proj
@@ -83,6 +87,9 @@ class ModelConfig:
     residual_scale: float = 1.0  # Granite: each branch times this before the residual add
     logits_scaling: float = 1.0  # Granite: logits divided by this
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    attn_sinks: bool = (
+        False  # GPT-OSS: a learned logit per head joins each query's softmax (and takes no value)
+    )
     final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -187,7 +194,9 @@ class ModelConfig:
             max_position_embeddings=cfg["max_position_embeddings"],
             norm_eps=cfg["rms_norm_eps"],
             layers=layers,
-            mlp=mlp_kind(cfg),
+            mlp=family.mlp or mlp_kind(cfg),
+            swiglu_alpha=cfg.get("swiglu_alpha", 1.0),
+            swiglu_limit=cfg.get("swiglu_limit", 0.0),
             block=family.block,
             qk_norm=family.qk_norm,
             qkv_bias=family.qkv_bias or bias,
@@ -202,6 +211,7 @@ class ModelConfig:
             logits_scaling=cfg.get("logits_scaling", 1.0),
             attn_softcap=cfg.get("attn_logit_softcapping"),
             final_softcap=cfg.get("final_logit_softcapping"),
+            attn_sinks=family.attn_sinks,
             moe=moe,
         )
 
@@ -211,6 +221,11 @@ def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
     moe_intermediate_size where dense layers keep intermediate_size (Qwen)."""
     if family.moe is None:
         return None
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        raise UnsupportedModelError(
+            "GPT-OSS's MXFP4 safetensors are not read yet: serve the model dequantized to bfloat16 (transformers' "
+            "Mxfp4Config(dequantize=True)) or, once supported, its MXFP4_MOE GGUF"
+        )
     if cfg.get("clip_qkv") is not None:  # OLMoE's option (off in the released models)
         raise UnsupportedModelError(f"unsupported clip_qkv={cfg['clip_qkv']!r}: kvserve does not clip q/k/v")
     renormalize = family.moe.renormalize
@@ -221,6 +236,7 @@ def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
         intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
         renormalize=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
         shared_intermediate_size=shared,
+        bias=family.moe.bias,
     )
 
 
@@ -274,7 +290,8 @@ def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
         per_type = params
     else:
         flat = dict(params or cfg.get("rope_scaling") or {})
-        flat.setdefault("rope_theta", cfg["rope_theta"])
+        if "rope_theta" not in flat:  # (GPT-OSS's class default has it only inside rope_parameters)
+            flat["rope_theta"] = cfg["rope_theta"]
         per_type = {"full_attention": flat, "sliding_attention": flat}
         if "rope_local_base_freq" in cfg:
             per_type["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
@@ -291,14 +308,17 @@ def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "longrope": (),
+        "yarn": (),
     }
     if kind not in keys:
         raise UnsupportedModelError(
             f"unsupported rope scaling type {kind!r}; kvserve supports {', '.join(keys)}"
         )
     dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    theta = float(params.get("rope_theta", cfg["rope_theta"]))
+    theta = float(params["rope_theta"] if "rope_theta" in params else cfg["rope_theta"])
     scaling = tuple(sorted((k, float(params[k])) for k in keys[kind]))
+    if kind == "yarn":
+        return yarn(params, dim, theta, cfg)
     if kind != "longrope":
         return Rope(theta, dim, kind, scaling)
     # as transformers' _compute_longrope_parameters: cos and sin scaled by attention_factor, which defaults to
@@ -315,6 +335,31 @@ def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
             f"longrope factor lists of {len(short)} and {len(long)}, expected {dim // 2}"
         )
     return Rope(theta, dim, kind, scaling, short, long)
+
+
+def yarn(params: dict, dim: int, theta: float, cfg: dict) -> Rope:
+    """YaRN (GPT-OSS, Qwen3's long context) as transformers' _compute_yarn_parameters: frequencies between the
+    dims that turn beta_fast and beta_slow times over the pretraining length keep a blend of the original and the
+    divided-by-factor ones, and cos and sin are scaled by attention_factor (0.1 ln(factor) + 1 by default)."""
+    original = params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    scaling = {
+        "attention_factor": float(attention),
+        "factor": float(factor),
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "original_max_position_embeddings": float(original),
+        "truncate": float(params.get("truncate", True)),
+    }
+    return Rope(theta, dim, "yarn", tuple(sorted(scaling.items())))
 
 
 def _as_ids(value) -> list[int]:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 # kvserve parameter name -> (checkpoint tensor names, transform). Transforms: "cat" joins along dim 0 (fused
 # q/k/v and gate/up), "t" transposes GPT-2's Conv1D weights, "expert" takes expert {e}'s slice of a tensor that
-# stacks every expert's (Granite MoE's [experts, out, in]), "" copies. `{i}` is the layer index, `{e}` the
+# stacks every expert's (Granite MoE's [experts, out, in]), "expert_t" transposes that slice (GPT-OSS's
+# [experts, in, out]), "expert_pairs" / "expert_t_pairs" also put its interleaved gate/up rows (gate, up, gate,
+# ...) as [gate; up] (GPT-OSS's gate_up_proj and its bias), "" copies. `{i}` is the layer index, `{e}` the
 # expert's.
 WeightNames = dict[str, tuple[list[str], str]]
 
@@ -91,6 +93,18 @@ GRANITE_MOE_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
     "layers.{i}.mlp.router.weight": ([_layer("block_sparse_moe.router.layer.weight")], ""),
     "layers.{i}.mlp.experts.{e}.up.weight": ([_layer("block_sparse_moe.input_linear.weight")], "expert"),
     "layers.{i}.mlp.experts.{e}.down.weight": ([_layer("block_sparse_moe.output_linear.weight")], "expert"),
+}
+
+# GPT-OSS: q/k/v/o with biases, a sink logit per head; the router with a bias; every expert's interleaved gate/up
+# in one [experts, hidden, 2 x size] tensor and down in [experts, size, hidden], each with a bias
+GPT_OSS_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
+    "layers.{i}.attn.sinks": ([_layer("self_attn.sinks")], ""),
+    "layers.{i}.mlp.router.weight": ([_layer("mlp.router.weight")], ""),
+    "layers.{i}.mlp.router.bias": ([_layer("mlp.router.bias")], ""),
+    "layers.{i}.mlp.experts.{e}.up.weight": ([_layer("mlp.experts.gate_up_proj")], "expert_t_pairs"),
+    "layers.{i}.mlp.experts.{e}.up.bias": ([_layer("mlp.experts.gate_up_proj_bias")], "expert_pairs"),
+    "layers.{i}.mlp.experts.{e}.down.weight": ([_layer("mlp.experts.down_proj")], "expert_t"),
+    "layers.{i}.mlp.experts.{e}.down.bias": ([_layer("mlp.experts.down_proj_bias")], "expert"),
 }
 
 GPT2_WEIGHTS: WeightNames = {
@@ -172,6 +186,7 @@ class Moe:
     # same), never, or None: as the config's norm_topk_prob says
     renormalize: bool | None = None
     shared_expert: bool = False  # Qwen2-MoE: one more expert every token takes, behind a sigmoid gate
+    bias: bool = False  # GPT-OSS: the router and the experts' projections have biases
 
 
 @dataclass(frozen=True)
@@ -189,6 +204,8 @@ class Family:
     # Gemma 3: 6), "qwen" (layers from max_window_layers on, when use_sliding_window)
     window_layers: str | int = ""
     layer_norm: bool = False  # GPT-2: LayerNorm, GELU MLP, learned positions
+    mlp: str = ""  # the MLP's kind where the family fixes it (GPT-OSS's clamped_swiglu); "": from hidden_act
+    attn_sinks: bool = False  # GPT-OSS: a learned logit per head in every softmax (`sinks`)
     moe: Moe | None = None  # sparse experts in place of the MLP (model/moe.py), in the layers Moe.layers says
     # config.json key -> transformers' default for it (see LLAMA_DEFAULTS above); tests/model/test_config_defaults.py
     # checks each against the class and that nothing else is read
@@ -347,6 +364,39 @@ FAMILIES = {
                 rope_theta=1000000.0,
                 num_experts=8,
                 num_experts_per_tok=2,
+            ),
+        ),
+        Family(
+            "GptOssForCausalLM",
+            GPT_OSS_WEIGHTS,
+            mlp="clamped_swiglu",
+            attn_sinks=True,
+            window_layers=2,  # where the config lists no layer_types: sliding first, then every other layer
+            # top k of the router's logits, softmax over those k: the renormalized top k of the softmax
+            moe=Moe(renormalize=True, bias=True),
+            config_defaults=dict(
+                tie_word_embeddings=False,
+                bos_token_id=None,
+                eos_token_id=None,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=131072,
+                num_key_value_heads=8,
+                head_dim=64,
+                sliding_window=128,
+                attention_bias=True,
+                num_experts=128,
+                num_experts_per_tok=4,
+                swiglu_alpha=1.702,
+                swiglu_limit=7.0,
+                rope_parameters=dict(
+                    rope_type="yarn",
+                    factor=32.0,
+                    beta_fast=32.0,
+                    beta_slow=1.0,
+                    truncate=False,
+                    original_max_position_embeddings=4096,
+                    rope_theta=150000.0,
+                ),
             ),
         ),
     )

@@ -45,6 +45,7 @@ CONFIG_FIELDS = {
     "norm_eps": _any, "layers": _any,  # each layer by LAYER_FIELDS
     "norm": lambda c: c.norm == "rmsnorm",
     "mlp": lambda c: c.mlp in ("swiglu", "geglu"),
+    "swiglu_alpha": _any, "swiglu_limit": _any,  # clamped_swiglu's, which "mlp" leaves to the Python loop
     "positions": _any,  # learned positions are added before the blocks (their layers have no rope: LAYER_FIELDS)
     "block": lambda c: c.block in ("pre", "sandwich"),
     "qk_norm": lambda c: c.qk_norm in ("", "head"),
@@ -52,6 +53,7 @@ CONFIG_FIELDS = {
     "embedding_scale": _any,
     "residual_scale": lambda c: c.residual_scale == 1.0,
     "logits_scaling": _any, "attn_softcap": _any, "final_softcap": _any, "tie_word_embeddings": _any,
+    "attn_sinks": lambda c: not c.attn_sinks,  # the loop passes no sinks to its attention
     "bos_token_id": _any, "eos_token_ids": _any, "torch_dtype": _any,
     "has_lm_head": _any,  # the LM head runs after the stack
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)

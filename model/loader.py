@@ -176,7 +176,7 @@ def load_model(
                 raise WeightLoadError(
                     f"tensor {n} is missing from the checkpoint in {path} (needed for {param_name})"
                 )
-            parts.append(_read(ckpt, stored, dequantized, expert if transform == "expert" else None))
+            parts.append(_read(ckpt, stored, dequantized, expert if transform.startswith("expert") else None))
         read_since_trim += sum(_nbytes(t) for t in parts)
         module_name = param_name.rpartition(".")[0]
         module = transformer.get_submodule(module_name)
@@ -195,7 +195,9 @@ def load_model(
             layer.quantized = segments[0] if len(segments) == 1 else segments  # packed by prepare(), below
         else:
             parts = [t.dequantize() if isinstance(t, QuantizedTensor) else t for t in parts]
-            parts = [t.t() if transform == "t" else t for t in parts]
+            parts = [t.t() if transform in ("t", "expert_t", "expert_t_pairs") else t for t in parts]
+            if transform.endswith("_pairs"):  # interleaved gate and up rows (GPT-OSS) as [gate; up]
+                parts = [torch.cat((t[0::2], t[1::2])) for t in parts]
             tensor = torch.cat(parts) if transform == "cat" else parts[0]
             if config.norm_offset and isinstance(module, Norm):
                 # Gemma's norms multiply by 1 + w, computed in float32 as the reference does

@@ -22,12 +22,13 @@ class Gate(nn.Module):
 
     stored_dtype = torch.float32  # the loader keeps this module's weight so (model/loader.py)
 
-    def __init__(self, n: int, hidden: int):
+    def __init__(self, n: int, hidden: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, hidden))
+        self.bias = nn.Parameter(torch.empty(n)) if bias else None  # GPT-OSS's router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float(), self.weight, self.bias)
 
     __call__ = forward  # see model/transformer.py's Block
 
@@ -44,12 +45,15 @@ class MoE(nn.Module):
         """mlp(config, ops, size): the dense MLP (model/transformer.py), which each expert is, of its own size."""
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
-        self.router = Gate(moe.num_experts, hidden)
+        self.router = Gate(moe.num_experts, hidden, moe.bias)
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.experts = nn.ModuleList(mlp(config, ops, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(
+            mlp(config, ops, moe.intermediate_size, moe.bias) for _ in range(moe.num_experts)
+        )
         self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
-        self.fused_ffn = ops.moe  # the C++ MoE FFN's constructor, or None
+        # the C++ MoE FFN's constructor, or None; it runs unbiased SwiGLU experts behind an unbiased router
+        self.fused_ffn = ops.moe if config.mlp == "swiglu" and not moe.bias else None
         self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
 
     def weights_ready(self) -> None:

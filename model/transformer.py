@@ -65,6 +65,8 @@ def rope_inv_freq(rope: Rope) -> torch.Tensor:
         return (inv_freq / torch.tensor([rope.short_factor, rope.long_factor], dtype=torch.float64)).float()
     if rope.kind == "linear":
         return (inv_freq / s["factor"]).float()
+    if rope.kind == "yarn":
+        return yarn_inv_freq(inv_freq, d, rope.theta, s)
     if rope.kind != "llama3":
         return inv_freq.float()
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between
@@ -77,6 +79,26 @@ def rope_inv_freq(rope: Rope) -> torch.Tensor:
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
     medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(medium, blended, scaled).float()
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, d: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the pretraining length are divided by
+    `factor` (interpolated), those that turn more than beta_fast times are kept, a linear ramp between."""
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over the length
+        return (
+            d
+            * math.log(s["original_max_position_embeddings"] / (turns * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low, high = dim_turning(s["beta_fast"]), dim_turning(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return (inv_freq / s["factor"] * ramp + inv_freq * (1 - ramp)).float()
 
 
 class Norm(nn.Module):
@@ -118,6 +140,10 @@ class NoNorm:
 
 
 class Attention(nn.Module):
+    # the loader keeps this module's own parameters so: its only one is GPT-OSS's sinks (the projections and
+    # norms are modules of their own), which the softmax reads in float32
+    stored_dtype = torch.float32
+
     def __init__(self, config: ModelConfig, spec: LayerSpec, ops: Ops):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -130,6 +156,8 @@ class Attention(nn.Module):
         self.o = Linear(q_size, config.hidden_size, config.o_bias, ops.linear)
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.window, self.softcap = spec.window, config.attn_softcap
+        # GPT-OSS: [heads] float32 logits that join each query's softmax and take no value
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attn_sinks else None
         self.rotary_dim = spec.rope.dim if spec.rope is not None else 0
         # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
         self.qk_norm = config.qk_norm
@@ -149,22 +177,27 @@ class Attention(nn.Module):
             q, k = (torch.cat((apply_rope(t[..., : self.rotary_dim], *rope), t[..., self.rotary_dim :]), -1)
                     for t in (q, k))  # fmt: skip
             rope = None
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, rope, self.scale, self.window, self.softcap)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, rope, self.scale, self.window, self.softcap, self.sinks
+        )
         return self.o(out.reshape(T, -1))
 
     __call__ = forward  # see Block
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, size: int | None = None):
-        """size: the intermediate size, where not the config's (an expert's: model/moe.py)."""
+    def __init__(self, config: ModelConfig, ops: Ops, size: int | None = None, bias: bool | None = None):
+        """size, bias: the intermediate size and whether the projections have biases, where not the config's
+        (an expert's: model/moe.py)."""
         super().__init__()
         self.kind = config.mlp
         size = size or config.intermediate_size
+        bias = config.mlp_bias if bias is None else bias
         n_up = size * (1 if self.kind == "gelu" else 2)
-        self.up = Linear(config.hidden_size, n_up, config.mlp_bias, ops.linear)  # gated: [gate; up] fused
-        self.down = Linear(size, config.hidden_size, config.mlp_bias, ops.linear)
+        self.up = Linear(config.hidden_size, n_up, bias, ops.linear)  # gated: [gate; up] fused
+        self.down = Linear(size, config.hidden_size, bias, ops.linear)
         self.silu_mul = ops.silu_mul
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.activation(self.up(x)))
@@ -175,6 +208,9 @@ class MLP(nn.Module):
         if self.kind == "swiglu" and self.silu_mul is not None:
             return self.silu_mul(h)
         gate, up = h.chunk(2, dim=-1)
+        if self.kind == "clamped_swiglu":  # GPT-OSS
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
         return (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")) * up
 
     __call__ = forward  # see Block

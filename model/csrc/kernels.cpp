@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
         py::arg("chunk"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("slots") = py::none(), py::arg("cos") = py::none(),
-        py::arg("sin") = py::none(), no_gil());
+        py::arg("sin") = py::none(), py::arg("sinks") = py::none(), no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned (CPU)");
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",

@@ -63,7 +63,7 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     }
     const auto attended = paged_attention(q, k_cache[i], v_cache[i], block_tables, seqs, block_size, scale,
                                           layer.window, softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots,
-                                          cos[layer.rope], sin[layer.rope]);
+                                          cos[layer.rope], sin[layer.rope], std::nullopt);
     auto out = layer.o(attended.view({T, H * D}));
     if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
     auto normed = rms_norm(out, residual, layer.norm2, eps);

@@ -91,7 +91,7 @@ template <typename T, typename C, int DC>
 void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t num_slots,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
             int64_t n_pos, int64_t pos0, int64_t window, float scale, float softcap, T* out, int64_t H, const T* cos,
-            const T* sin) {
+            const T* sin, const float* sinks) {
   const int64_t D = DC ? DC : head_size;
   const int64_t nq = n_pos * G;
   const int64_t pos_last = pos0 + n_pos - 1;
@@ -190,12 +190,14 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
     for (int64_t t = 1; t < n_tiles; ++t) vmax = vmax > tiles[t] ? vmax : tiles[t];
     float m = vmax[0];
     for (int l = 1; l < KT; ++l) m = std::max(m, vmax[l]);
+    const float sink = sinks ? sinks[head * G + v % G] : -INFINITY;
+    m = std::max(m, sink);  // a sink far above every score must not overflow exp(sink - m)
     for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = vexp(tiles[t] - m);
     for (int64_t j = a0; j < a; ++j) s[j] = 0.0f;
     for (int64_t j = b; j < b0; ++j) s[j] = 0.0f;
     vfloat sum = {};
     for (int64_t t = 0; t < n_tiles; ++t) sum += tiles[t];
-    total[v] = hsum(sum);
+    total[v] = hsum(sum) + (sinks ? std::exp(sink - m) : 0.0f);  // the sink joins the denominator only
   }
 
   // weighted sum of the values, keys in ascending order
@@ -238,7 +240,8 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
 // q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
 // [KVH, slots, D] contiguous, of q's dtype or bfloat16, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
 // length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
-// its sequence's keys, its scores soft-capped when softcap > 0. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
+// its sequence's keys, its scores soft-capped when softcap > 0, with sinks ([H] float32, GPT-OSS) a logit per head in
+// each softmax's denominator. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
 // and values are first written into the caches; with cos and sin ([T, D], the model's dtype), q and the new
 // keys are first rotated by their positions (RoPE, in float32; keys rounded once, when stored).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -246,7 +249,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               int64_t chunk,
                               std::optional<at::Tensor> k, std::optional<at::Tensor> v,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
-                              std::optional<at::Tensor> sin) {
+                              std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -277,6 +280,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                     sin_c.scalar_type() == q.scalar_type(),
                 "cos and sin must be [T, D] of q's dtype");
   }
+  at::Tensor sinks_c;
+  if (sinks) {
+    sinks_c = sinks->contiguous();
+    TORCH_CHECK(sinks_c.scalar_type() == at::kFloat && sinks_c.numel() == H, "sinks must be [H] float32");
+  }
+  const float* sinks_p = sinks ? sinks_c.data_ptr<float>() : nullptr;
   auto out = at::empty({T_, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
@@ -321,7 +330,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
           fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
              std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
-             static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp);
+             static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp, sinks_p);
         }
     });
   };

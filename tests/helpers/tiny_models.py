@@ -28,6 +28,7 @@ TINY_NAMES = {
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # short name -> architecture, for the families the table has (a name whose family left the table is dropped)
 ARCHITECTURES = {short: arch for arch, short in TINY_NAMES.items() if arch in FAMILIES}
@@ -76,6 +77,13 @@ FAMILY_OVERRIDES = {
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=6.0,
                        attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+    # GPT-OSS: sinks, windows on every other layer, YaRN from 16 positions to 256, biases everywhere, a SwiGLU clamped
+    # where this model's values reach (limit 1), the router's softmax over its top 4 biased logits
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=4, intermediate_size=32, num_hidden_layers=4,
+                    head_dim=16, sliding_window=8, swiglu_limit=1.0,
+                    rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 16,
+                                     "rope_theta": 1e4}),
 }  # fmt: skip
 # Every family of the table, by its short name: a family added to model/families.py joins every test built on it.
 ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]

@@ -294,3 +294,26 @@ def test_cpu_kernel_rotates_and_stores_as_the_pytorch_path_does(tier_kernels, dt
     assert (fused_k == apart_k).float().mean() > 0.95
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the fused path keeps rotated q unrounded
     torch.testing.assert_close(fused.float(), apart.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["pytorch", "cpu_kernel"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_sinks_join_each_softmax_and_take_no_value(tier_kernels, path, window):
+    """GPT-OSS's sinks, a logit per head in every softmax's denominator, on both CPU paths against the textbook
+    formula; one head's sink far above every score (its outputs shrink towards 0, with no overflow), one far below
+    (plain attention)."""
+    torch.manual_seed(5)
+    H, KVH, D, bs, n = 6, 2, 16, 4, 23
+    sinks = torch.tensor([0.5, -1.0, 40.0, -40.0, 2.0, 0.0])
+    k, v, q = (torch.randn(n, h, D) for h in (KVH, KVH, H))
+    k_cache, v_cache = empty_cache(32, KVH, D, torch.float32)
+    kernels = tier_kernels if path == "cpu_kernel" else None
+    _, meta = build_metadata([n], [n], [list(range(8))], bs, sliding_window=window, cpu_kernel=kernels is not None,
+                             cache=k_cache, kernels=kernels)  # fmt: skip
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, None, D**-0.5, window, None, sinks)
+    for i in range(n):
+        lo = max(0, i - window + 1) if window else 0
+        ref = naive_attention(q[i : i + 1], k[lo : i + 1], v[lo : i + 1], D**-0.5, i - lo, sinks)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, rtol=1e-5, atol=1e-6)
+    assert out[:, 2].abs().max() < 1e-12 < out[:, 3].abs().max()

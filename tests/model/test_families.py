@@ -8,7 +8,14 @@ import torch
 from model.config import ModelConfig
 from model.families import FAMILIES
 from model.kv_cache import KVCache
-from tests.helpers.tiny_models import ARCHES, ARCHITECTURES, TINY_NAMES, CpuPath, tiny_family
+from tests.helpers.tiny_models import (
+    ARCHES,
+    ARCHITECTURES,
+    FAMILY_OVERRIDES,
+    TINY_NAMES,
+    CpuPath,
+    tiny_family,
+)
 
 PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()  # > every window
 START = 20  # the greedy runs' prompt: past Phi-3's 16 (transformers recomputes the cache when a sequence
@@ -220,6 +227,25 @@ def test_longrope_takes_one_factor_list_per_request(tiny_model_factory):
     assert abs(beyond.logprob - within.logprob) > 1e-3 or beyond.token_id != within.token_id
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "truncate", [True, False]
+)  # Qwen3's long-context configs leave it at True; GPT-OSS: False
+def test_yarn_rope_scaling_matches_transformers(tiny_model_factory, cpu_path, truncate):
+    """A Qwen3 given YaRN past 16 positions, as its model card's long-context config does, and with
+    the ramp's ends not rounded (GPT-OSS's)."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}
+    path = tiny_model_factory(
+        "qwen3", **FAMILY_OVERRIDES["qwen3"], rope_parameters=yarn | {"truncate": truncate}
+    )
+    model, config = cpu_path.load(path)
+    assert config.layers[0].rope.kind == "yarn"
+    ours = cpu_path.run(model, cache_for(config), PROMPT, 0, list(range(16)))
+    with torch.no_grad():
+        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.timeout(30)
 def test_unsupported_features_are_refused_by_name():
     from model.config import UnsupportedModelError
@@ -228,12 +254,16 @@ def test_unsupported_features_are_refused_by_name():
         "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4,
     }  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="linear_attention"):
         ModelConfig.from_dict(
             {**base, "sliding_window": 8, "layer_types": ["linear_attention", "full_attention"]}
         )
+    gpt_oss = {**base, "architectures": ["GptOssForCausalLM"], "num_local_experts": 4}
+    with pytest.raises(UnsupportedModelError, match="MXFP4 safetensors"):  # the released checkpoints' experts
+        ModelConfig.from_dict({**gpt_oss, "quantization_config": {"quant_method": "mxfp4"}})
+    assert ModelConfig.from_dict(gpt_oss).attn_sinks  # the same checkpoint dequantized loads
     with pytest.raises(UnsupportedModelError, match="'relu'"):
         ModelConfig.from_dict({**base, "hidden_act": "relu"})
     with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):  # the list of what is supported
