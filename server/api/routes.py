@@ -16,9 +16,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from server.api import protocol as p
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
-from server.api.openai import protocol as p
 from server.api.prompt import chat_prompt_ids
 from server.api.scoring import rerank, score
 from server.api.serving import ServingState, check_model

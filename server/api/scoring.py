@@ -11,8 +11,8 @@ import math
 import time
 import uuid
 
+from server.api import protocol as p
 from server.api.errors import ApiError
-from server.api.openai import protocol as p
 from server.api.serving import Disconnected, ServingState, check_model, check_task, pooled
 from server.engine.request import PoolingParams
 

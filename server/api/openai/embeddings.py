@@ -13,6 +13,7 @@ from array import array
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
+from server.api.protocol import MAX_POOLED_INPUTS, EmbeddingUsage
 from server.api.serving import Disconnected, ServingState, check_model, check_task, pooled
 from server.engine.request import PoolingParams
 
@@ -28,8 +29,8 @@ async def embed(
         inputs = [inputs]
     if not inputs:
         raise ApiError(400, "input must not be empty", param="input")
-    if len(inputs) > p.MAX_POOLED_INPUTS:
-        why = f"at most {p.MAX_POOLED_INPUTS} inputs per request, got {len(inputs)}"
+    if len(inputs) > MAX_POOLED_INPUTS:
+        why = f"at most {MAX_POOLED_INPUTS} inputs per request, got {len(inputs)}"
         raise ApiError(400, why, param="input")
     if body.dimensions is not None and body.dimensions > state.engine.hidden_size:
         why = f"dimensions must be at most the model's {state.engine.hidden_size}, got {body.dimensions}"
@@ -62,7 +63,7 @@ async def embed(
             p.Embedding(index=i, embedding=as_base64(vector) if body.encoding_format == "base64" else vector)
         )
     num_tokens = sum(len(ids) for ids in prompts)
-    usage = p.EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
     return p.EmbeddingResponse(data=data, model=state.model_name, usage=usage)
 
 

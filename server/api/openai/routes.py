@@ -9,6 +9,7 @@ from server.api.openai.chat import chat
 from server.api.openai.completions import completion
 from server.api.openai.embeddings import embed
 from server.api.openai.responses import ignored_tools_header, respond
+from server.api.protocol import error_body
 from server.api.routes import (
     GENERATION_ERRORS,
     Ready,
@@ -21,7 +22,7 @@ from server.api.routes import (
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 # OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
-ERROR_SHAPES = {"": p.error_body}
+ERROR_SHAPES = {"": error_body}
 
 
 @router.post(

@@ -6,7 +6,7 @@ from pydantic import BaseModel
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
-from server.api.protocol import Usage
+from server.api.protocol import Usage, error_body
 from server.api.serving import Choice, Event, Shape, usage
 
 
@@ -34,7 +34,7 @@ class OpenAIShape(Shape):
         return [Event(self.chunk([], usage(choices)))]
 
     def failed(self, error: ApiError) -> list[Event]:
-        return [Event(p.error_body(error))]
+        return [Event(error_body(error))]
 
     def add(self, answer: list, event: BaseModel) -> None:
         for d in event.choices:
