@@ -124,6 +124,7 @@ SHARED = (
     "routes",
     "scoring",
     "serving",
+    "shape",
     "structured",
     "tools",
 )
@@ -143,4 +144,22 @@ def test_each_api_stands_apart():
         f = api / f"{name}.py"
         apis = tuple(f"server.api.{a}" for a in APIS)
         bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports_of(f) if m.startswith(apis)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(30)
+def test_the_pipeline_is_one_name():
+    """An endpoint (and whatever else runs requests) imports one name of the serving pipeline, Serving, and
+    calls its methods; what an answer looks like comes from shape.py."""
+    api = ROOT / "server" / "api"
+    bad = []
+    for f in sorted(api.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module == "server.api.serving":
+                names = [a.name for a in node.names]
+                if names != ["Serving"]:
+                    bad.append(f"{f.relative_to(ROOT)} imports {', '.join(names)} from server.api.serving")
+            elif isinstance(node, ast.ImportFrom) and node.module == "server.api" and node.level == 0:
+                if any(a.name == "serving" for a in node.names):
+                    bad.append(f"{f.relative_to(ROOT)} imports the module server.api.serving")
     assert not bad, "\n".join(bad)

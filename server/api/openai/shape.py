@@ -7,7 +7,7 @@ from pydantic import BaseModel
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.protocol import Usage, error_body
-from server.api.serving import Choice, Event, Shape, usage
+from server.api.shape import Choice, Event, Shape, usage
 
 
 class OpenAIShape(Shape):
