@@ -10,7 +10,7 @@ from server.api.openai.shape import OpenAIShape
 from server.api.openai.structured import chat_tools, output_grammar_for
 from server.api.prompt import chat_prompt_ids
 from server.api.serving import Serving
-from server.api.shape import Choice, Event, usage
+from server.api.shape import Choice, Event
 from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser
 from server.engine.request import RequestOutput, TokenLogprob
 
@@ -32,18 +32,13 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
 
 @dataclass
 class ChatShape(OpenAIShape):
-    serving: Serving
     body: p.ChatCompletionRequest
-    response_id: str
-    created: int
     tools: Tools | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
+    chunk_type = p.ChatCompletionStreamResponse
+    body_type = p.ChatCompletionResponse
 
-    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
-        d = self._delta(c, out)
-        return [] if d is None else [Event(self.chunk([d]))]
-
-    def _delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
+    def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None
         if self.body.logprobs:
             logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
@@ -82,15 +77,6 @@ class ChatShape(OpenAIShape):
         delta = p.DeltaMessage(role="assistant", content="")
         return [Event(self.chunk([p.ChatChunkChoice(index=c.index, delta=delta)])) for c in choices]
 
-    def chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None):
-        return p.ChatCompletionStreamResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=choices,
-            usage=usage,
-        )
-
     def empty(self, choices: list[Choice]) -> list[p.ChatChoice]:
         return [
             p.ChatChoice(
@@ -120,13 +106,7 @@ class ChatShape(OpenAIShape):
         for choice in answer:  # a reply of calls alone has no content, as OpenAI's
             if choice.message.tool_calls and not choice.message.content:
                 choice.message.content = None
-        return p.ChatCompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=answer,
-            usage=usage(choices),
-        )
+        return super().response(answer, choices)
 
 
 def tool_call_deltas(calls: list[CallDelta]) -> list[p.ToolCallDelta]:

@@ -9,7 +9,7 @@ from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape
 from server.api.openai.structured import output_grammar_for
 from server.api.serving import Serving
-from server.api.shape import Choice, Event, usage
+from server.api.shape import Choice, Event
 from server.engine.request import RequestOutput, TokenLogprob
 
 MAX_PROMPTS = 256  # prompts in one completion request; each becomes n engine requests
@@ -43,16 +43,11 @@ async def completion(serving: Serving, body: p.CompletionRequest):
 
 @dataclass
 class CompletionShape(OpenAIShape):
-    serving: Serving
     body: p.CompletionRequest
-    response_id: str
-    created: int
+    chunk_type = p.CompletionStreamResponse
+    body_type = p.CompletionResponse
 
-    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
-        d = self._delta(c, out)
-        return [] if d is None else [Event(self.chunk([d]))]
-
-    def _delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
+    def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
         body = self.body
         text, logprobs = out.text, None
         if body.logprobs is not None:
@@ -83,15 +78,6 @@ class CompletionShape(OpenAIShape):
     def opening(self, choices: list[Choice]) -> list[Event]:
         return []
 
-    def chunk(self, choices: list[p.CompletionChoice], usage: p.Usage | None = None):
-        return p.CompletionStreamResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=choices,
-            usage=usage,
-        )
-
     def empty(self, choices: list[Choice]) -> list[p.CompletionChoice]:
         return [
             p.CompletionChoice(
@@ -108,12 +94,3 @@ class CompletionShape(OpenAIShape):
         if total.logprobs is not None:
             for name in LOGPROB_FIELDS:
                 getattr(total.logprobs, name).extend(getattr(delta.logprobs, name))
-
-    def response(self, answer: list[p.CompletionChoice], choices: list[Choice]) -> p.CompletionResponse:
-        return p.CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=answer,
-            usage=usage(choices),
-        )
