@@ -1,5 +1,6 @@
 """Imports point one way: server/cli (+ server/commands) -> server/api -> server/engine -> model; weights/ and
-client/ (the HTTP clients) stand alone."""
+client/ (the HTTP clients) stand alone; server/bench (the benchmarks and load tools the CLI runs) drives the engine
+in process or a server over HTTP (client/), never the API's insides."""
 
 import ast
 from pathlib import Path
@@ -32,6 +33,16 @@ FORBIDDEN = {
         "client",
     ],
     "server/api": ["server.cli", "server.commands", "weights", "client"],
+    "server/bench": [
+        "server.api",
+        "server.cli",
+        "server.commands",
+        "fastapi",
+        "pydantic",
+        "prometheus_client",
+        "uvicorn",
+        "weights",
+    ],
     "weights": ["model", "server", "client"],
     "client": ["model", "server", "weights", "torch"],
 }
@@ -59,6 +70,19 @@ def test_imports_point_one_way(package):
         if any(name == p or name.startswith(p + ".") for p in FORBIDDEN[package])
     ]
     assert not bad, "\n".join(bad)
+
+
+# The tools that only talk HTTP, to any OpenAI-compatible server: nothing of kvserve's model or engine loads.
+HTTP_TOOLS = ("http", "soak", "workloads")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", HTTP_TOOLS)
+def test_the_http_tools_load_no_model(name):
+    f = ROOT / "server" / "bench" / f"{name}.py"
+    no = ("model", "server.engine", "server.bench.offline", "server.bench.spec", "torch")
+    bad = [m for m in imports_of(f) if any(m == n or m.startswith(n + ".") for n in no)]
+    assert not bad, f"{f.relative_to(ROOT)} imports {', '.join(bad)}"
 
 
 # What the API may see of the engine: its client (AsyncEngine) and the plain records it hands out.
