@@ -36,7 +36,7 @@ class ChatShape(OpenAIShape):
     tools: Tools | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
     chunk_type = p.ChatCompletionStreamResponse
-    body_type = p.ChatCompletionResponse
+    response_type = p.ChatCompletionResponse
 
     def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None

@@ -45,7 +45,7 @@ async def completion(serving: Serving, body: p.CompletionRequest):
 class CompletionShape(OpenAIShape):
     body: p.CompletionRequest
     chunk_type = p.CompletionStreamResponse
-    body_type = p.CompletionResponse
+    response_type = p.CompletionResponse
 
     def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
         body = self.body

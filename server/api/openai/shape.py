@@ -18,14 +18,14 @@ from server.engine.request import RequestOutput
 class OpenAIShape(Shape):
     """What chat and completions answers share: a chunk per choice's delta, a usage chunk when the client asks
     for one, errors in OpenAI's body and [DONE] at the end; the body is the list of choices, each the fold of its
-    deltas. A subclass names its chunk and body types, makes a choice's delta and folds it into that choice."""
+    deltas. A subclass names its chunk and response types, makes a choice's delta and folds it into that choice."""
 
     serving: Serving
     body: p.SamplingFields  # the request: its stream_options say whether a usage chunk closes the stream
     response_id: str
     created: int
     chunk_type: ClassVar[type[BaseModel]]  # one event of the stream (with no choices: the usage)
-    body_type: ClassVar[type[BaseModel]]  # the non-streamed body
+    response_type: ClassVar[type[BaseModel]]  # the non-streamed body
     end = "data: [DONE]\n\n"
     closes_with_answer = False
 
@@ -65,7 +65,7 @@ class OpenAIShape(Shape):
             self.add_choice(answer[d.index], d)
 
     def response(self, answer: list, choices: list[Choice]) -> BaseModel:
-        return self.body_type(
+        return self.response_type(
             id=self.response_id,
             created=self.created,
             model=self.serving.model_name,
