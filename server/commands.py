@@ -221,20 +221,20 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     import asyncio
 
-    from client.bench import bench_http
+    from server.bench.http import bench_http
 
     asyncio.run(bench_http(args))
     return 0
 
 
 def cmd_soak(args) -> int:
-    from client.soak import cmd_soak as soak
+    from server.bench.soak import cmd_soak as soak
 
     return soak(args)
 
 
 def cmd_bench_offline(args) -> int:
-    from server.bench import bench_offline, print_json
+    from server.bench.offline import bench_offline, print_json
 
     engine = build_engine(args)
     print_json(
@@ -244,7 +244,7 @@ def cmd_bench_offline(args) -> int:
 
 
 def cmd_bench_structured(args) -> int:
-    from server.bench import BENCH_SCHEMA, bench_structured, print_json
+    from server.bench.offline import BENCH_SCHEMA, bench_structured, print_json
 
     schema = json.loads(Path(args.schema).read_text(encoding="utf-8")) if args.schema else BENCH_SCHEMA
     engine = build_engine(args)
@@ -255,8 +255,8 @@ def cmd_bench_structured(args) -> int:
 
 
 def cmd_bench_spec(args) -> int:
-    from server.bench import print_json
-    from server.bench_spec import bench_spec
+    from server.bench.offline import print_json
+    from server.bench.spec import bench_spec
     from server.engine.config import SpeculativeConfig
 
     spec = speculative_config(args.speculative_config)
@@ -267,7 +267,7 @@ def cmd_bench_spec(args) -> int:
 
 
 def cmd_bench_model(args) -> int:
-    from server.bench import bench_model, print_json
+    from server.bench.offline import bench_model, print_json
 
     dtypes = args.dtypes or ([args.dtype] if args.dtype != "auto" else ["float32", "bfloat16"])
     for dtype in dtypes:
@@ -280,7 +280,7 @@ def cmd_bench_model(args) -> int:
 
 
 def cmd_bench_profile(args) -> int:
-    from server.bench import bench_profile, print_json
+    from server.bench.offline import bench_profile, print_json
 
     engine = build_engine(args, max_num_seqs=max(args.batch_sizes), speculative=None)
     for b in args.batch_sizes:
@@ -289,7 +289,7 @@ def cmd_bench_profile(args) -> int:
 
 
 def cmd_bench_gemms(args) -> int:
-    from server.bench import bench_gemms, print_json
+    from server.bench.offline import bench_gemms, print_json
 
     engine = build_engine(args, max_num_seqs=1, speculative=None)
     for rows in args.rows:
@@ -298,7 +298,7 @@ def cmd_bench_gemms(args) -> int:
 
 
 def cmd_bench_quality(args) -> int:
-    from server.bench import DEFAULT_QUALITY_TEXT, bench_quality, print_json
+    from server.bench.offline import DEFAULT_QUALITY_TEXT, bench_quality, print_json
 
     text = Path(args.text or DEFAULT_QUALITY_TEXT).read_text(encoding="utf-8")
     test = build_engine(args, max_num_seqs=1, speculative=None)
@@ -331,7 +331,7 @@ def cmd_bench_kernels(args) -> int:
 
 def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
     """One engine per named setting, their decode steps interleaved; a JSON line per batch size."""
-    from server.bench import bench_steps, print_json
+    from server.bench.offline import bench_steps, print_json
 
     kv = {"max_num_seqs": max(args.batch_sizes), "speculative": None}
     engines = {name: build_engine(args, **s, **kv) for name, s in settings.items()}

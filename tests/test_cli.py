@@ -149,7 +149,7 @@ def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_mod
     from model.loader import load_model
     from model.quant import QuantizedLinear
     from model.transformer import Ops
-    from server.bench import active_weight_bytes, weight_bytes
+    from server.bench.offline import active_weight_bytes, weight_bytes
     from tests.helpers.tiny_models import FAMILY_OVERRIDES
 
     path = tiny_model_factory("qwen3moe", **FAMILY_OVERRIDES["qwen3moe"] | {"tie_word_embeddings": False})

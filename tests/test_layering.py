@@ -1,5 +1,6 @@
 """Imports point one way: server/cli (+ server/commands) -> server/api -> server/engine -> model; weights/ and
-client/ (the HTTP clients) stand alone."""
+client/ (the HTTP clients) stand alone; server/bench (the benchmarks and load tools the CLI runs) drives the engine
+in process or a server over HTTP (client/), never the API's insides."""
 
 import ast
 from pathlib import Path
@@ -32,6 +33,16 @@ FORBIDDEN = {
         "client",
     ],
     "server/api": ["server.cli", "server.commands", "weights", "client"],
+    "server/bench": [
+        "server.api",
+        "server.cli",
+        "server.commands",
+        "fastapi",
+        "pydantic",
+        "prometheus_client",
+        "uvicorn",
+        "weights",
+    ],
     "weights": ["model", "server", "client"],
     "client": ["model", "server", "weights", "torch"],
 }
@@ -59,6 +70,19 @@ def test_imports_point_one_way(package):
         if any(name == p or name.startswith(p + ".") for p in FORBIDDEN[package])
     ]
     assert not bad, "\n".join(bad)
+
+
+# The tools that only talk HTTP, to any OpenAI-compatible server: nothing of kvserve's model or engine loads.
+HTTP_TOOLS = ("http", "soak", "workloads")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", HTTP_TOOLS)
+def test_the_http_tools_load_no_model(name):
+    f = ROOT / "server" / "bench" / f"{name}.py"
+    no = ("model", "server.engine", "server.bench.offline", "server.bench.spec", "torch")
+    bad = [m for m in imports_of(f) if any(m == n or m.startswith(n + ".") for n in no)]
+    assert not bad, f"{f.relative_to(ROOT)} imports {', '.join(bad)}"
 
 
 # What the API may see of the engine: its client (AsyncEngine) and the plain records it hands out.
@@ -109,18 +133,22 @@ def test_no_import_circles_inside_a_package(package):
 
 
 # Each API's package (server/api/<name>/) uses the shared modules of server/api and never another API's; the
-# shared modules use no API's. Only the assembly sees them: app.py, openapi.py, and routes.py and fleet.py, whose
-# routes answer in OpenAI's shapes.
+# shared modules use no API's, the server's own routes (routes.py, fleet.py, scoring.py) included: their bodies
+# are on the shared floor (protocol.py). Only the assembly sees the APIs: app.py and openapi.py.
 APIS = ("openai", "anthropic")
 SHARED = (
     "blocks",
     "config",
     "errors",
+    "fleet",
     "metrics",
     "middleware",
     "prompt",
     "protocol",
+    "routes",
+    "scoring",
     "serving",
+    "shape",
     "structured",
     "tools",
 )
@@ -140,4 +168,22 @@ def test_each_api_stands_apart():
         f = api / f"{name}.py"
         apis = tuple(f"server.api.{a}" for a in APIS)
         bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports_of(f) if m.startswith(apis)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(30)
+def test_the_pipeline_is_one_name():
+    """An endpoint (and whatever else runs requests) imports one name of the serving pipeline, Serving, and
+    calls its methods; what an answer looks like comes from shape.py."""
+    api = ROOT / "server" / "api"
+    bad = []
+    for f in sorted(api.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module == "server.api.serving":
+                names = [a.name for a in node.names]
+                if names != ["Serving"]:
+                    bad.append(f"{f.relative_to(ROOT)} imports {', '.join(names)} from server.api.serving")
+            elif isinstance(node, ast.ImportFrom) and node.module == "server.api" and node.level == 0:
+                if any(a.name == "serving" for a in node.names):
+                    bad.append(f"{f.relative_to(ROOT)} imports the module server.api.serving")
     assert not bad, "\n".join(bad)

@@ -11,7 +11,7 @@
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from server.api.openai.protocol import ErrorResponse
+from server.api.protocol import ErrorResponse
 
 
 class SleepingResponse(BaseModel):

@@ -5,12 +5,12 @@ Responses, Messages and /tokenize all render with it, so one conversation is one
 from pydantic import BaseModel
 
 from server.api.errors import ApiError
-from server.api.serving import ServingState
+from server.api.serving import Serving
 from server.api.tools import Tools, render_history
 
 
 def chat_prompt_ids(
-    state: ServingState,
+    serving: Serving,
     messages: list[BaseModel] | list[dict],
     add_generation_prompt: bool = True,
     tools: Tools | None = None,
@@ -21,9 +21,9 @@ def chat_prompt_ids(
     for m in dicts:
         if m["role"] == "developer":
             m["role"] = "system"
-    if state.system_prompt and not any(m["role"] == "system" for m in dicts):
-        dicts.insert(0, {"role": "system", "content": state.system_prompt})
-    tokenizer = state.engine.tokenizer
+    if serving.system_prompt and not any(m["role"] == "system" for m in dicts):
+        dicts.insert(0, {"role": "system", "content": serving.system_prompt})
+    tokenizer = serving.engine.tokenizer
     native = tokenizer.template_renders_tools
     dicts = render_history(dicts, tools, native)
     if not tokenizer.template_renders_inline_system:

@@ -1,6 +1,8 @@
 """What every API's bodies are made of (OpenAI's chat and completions, OpenAI's Responses, Anthropic's
 Messages): the request base and its rules, the validated types, the helpers that shape fields and their errors,
-the sampling fields they all take, and the usage the serving pipeline counts.
+the sampling fields they all take, and the usage the serving pipeline counts. And the server's own bodies, which
+belong to no one API: chat messages (as /tokenize takes them too), health, models, tokens, errors (in OpenAI's
+shape, which vLLM's clients read too), rerank and score.
 
 Unknown request fields are ignored (clients send extras); fields kvserve knows but does not support are
 rejected by name, so a client never silently gets behaviour it did not ask for. A JSON null means "the
@@ -17,8 +19,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
+
+from server.api.errors import MAX_ERROR_CHARS, ApiError
 
 MAX_STOP = 16
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -144,3 +149,207 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+
+
+# --- a conversation in OpenAI's chat shape: chat's messages and /tokenize's ---------------------
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class FunctionCallIn(Body):
+    name: Text
+    arguments: Text | JsonObject = Field("{}", description="The arguments as a JSON string (or object).")
+
+
+class ToolCallIn(Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(Body):
+    # "developer" is OpenAI's newer name for "system"; the chat template sees "system"
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = Field(
+        None, description="Required, except in an assistant message with tool_calls."
+    )
+    name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls (history).")
+    tool_call_id: Text | None = Field(None, description="A tool message's call.")
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _check_content(cls, value, handler):
+        return one_of(
+            handler, value, "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
+        )
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content is required (only an assistant message with tool_calls may leave it out)"
+            )
+        return self
+
+
+# --- the server's own bodies: health, models, tokens, errors ------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(Body):
+    """A prompt (tokenized as /v1/completions does) or chat messages (rendered as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(
+        True, description="For a prompt: add the tokenizer's BOS/EOS if it has them."
+    )
+    add_generation_prompt: bool = Field(
+        True, description="For messages: end with the assistant's turn opening."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(error: ApiError) -> ErrorResponse:
+    """OpenAI's shape of an error: the server's own, on every path no other API registers."""
+    message = error.message[:MAX_ERROR_CHARS]  # bounded, whatever the input it quotes
+    info = ErrorInfo(message=message, type=error.type, param=error.param, code=error.code)
+    return ErrorResponse(error=info)
+
+
+# --- prefill-only requests: rerank and score, and what embeddings share with them ---------------
+
+MAX_POOLED_INPUTS = 2048  # inputs of one /v1/embeddings request (OpenAI's limit), documents of one rerank
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankDocument(Body):
+    text: Text
+
+
+class RerankRequest(Body):
+    """Jina's and Cohere's rerank request, as vLLM and llama.cpp take it; `instruction` is Qwen3-Reranker's."""
+
+    model: str | None = None
+    query: Text
+    documents: list[Text | RerankDocument] = Field(description=f"At most {MAX_POOLED_INPUTS}.")
+    top_n: int | None = Field(None, ge=0, description="The best N results; left out or 0: every document.")
+    return_documents: bool = Field(True, description="Each result also holds its document's text.")
+    instruction: Text | None = Field(
+        None, description="The reranker's task instruction (default: its model card's, for web search)."
+    )
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreRequest(Body):
+    """vLLM's /v1/score: each text_2 scored against text_1 (one text, or one per text_2)."""
+
+    model: str | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    instruction: Text | None = Field(
+        None, description="The reranker's task instruction (default: its model card's, for web search)."
+    )
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(query, document) pairs: one text_1 goes with every text_2, else they pair up in order."""
+        queries = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        documents = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if len(queries) != len(documents):
+            raise ApiError(
+                400, f"text_1 has {len(queries)} texts and text_2 {len(documents)}: give one text_1, or one each",
+                param="text_1",
+            )  # fmt: skip
+        return list(zip(queries, documents, strict=True))
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage

@@ -1,11 +1,11 @@
 """What every API's routes share, and the server's own routes.
 
-A route is thin: it parses a body, calls a serving function and returns JSON or SSE. Here are what the routes
-depend on (the API key as OpenAI's or Anthropic's clients send it, the serving state with its 503s, the client
-going away), how a route documents its errors and its stream in openapi.yaml, the reply, and the routes no one
-API owns: /health, /metrics, /v1/models, /tokenize and /detokenize, /v1/rerank (and /rerank) and /v1/score, in
-OpenAI's, vLLM's and Jina's shapes. Each API's
-own routes are in its package (openai/routes.py, anthropic/routes.py).
+A route is thin: it parses a body, calls its endpoint with the request's Serving and returns JSON or SSE. Here
+are what the routes depend on (the API key as OpenAI's or Anthropic's clients send it, the request's Serving
+with its 503s, the client going away), how a route documents its errors and its stream in openapi.yaml, the
+reply, and the routes no one API owns: /health, /metrics, /v1/models, /tokenize and /detokenize, /v1/rerank
+(and /rerank) and /v1/score, in OpenAI's, vLLM's and Jina's shapes. Each API's own routes are in its package
+(openai/routes.py, anthropic/routes.py).
 """
 
 import hmac
@@ -16,12 +16,12 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from server.api import protocol as p
 from server.api.config import ServerConfig
 from server.api.errors import ApiError
-from server.api.openai import protocol as p
 from server.api.prompt import chat_prompt_ids
 from server.api.scoring import rerank, score
-from server.api.serving import ServingState, check_model
+from server.api.serving import Serving
 
 # --- dependencies -------------------------------------------------------------------------------
 
@@ -40,7 +40,14 @@ async def check_api_key(request: Request) -> None:
         )
 
 
-async def serving_state(request: Request) -> ServingState:
+async def client_gone(request: Request) -> None:
+    # The body has been read, so the next message is the disconnect (or the end of the response).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def serving_for(request: Request) -> Serving:
+    """The request's way through the serving pipeline; a 503 while the model loads or the server drains."""
     state = request.app.state
     if state.engine is None:
         raise ApiError(
@@ -49,23 +56,19 @@ async def serving_state(request: Request) -> ServingState:
     if state.draining:
         raise ApiError(503, "the server is shutting down", type="unavailable_error")
     config: ServerConfig = state.config
-    return ServingState(
+    return Serving(
         state.engine,
         config.served_model_name,
         config.system_prompt,
         config.max_queue,
         state.metrics,
+        request.state.request_id,
         request.state.received,
+        lambda: client_gone(request),
     )
 
 
-Ready = Annotated[ServingState, Depends(serving_state)]
-
-
-async def client_gone(request: Request) -> None:
-    # The body has been read, so the next message is the disconnect (or the end of the response).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+Ready = Annotated[Serving, Depends(serving_for)]
 
 
 # --- routes -------------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ api_router = APIRouter(dependencies=[Depends(check_api_key)])  # the server's ow
 
 @health_router.get("/health", response_model=p.HealthResponse, responses=documented_errors(503))
 async def health(request: Request) -> p.HealthResponse:
-    await serving_state(request)  # raises the 503 while loading or draining
+    await serving_for(request)  # raises the 503 while loading or draining
     return p.HealthResponse()
 
 
@@ -114,65 +117,63 @@ def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(state: ServingState) -> p.ModelCard:
-    return p.ModelCard(id=state.model_name, created=0, max_model_len=state.engine.max_model_len)
+def _model_card(serving: Serving) -> p.ModelCard:
+    return p.ModelCard(id=serving.model_name, created=0, max_model_len=serving.engine.max_model_len)
 
 
 @api_router.get("/v1/models", response_model=p.ModelList, responses=documented_errors(401, 503))
-async def models(state: Ready) -> p.ModelList:
-    return p.ModelList(data=[_model_card(state)])
+async def models(serving: Ready) -> p.ModelList:
+    return p.ModelList(data=[_model_card(serving)])
 
 
 @api_router.get(
     "/v1/models/{model:path}", response_model=p.ModelCard, responses=documented_errors(401, 404, 503)
 )
-async def model(model: str, state: Ready) -> p.ModelCard:
+async def model(model: str, serving: Ready) -> p.ModelCard:
     """One model, as OpenAI's `models.retrieve` asks for it (a served name may hold slashes)."""
-    check_model(state, model)
-    return _model_card(state)
+    serving.check_model(model)
+    return _model_card(serving)
 
 
 @api_router.post(
     "/tokenize", response_model=p.TokenizeResponse, responses=documented_errors(400, 401, 404, 413, 503)
 )
-def tokenize(body: p.TokenizeRequest, state: Ready) -> p.TokenizeResponse:
-    check_model(state, body.model)
+def tokenize(body: p.TokenizeRequest, serving: Ready) -> p.TokenizeResponse:
+    serving.check_model(body.model)
     if body.prompt is not None:
-        ids = state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = serving.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
-    return p.TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids)
+        ids = chat_prompt_ids(serving, body.messages, body.add_generation_prompt)
+    return p.TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids)
 
 
 @api_router.post(
     "/detokenize", response_model=p.DetokenizeResponse, responses=documented_errors(400, 401, 404, 413, 503)
 )
-def detokenize(body: p.DetokenizeRequest, state: Ready) -> p.DetokenizeResponse:
-    check_model(state, body.model)
-    vocab_size = state.engine.tokenizer.vocab_size
+def detokenize(body: p.DetokenizeRequest, serving: Ready) -> p.DetokenizeResponse:
+    serving.check_model(body.model)
+    vocab_size = serving.engine.tokenizer.vocab_size
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise ApiError(400, f"tokens must be ids in [0, {vocab_size})", param="tokens")
-    return p.DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
+    return p.DetokenizeResponse(prompt=serving.engine.tokenizer.decode(body.tokens))
 
 
 @api_router.post(
     "/v1/rerank", response_model=p.RerankResponse, responses=documented_errors(400, 401, 404, 413, 429, 503)
 )
 @api_router.post("/rerank", response_model=p.RerankResponse, include_in_schema=False)
-async def rerank_documents(body: p.RerankRequest, request: Request, state: Ready) -> Response:
+async def rerank_documents(body: p.RerankRequest, serving: Ready) -> Response:
     """The documents by relevance to the query, best first (a reranker served with --task score). /rerank is
     the same route, as llama.cpp and Jina spell it."""
-    result = await rerank(state, body, request.state.request_id, lambda: client_gone(request))
-    return reply(result)
+    return reply(await rerank(serving, body))
 
 
 @api_router.post(
     "/v1/score", response_model=p.ScoreResponse, responses=documented_errors(400, 401, 404, 413, 429, 503)
 )
-async def score_pairs(body: p.ScoreRequest, request: Request, state: Ready) -> Response:
+async def score_pairs(body: p.ScoreRequest, serving: Ready) -> Response:
     """vLLM's score route: each text_2's relevance to text_1 (or to its own text_1), in their order."""
-    result = await score(state, body, request.state.request_id, lambda: client_gone(request))
-    return reply(result)
+    return reply(await score(serving, body))
 
 
 def reply(result, headers: dict[str, str] | None = None) -> Response:

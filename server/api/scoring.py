@@ -11,9 +11,9 @@ import math
 import time
 import uuid
 
+from server.api import protocol as p
 from server.api.errors import ApiError
-from server.api.openai import protocol as p
-from server.api.serving import Disconnected, ServingState, check_model, check_task, pooled
+from server.api.serving import Serving
 from server.engine.request import PoolingParams
 
 SYSTEM = (
@@ -25,40 +25,35 @@ SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
-def pair_ids(state: ServingState, query: str, document: str, instruction: str) -> list[int]:
-    encode = state.engine.tokenizer.encode
+def pair_ids(serving: Serving, query: str, document: str, instruction: str) -> list[int]:
+    encode = serving.engine.tokenizer.encode
     body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
     return encode(PREFIX) + encode(body) + encode(SUFFIX)
 
 
-def answer_token_ids(state: ServingState) -> tuple[int, int]:
+def answer_token_ids(serving: Serving) -> tuple[int, int]:
     """The ids of "no" and "yes", one token each in the reranker's vocabulary."""
-    ids = [state.engine.tokenizer.encode(word) for word in ("no", "yes")]
+    ids = [serving.engine.tokenizer.encode(word) for word in ("no", "yes")]
     if any(len(i) != 1 for i in ids):
         raise ApiError(400, 'this reranker\'s tokenizer has no single-token "yes" and "no"', param="model")
     return ids[0][0], ids[1][0]
 
 
 async def score_pairs(
-    state: ServingState,
-    pairs: list[tuple[str, str]],
-    instruction: str | None,
-    log_id: str,
-    disconnected: Disconnected,
-    param: str,
+    serving: Serving, pairs: list[tuple[str, str]], instruction: str | None, param: str
 ) -> tuple[list[float], int] | None:
     """Each pair's relevance in [0, 1], and the tokens scored; None when the client went away."""
-    check_task(state, "score", "reranking")
+    serving.check_task("score", "reranking")
     if not pairs:
         raise ApiError(400, f"{param} must not be empty", param=param)
     if len(pairs) > p.MAX_POOLED_INPUTS:
         why = f"at most {p.MAX_POOLED_INPUTS} documents per request, got {len(pairs)}"
         raise ApiError(400, why, param=param)
-    no, yes = answer_token_ids(state)
+    no, yes = answer_token_ids(serving)
     instruction = instruction or DEFAULT_INSTRUCTION
-    prompts = [pair_ids(state, q, d, instruction) for q, d in pairs]
+    prompts = [pair_ids(serving, q, d, instruction) for q, d in pairs]
     params = PoolingParams(logit_token_ids=(no, yes))
-    outputs = await pooled(state, prompts, params, log_id, disconnected, param, shared_prefix=True)
+    outputs = await serving.pooled(prompts, params, param, shared_prefix=True)
     if outputs is None:
         return None
     # softmax over [no, yes], the yes probability: 1 / (1 + e^(no - yes))
@@ -66,14 +61,10 @@ async def score_pairs(
     return scores, sum(len(ids) for ids in prompts)
 
 
-async def rerank(
-    state: ServingState, body: p.RerankRequest, log_id: str, disconnected: Disconnected
-) -> p.RerankResponse | None:
-    check_model(state, body.model)
+async def rerank(serving: Serving, body: p.RerankRequest) -> p.RerankResponse | None:
+    serving.check_model(body.model)
     documents = body.texts()
-    scored = await score_pairs(
-        state, [(body.query, d) for d in documents], body.instruction, log_id, disconnected, "documents"
-    )
+    scored = await score_pairs(serving, [(body.query, d) for d in documents], body.instruction, "documents")
     if scored is None:
         return None
     scores, num_tokens = scored
@@ -90,24 +81,22 @@ async def rerank(
     ]
     return p.RerankResponse(
         id=f"rerank-{uuid.uuid4().hex}",
-        model=state.model_name,
+        model=serving.model_name,
         usage=p.RerankUsage(total_tokens=num_tokens),
         results=results,
     )
 
 
-async def score(
-    state: ServingState, body: p.ScoreRequest, log_id: str, disconnected: Disconnected
-) -> p.ScoreResponse | None:
-    check_model(state, body.model)
-    scored = await score_pairs(state, body.pairs(), body.instruction, log_id, disconnected, "text_2")
+async def score(serving: Serving, body: p.ScoreRequest) -> p.ScoreResponse | None:
+    serving.check_model(body.model)
+    scored = await score_pairs(serving, body.pairs(), body.instruction, "text_2")
     if scored is None:
         return None
     scores, num_tokens = scored
     return p.ScoreResponse(
         id=f"score-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=state.model_name,
+        model=serving.model_name,
         data=[p.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
         usage=p.EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )

@@ -5,7 +5,7 @@ What each API's fields ask for is read in its own module (OpenAI's chat and comp
 import json
 
 from server.api.errors import ApiError
-from server.api.serving import ServingState
+from server.api.serving import Serving
 from server.api.tools import Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
 
@@ -36,12 +36,12 @@ def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tupl
     return None
 
 
-async def compiled(state: ServingState, requested: tuple[GrammarSpec, str] | None):
+async def compiled(serving: Serving, requested: tuple[GrammarSpec, str] | None):
     """The requested grammar compiled, or None; a 400 naming its field when it cannot be."""
     if requested is None:
         return None
     spec, param = requested
     try:
-        return await state.engine.compile_grammar(spec, state.received)
+        return await serving.engine.compile_grammar(spec, serving.received)
     except ValueError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None

@@ -88,7 +88,7 @@ def test_bench_chat_workloads_stream_chat_completions(start_server, tiny_engine,
 def test_bench_shared_prefixes_start_every_prompt():
     import random
 
-    from client.bench import shared_prefixes
+    from server.bench.http import shared_prefixes
 
     prefixes = shared_prefixes(random.Random(0), 3, 20)
     assert len(set(prefixes)) == 3 and all(len(p.split()) == 20 and p.endswith("\n") for p in prefixes)

@@ -17,7 +17,8 @@ from server.api.blocks import Closed, Grew, Opened, ReplyBlocks
 from server.api.metrics import Metrics
 from server.api.openai import responses_protocol as rp
 from server.api.openai.responses import ResponsesShape
-from server.api.serving import Choice, ServingState, answer
+from server.api.serving import Serving
+from server.api.shape import Choice
 from server.api.tools import Function, ToolCallParser, Tools, call_parser, new_call_id
 from server.engine.request import FinishReason, RequestOutput, SamplingParams
 
@@ -63,11 +64,12 @@ class ScriptedEngine:
 
 def serve(make_shape, engine: ScriptedEngine) -> http.MockTransport:
     """A transport that answers every request with the shape's answer to the engine's deltas."""
-    state = ServingState(engine, "m", None, 10, Metrics("m", lambda: None), time.monotonic())
+    metrics = Metrics("m", lambda: None)
+    serving = Serving(engine, "m", None, 10, metrics, "t", time.monotonic(), asyncio.Event().wait)
 
     async def respond(streamed: bool) -> str:
         choices = [Choice(0, "r-0", PROMPT, SamplingParams())]
-        result = await answer(state, choices, make_shape(state), "t", asyncio.Event().wait, streamed)
+        result = await serving.answer(choices, make_shape(serving), streamed)
         return "".join([s async for s in result]) if streamed else result.model_dump_json()
 
     def handler(request: http.Request) -> http.Response:
@@ -81,8 +83,8 @@ def serve(make_shape, engine: ScriptedEngine) -> http.MockTransport:
 def responses_client(engine: ScriptedEngine, tools: Tools | None = None, **request) -> openai.OpenAI:
     body = rp.ResponsesRequest.model_validate({"input": "hi", **request})
 
-    def shape(state):
-        return ResponsesShape(state, body, "resp_1", 0, ReplyBlocks(call_parser(tools)))
+    def shape(serving):
+        return ResponsesShape(serving, body, "resp_1", 0, ReplyBlocks(call_parser(tools)))
 
     client = openai.DefaultHttpxClient(transport=serve(shape, engine))
     return openai.OpenAI(base_url="http://kvserve/v1", api_key="x", http_client=client, max_retries=0)
@@ -93,9 +95,9 @@ def messages_client(engine: ScriptedEngine, tools: Tools | None = None, **reques
         {"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], **request}
     )
 
-    def shape(state):
+    def shape(serving):
         parser = call_parser(tools, new_id=lambda: new_call_id("toolu_"))
-        return MessagesShape(state, body, "msg_1", ReplyBlocks(parser))
+        return MessagesShape(serving, body, "msg_1", ReplyBlocks(parser))
 
     client = anthropic.DefaultHttpxClient(transport=serve(shape, engine))
     return anthropic.Anthropic(base_url="http://kvserve", api_key="x", http_client=client, max_retries=0)

@@ -210,7 +210,7 @@ def test_an_event_is_one_line_for_readers_that_split_like_str_splitlines():
     aiter_lines()) ends a line at: escaped, the event stays one line and means the same."""
     from pydantic import BaseModel
 
-    from server.api.serving import Event
+    from server.api.shape import Event
 
     class Delta(BaseModel):
         text: str

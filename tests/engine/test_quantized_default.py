@@ -3,7 +3,7 @@ how close it stays to float32, and that its answers still hold."""
 
 import pytest
 
-from server.bench import DEFAULT_QUALITY_TEXT, bench_quality
+from server.bench.offline import DEFAULT_QUALITY_TEXT, bench_quality
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from server import cli, commands
+from server.api import protocol as own
 from server.api.anthropic import protocol as mp
 from server.api.openai import protocol as p
 from server.api.openai import responses_protocol as rp
@@ -93,7 +94,7 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
         assert assert_openai_error(r, 400)["param"] == "structured_outputs" and "root:" not in r.text
     # no request field of the API takes a path or a template: the full list of what requests can carry
     fields = set()
-    requests = (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest)
+    requests = (p.CompletionRequest, p.ChatCompletionRequest, own.TokenizeRequest, own.DetokenizeRequest)
     for model in (*requests, rp.ResponsesRequest, mp.MessagesRequest, mp.CountTokensRequest):
         fields |= set(model.model_fields)
     assert not {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}

@@ -3,7 +3,7 @@
 
 import pytest
 
-from client.soak import ROUTES, soak
+from server.bench.soak import ROUTES, soak
 from server.cli import parser
 
 pytestmark = pytest.mark.slow

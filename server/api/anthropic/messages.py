@@ -11,20 +11,8 @@ from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
 from server.api.prompt import chat_prompt_ids
-from server.api.serving import (
-    Choice,
-    Disconnected,
-    Event,
-    ServingState,
-    Shape,
-    answer,
-    check_model,
-    check_queue,
-    new_choices,
-    rest_of_context,
-    sampling_params,
-    usage,
-)
+from server.api.serving import Serving
+from server.api.shape import Choice, Event, Shape, usage
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import Function, Tools, call_parser, new_call_id
 
@@ -39,24 +27,25 @@ SHUT_DOWN = "the server shut down before the message was finished"
 BILLING_HEADER = "x-anthropic-billing-header:"
 
 
-async def message(state: ServingState, body: mp.MessagesRequest, log_id: str, disconnected: Disconnected):
+async def message(serving: Serving, body: mp.MessagesRequest):
     """A MessageResponse, an SSE stream of strings, or None when the client went away."""
-    check_model(state, body.model)
-    check_queue(state)
+    serving.check_model(body.model)
+    serving.check_queue()
     tools = request_tools(body)
     if unused := body.unused_fields():
-        log.debug("request %s: accepted, not used: %s", log_id, ", ".join(unused))
-    ids = chat_prompt_ids(state, chat_messages(body), tools=tools)
+        log.debug("request %s: accepted, not used: %s", serving.request_id, ", ".join(unused))
+    ids = chat_prompt_ids(serving, chat_messages(body), tools=tools)
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
-    params = sampling_params(body, min(body.max_tokens, rest_of_context(state, ids, "messages")), None)
+    max_tokens = min(body.max_tokens, serving.rest_of_context(ids, "messages"))
+    params = serving.sampling_params(body, max_tokens, None)
     schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
-    params.grammar = await compiled(state, answer_grammar(schema, "output_config.format", tools))
+    params.grammar = await compiled(serving, answer_grammar(schema, "output_config.format", tools))
     message_id = f"msg_{uuid.uuid4().hex}"
-    choices = new_choices(state, message_id, 0, ids, params, names=ENGINE_NAMES)
+    choices = serving.choices(message_id, 0, ids, params, names=ENGINE_NAMES)
     parser = call_parser(tools, new_id=lambda: new_call_id("toolu_"))
-    shape = MessagesShape(state, body, message_id, ReplyBlocks(parser))
-    return await answer(state, choices, shape, log_id, disconnected, body.stream)
+    shape = MessagesShape(serving, body, message_id, ReplyBlocks(parser))
+    return await serving.answer(choices, shape, body.stream)
 
 
 def request_tools(body: mp.MessagesRequest) -> Tools | None:
@@ -119,7 +108,7 @@ class Reply:
 class MessagesShape(Shape):
     """The reply as content blocks: a text block for each stretch of text, a tool_use block for each call."""
 
-    state: ServingState
+    serving: Serving
     body: mp.MessagesRequest
     message_id: str
     blocks: ReplyBlocks
@@ -186,7 +175,7 @@ class MessagesShape(Shape):
     def empty(self, choices: list[Choice]) -> Reply:
         # before any output the cache is not yet looked up: the whole prompt counts as input until message_delta
         first = mp.MessageUsage(input_tokens=len(choices[0].prompt_ids), output_tokens=0)
-        return Reply(mp.MessageResponse(id=self.message_id, model=self.state.model_name, usage=first))
+        return Reply(mp.MessageResponse(id=self.message_id, model=self.serving.model_name, usage=first))
 
     def add(self, answer: Reply, event) -> None:
         content = answer.message.content

@@ -1,13 +1,12 @@
 """Anthropic's routes: /v1/messages and /v1/messages/count_tokens."""
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from server.api.anthropic import protocol as mp
 from server.api.anthropic.messages import chat_messages, message, request_tools
 from server.api.prompt import chat_prompt_ids
-from server.api.routes import Ready, check_api_key, client_gone, documented_errors, documented_stream, reply
-from server.api.serving import check_model
+from server.api.routes import Ready, check_api_key, documented_errors, documented_stream, reply
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 # Anthropic's error shape on its routes and every path below them: its clients read no other (a 404 or 405 there
@@ -23,10 +22,9 @@ ERROR_SHAPES = {"/v1/messages": mp.error_body}
         **documented_errors(400, 401, 404, 413, 429, 503, error=mp.AnthropicError),
     },
 )
-async def messages(body: mp.MessagesRequest, request: Request, state: Ready) -> Response:
+async def messages(body: mp.MessagesRequest, serving: Ready) -> Response:
     """Anthropic's Messages API; errors come in Anthropic's shape, and the key may come as x-api-key."""
-    result = await message(state, body, request.state.request_id, lambda: client_gone(request))
-    return reply(result)
+    return reply(await message(serving, body))
 
 
 @router.post(
@@ -34,8 +32,8 @@ async def messages(body: mp.MessagesRequest, request: Request, state: Ready) -> 
     response_model=mp.TokenCount,
     responses=documented_errors(400, 401, 404, 413, 503, error=mp.AnthropicError),
 )
-def count_tokens(body: mp.CountTokensRequest, state: Ready) -> mp.TokenCount:
+def count_tokens(body: mp.CountTokensRequest, serving: Ready) -> mp.TokenCount:
     """The prompt tokens a /v1/messages request with this body would have."""
-    check_model(state, body.model)
-    ids = chat_prompt_ids(state, chat_messages(body), tools=request_tools(body))
+    serving.check_model(body.model)
+    ids = chat_prompt_ids(serving, chat_messages(body), tools=request_tools(body))
     return mp.TokenCount(input_tokens=len(ids))

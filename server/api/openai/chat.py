@@ -9,52 +9,36 @@ from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape
 from server.api.openai.structured import chat_tools, output_grammar_for
 from server.api.prompt import chat_prompt_ids
-from server.api.serving import (
-    Choice,
-    Disconnected,
-    Event,
-    ServingState,
-    answer,
-    check_model,
-    check_queue,
-    new_choices,
-    rest_of_context,
-    sampling_params,
-    usage,
-)
+from server.api.serving import Serving
+from server.api.shape import Choice, Event
 from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser
 from server.engine.request import RequestOutput, TokenLogprob
 
 
-async def chat(state: ServingState, body: p.ChatCompletionRequest, log_id: str, disconnected: Disconnected):
+async def chat(serving: Serving, body: p.ChatCompletionRequest):
     """A ChatCompletionResponse, an SSE stream of strings, or None when the client went away."""
-    check_model(state, body.model)
-    check_queue(state)
+    serving.check_model(body.model)
+    serving.check_queue()
     tools = chat_tools(body)
-    ids = chat_prompt_ids(state, body.messages, tools=tools)
-    max_tokens = body.max_completion_tokens or body.max_tokens or rest_of_context(state, ids, "messages")
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    params.grammar = await output_grammar_for(state, body, tools)
+    ids = chat_prompt_ids(serving, body.messages, tools=tools)
+    max_tokens = body.max_completion_tokens or body.max_tokens or serving.rest_of_context(ids, "messages")
+    params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params.grammar = await output_grammar_for(serving, body, tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = new_choices(state, response_id, 0, ids, params, body.n, names={"prompt": "messages"})
-    shape = ChatShape(state, body, response_id, int(time.time()), tools)
-    return await answer(state, choices, shape, log_id, disconnected, body.stream)
+    choices = serving.choices(response_id, 0, ids, params, body.n, names={"prompt": "messages"})
+    shape = ChatShape(serving, body, response_id, int(time.time()), tools)
+    return await serving.answer(choices, shape, body.stream)
 
 
 @dataclass
 class ChatShape(OpenAIShape):
-    state: ServingState
     body: p.ChatCompletionRequest
-    response_id: str
-    created: int
     tools: Tools | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
+    chunk_type = p.ChatCompletionStreamResponse
+    response_type = p.ChatCompletionResponse
 
-    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
-        d = self._delta(c, out)
-        return [] if d is None else [Event(self.chunk([d]))]
-
-    def _delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
+    def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None
         if self.body.logprobs:
             logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
@@ -76,7 +60,7 @@ class ChatShape(OpenAIShape):
         return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     def _logprob(self, entry: TokenLogprob) -> p.TokenLogprob:
-        tokenizer = self.state.engine.tokenizer
+        tokenizer = self.serving.engine.tokenizer
 
         def top(token_id: int, logprob: float) -> p.TopLogprob:
             return p.TopLogprob(
@@ -92,15 +76,6 @@ class ChatShape(OpenAIShape):
         # OpenAI's streams open each choice with its role and empty content.
         delta = p.DeltaMessage(role="assistant", content="")
         return [Event(self.chunk([p.ChatChunkChoice(index=c.index, delta=delta)])) for c in choices]
-
-    def chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None):
-        return p.ChatCompletionStreamResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=usage,
-        )
 
     def empty(self, choices: list[Choice]) -> list[p.ChatChoice]:
         return [
@@ -131,13 +106,7 @@ class ChatShape(OpenAIShape):
         for choice in answer:  # a reply of calls alone has no content, as OpenAI's
             if choice.message.tool_calls and not choice.message.content:
                 choice.message.content = None
-        return p.ChatCompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=answer,
-            usage=usage(choices),
-        )
+        return super().response(answer, choices)
 
 
 def tool_call_deltas(calls: list[CallDelta]) -> list[p.ToolCallDelta]:

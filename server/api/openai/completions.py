@@ -8,61 +8,46 @@ from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape
 from server.api.openai.structured import output_grammar_for
-from server.api.serving import (
-    Choice,
-    Disconnected,
-    Event,
-    ServingState,
-    answer,
-    check_model,
-    check_queue,
-    new_choices,
-    sampling_params,
-    usage,
-)
+from server.api.serving import Serving
+from server.api.shape import Choice, Event
 from server.engine.request import RequestOutput, TokenLogprob
 
 MAX_PROMPTS = 256  # prompts in one completion request; each becomes n engine requests
 LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
-async def completion(state: ServingState, body: p.CompletionRequest, log_id: str, disconnected: Disconnected):
+async def completion(serving: Serving, body: p.CompletionRequest):
     """A CompletionResponse, an SSE stream of strings, or None when the client went away."""
-    check_model(state, body.model)
-    check_queue(state)
-    tokenizer = state.engine.tokenizer
+    serving.check_model(body.model)
+    serving.check_queue()
+    tokenizer = serving.engine.tokenizer
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
     if isinstance(prompts[0], int):
         prompts = [prompts]
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    params = serving.sampling_params(body, body.max_tokens, body.logprobs)
     params.prompt_logprobs = body.echo and body.logprobs is not None
-    params.grammar = await output_grammar_for(state, body)
+    params.grammar = await output_grammar_for(serving, body)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     choices = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-        for c in new_choices(state, response_id, len(choices), ids, params, body.n):
+        for c in serving.choices(response_id, len(choices), ids, params, body.n):
             if body.echo:
                 c.prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             choices.append(c)
-    shape = CompletionShape(state, body, response_id, int(time.time()))
-    return await answer(state, choices, shape, log_id, disconnected, body.stream)
+    shape = CompletionShape(serving, body, response_id, int(time.time()))
+    return await serving.answer(choices, shape, body.stream)
 
 
 @dataclass
 class CompletionShape(OpenAIShape):
-    state: ServingState
     body: p.CompletionRequest
-    response_id: str
-    created: int
+    chunk_type = p.CompletionStreamResponse
+    response_type = p.CompletionResponse
 
-    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
-        d = self._delta(c, out)
-        return [] if d is None else [Event(self.chunk([d]))]
-
-    def _delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
+    def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
         body = self.body
         text, logprobs = out.text, None
         if body.logprobs is not None:
@@ -81,7 +66,7 @@ class CompletionShape(OpenAIShape):
     def _add_logprobs(
         self, c: Choice, out: p.CompletionLogprobs, ids: list[int], entries: list[TokenLogprob | None]
     ) -> None:
-        tokenizer = self.state.engine.tokenizer
+        tokenizer = self.serving.engine.tokenizer
         for token_id, entry in zip(ids, entries, strict=True):
             token = tokenizer.token_text(token_id)
             out.tokens.append(token)
@@ -92,15 +77,6 @@ class CompletionShape(OpenAIShape):
 
     def opening(self, choices: list[Choice]) -> list[Event]:
         return []
-
-    def chunk(self, choices: list[p.CompletionChoice], usage: p.Usage | None = None):
-        return p.CompletionStreamResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=usage,
-        )
 
     def empty(self, choices: list[Choice]) -> list[p.CompletionChoice]:
         return [
@@ -118,12 +94,3 @@ class CompletionShape(OpenAIShape):
         if total.logprobs is not None:
             for name in LOGPROB_FIELDS:
                 getattr(total.logprobs, name).extend(getattr(delta.logprobs, name))
-
-    def response(self, answer: list[p.CompletionChoice], choices: list[Choice]) -> p.CompletionResponse:
-        return p.CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=answer,
-            usage=usage(choices),
-        )

@@ -13,26 +13,25 @@ from array import array
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
-from server.api.serving import Disconnected, ServingState, check_model, check_task, pooled
+from server.api.protocol import MAX_POOLED_INPUTS, EmbeddingUsage
+from server.api.serving import Serving
 from server.engine.request import PoolingParams
 
 
-async def embed(
-    state: ServingState, body: p.EmbeddingRequest, log_id: str, disconnected: Disconnected
-) -> p.EmbeddingResponse | None:
-    check_model(state, body.model)
-    check_task(state, "embed", "/v1/embeddings")
-    task = state.engine.task
+async def embed(serving: Serving, body: p.EmbeddingRequest) -> p.EmbeddingResponse | None:
+    serving.check_model(body.model)
+    serving.check_task("embed", "/v1/embeddings")
+    task = serving.engine.task
     inputs = body.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]
     if not inputs:
         raise ApiError(400, "input must not be empty", param="input")
-    if len(inputs) > p.MAX_POOLED_INPUTS:
-        why = f"at most {p.MAX_POOLED_INPUTS} inputs per request, got {len(inputs)}"
+    if len(inputs) > MAX_POOLED_INPUTS:
+        why = f"at most {MAX_POOLED_INPUTS} inputs per request, got {len(inputs)}"
         raise ApiError(400, why, param="input")
-    if body.dimensions is not None and body.dimensions > state.engine.hidden_size:
-        why = f"dimensions must be at most the model's {state.engine.hidden_size}, got {body.dimensions}"
+    if body.dimensions is not None and body.dimensions > serving.engine.hidden_size:
+        why = f"dimensions must be at most the model's {serving.engine.hidden_size}, got {body.dimensions}"
         raise ApiError(400, why, param="dimensions")
     prompt = ""
     if body.prompt_name is not None:
@@ -41,18 +40,18 @@ async def embed(
             why = f"the model has no prompt named {body.prompt_name[:100]!r} (it has: {names})"
             raise ApiError(400, why, param="prompt_name")
         prompt = task.prompts[body.prompt_name]
-    vocab_size = state.engine.vocab_size
+    vocab_size = serving.engine.vocab_size
     if any(not 0 <= t < vocab_size for x in inputs if not isinstance(x, str) for t in x):
         why = (
             f"input token ids must be in [0, {vocab_size}): ids of this model's tokenizer (LangChain's "
             "OpenAIEmbeddings sends OpenAI's tiktoken ids; give it check_embedding_ctx_length=False to send text)"
         )
         raise ApiError(400, why, param="input")
-    tokenizer = state.engine.tokenizer
+    tokenizer = serving.engine.tokenizer
     prompts = [
         tokenizer.encode(prompt + x, add_special_tokens=True) if isinstance(x, str) else x for x in inputs
     ]
-    outputs = await pooled(state, prompts, PoolingParams(task.pooling), log_id, disconnected, "input")
+    outputs = await serving.pooled(prompts, PoolingParams(task.pooling), "input")
     if outputs is None:
         return None
     data = []
@@ -62,8 +61,8 @@ async def embed(
             p.Embedding(index=i, embedding=as_base64(vector) if body.encoding_format == "base64" else vector)
         )
     num_tokens = sum(len(ids) for ids in prompts)
-    usage = p.EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
-    return p.EmbeddingResponse(data=data, model=state.model_name, usage=usage)
+    usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    return p.EmbeddingResponse(data=data, model=serving.model_name, usage=usage)
 
 
 def embedding_vector(pooled: list[float], dimensions: int | None, normalize: bool) -> list[float]:

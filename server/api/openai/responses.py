@@ -18,20 +18,8 @@ from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
 from server.api.openai import responses_protocol as rp
 from server.api.prompt import chat_prompt_ids
-from server.api.serving import (
-    Choice,
-    Disconnected,
-    Event,
-    ServingState,
-    Shape,
-    answer,
-    check_model,
-    check_queue,
-    new_choices,
-    rest_of_context,
-    sampling_params,
-    usage,
-)
+from server.api.serving import Serving
+from server.api.shape import Choice, Event, Shape, usage
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import ANY_OBJECT, Function, call_parser
 from server.engine.request import RequestOutput
@@ -113,12 +101,14 @@ def ignored_tools_header(body: rp.ResponsesRequest) -> dict[str, str]:
     return {IGNORED_TOOLS_HEADER: ", ".join(ignored)} if ignored else {}
 
 
-async def respond(state: ServingState, body: rp.ResponsesRequest, log_id: str, disconnected: Disconnected):
+async def respond(serving: Serving, body: rp.ResponsesRequest):
     """A ResponseObject, an SSE stream of strings, or None when the client went away."""
-    check_model(state, body.model)
-    check_queue(state)
+    serving.check_model(body.model)
+    serving.check_queue()
     if ignored := ignored_tools(body):
-        log.warning("%s: built-in tools left out of the prompt (kvserve cannot run): %s", log_id, ignored)
+        log.warning(
+            "%s: built-in tools left out of the prompt (kvserve cannot run): %s", serving.request_id, ignored
+        )
     functions, offered = offered_functions(body)
     choice = body.tool_choice
     if isinstance(choice, rp.NamedChoice):
@@ -129,16 +119,17 @@ async def respond(state: ServingState, body: rp.ResponsesRequest, log_id: str, d
             raise ApiError(400, why, param="tool_choice")
         choice = choice.prompt_name()
     tools = offered_tools(functions, choice, body.parallel_tool_calls)
-    ids = chat_prompt_ids(state, chat_messages(body), tools=tools)
-    params = sampling_params(body, body.max_output_tokens or rest_of_context(state, ids, "input"), None)
+    ids = chat_prompt_ids(serving, chat_messages(body), tools=tools)
+    max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
+    params = serving.sampling_params(body, max_tokens, None)
     params.grammar = await compiled(
-        state, answer_grammar(body.text.format.output_schema(), "text.format", tools)
+        serving, answer_grammar(body.text.format.output_schema(), "text.format", tools)
     )
     response_id = f"resp_{uuid.uuid4().hex}"
-    choices = new_choices(state, response_id, 0, ids, params, names=ENGINE_NAMES)
+    choices = serving.choices(response_id, 0, ids, params, names=ENGINE_NAMES)
     blocks = ReplyBlocks(call_parser(tools))
-    shape = ResponsesShape(state, body, response_id, int(time.time()), blocks, offered)
-    return await answer(state, choices, shape, log_id, disconnected, body.stream)
+    shape = ResponsesShape(serving, body, response_id, int(time.time()), blocks, offered)
+    return await serving.answer(choices, shape, body.stream)
 
 
 def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
@@ -180,7 +171,7 @@ class ResponsesShape(Shape):
     """The reply as output items: a message for each stretch of text, a function_call or custom_tool_call for
     each call."""
 
-    state: ServingState
+    serving: Serving
     body: rp.ResponsesRequest
     response_id: str
     created: int
@@ -202,7 +193,7 @@ class ResponsesShape(Shape):
             id=self.response_id,
             created_at=self.created,
             status=status,
-            model=self.state.model_name,
+            model=self.serving.model_name,
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
             parallel_tool_calls=body.parallel_tool_calls,

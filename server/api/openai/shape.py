@@ -1,31 +1,55 @@
-"""What OpenAI's chat and completions answers share: their Shape, but for the chunks each makes."""
+"""What OpenAI's chat and completions answers share: their Shape, but for the choices each makes."""
 
 from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
 
 from pydantic import BaseModel
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
-from server.api.protocol import Usage
-from server.api.serving import Choice, Event, Shape, usage
+from server.api.protocol import Usage, error_body
+from server.api.serving import Serving
+from server.api.shape import Choice, Event, Shape, usage
+from server.engine.request import RequestOutput
 
 
+@dataclass
 class OpenAIShape(Shape):
-    """What chat and completions streams share: data-only chunks, a usage chunk when the client asks for one,
-    errors in OpenAI's body and [DONE] at the end. The answer is the list of choices; a subclass makes its
-    chunks and folds a chunk's choice into the answer's."""
+    """What chat and completions answers share: a chunk per choice's delta, a usage chunk when the client asks
+    for one, errors in OpenAI's body and [DONE] at the end; the body is the list of choices, each the fold of its
+    deltas. A subclass names its chunk and response types, makes a choice's delta and folds it into that choice."""
 
+    serving: Serving
     body: p.SamplingFields  # the request: its stream_options say whether a usage chunk closes the stream
+    response_id: str
+    created: int
+    chunk_type: ClassVar[type[BaseModel]]  # one event of the stream (with no choices: the usage)
+    response_type: ClassVar[type[BaseModel]]  # the non-streamed body
     end = "data: [DONE]\n\n"
     closes_with_answer = False
 
     @abstractmethod
-    def chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
-        """One chunk of the stream: these choices' deltas, or (with none) the usage."""
+    def delta(self, c: Choice, out: RequestOutput) -> BaseModel | None:
+        """The choice's delta from one engine output, or None when there is nothing to send."""
 
     @abstractmethod
     def add_choice(self, total: BaseModel, delta: BaseModel) -> None:
         """Fold one choice's delta into that choice of the answer."""
+
+    def events(self, c: Choice, out: RequestOutput) -> list[Event]:
+        d = self.delta(c, out)
+        return [] if d is None else [Event(self.chunk([d]))]
+
+    def chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        """One chunk of the stream: these choices' deltas, or (with none) the usage."""
+        return self.chunk_type(
+            id=self.response_id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage,
+        )
 
     def closing(self, answer: list, choices: list[Choice]) -> list[Event]:
         options = self.body.stream_options
@@ -34,8 +58,17 @@ class OpenAIShape(Shape):
         return [Event(self.chunk([], usage(choices)))]
 
     def failed(self, error: ApiError) -> list[Event]:
-        return [Event(p.error_body(error))]
+        return [Event(error_body(error))]
 
     def add(self, answer: list, event: BaseModel) -> None:
         for d in event.choices:
             self.add_choice(answer[d.index], d)
+
+    def response(self, answer: list, choices: list[Choice]) -> BaseModel:
+        return self.response_type(
+            id=self.response_id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=answer,
+            usage=usage(choices),
+        )

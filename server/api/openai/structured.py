@@ -6,7 +6,7 @@ import json
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
-from server.api.serving import ServingState
+from server.api.serving import Serving
 from server.api.structured import answer_grammar, compiled, offered_tools
 from server.api.tools import Function, Tools
 from server.engine.request import GrammarSpec
@@ -52,7 +52,7 @@ def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps({"type": "object"}))
 
 
-async def output_grammar_for(state: ServingState, body: p.SamplingFields, tools: Tools | None = None):
+async def output_grammar_for(serving: Serving, body: p.SamplingFields, tools: Tools | None = None):
     """The compiled grammar the request's output must follow (for SamplingParams.grammar), or None; a grammar
     that cannot be used is a 400 naming the field it came from."""
-    return await compiled(state, requested_grammar(body, tools))
+    return await compiled(serving, requested_grammar(body, tools))

@@ -10,14 +10,14 @@ import json
 import statistics
 import time
 
-from client.workloads import PERSON, user_messages
+from server.bench.workloads import PERSON, user_messages
 from server.engine.config import SpeculativeConfig
 from server.engine.engine import Engine
 from server.engine.request import GrammarSpec, SamplingParams
 
 
 def workloads(engine: Engine, max_tokens: int) -> dict[str, list[tuple[list[int], SamplingParams]]]:
-    """name -> its requests (prompt ids, params): client/workloads.py's edit, quote, chat and json (the last
+    """name -> its requests (prompt ids, params): workloads.py's edit, quote, chat and json (the last
     under its JSON schema), greedy; and chat-sampled, the chat prompts drawn at temperature 1, each with its own
     seed (what drafts cost where they are mostly wrong)."""
     tok = engine.tokenizer

@@ -383,7 +383,8 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
     return result
 
 
-DEFAULT_QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"  # ~3,000 tokens of varied English
+# ~3,000 tokens of varied English, in server/data (shipped as the server package's data)
+DEFAULT_QUALITY_TEXT = Path(__file__).parents[1] / "data" / "quality.txt"
 FRANCE = "What is the capital of France?"
 
 

@@ -1,5 +1,5 @@
 """`kvserve bench`: a serving benchmark against any OpenAI-compatible server: streamed requests at a concurrency, of
-random words (completions, a fixed output length) or of one of client/workloads.py's chat workloads (edit, quote,
+random words (completions, a fixed output length) or of one of workloads.py's chat workloads (edit, quote,
 chat, json: what speculative decoding is for, or not)."""
 
 import asyncio
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from client.http import first_model, headers, sse_events
-from client.workloads import PERSON, user_messages
+from server.bench.workloads import PERSON, user_messages
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
