@@ -229,6 +229,31 @@ def test_a_gguf_embedder_pools_as_its_pooling_type(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_gguf_reranker_scores_as_transformers(tmp_path):
+    """A tiny Qwen3 written to GGUF as a reranker (pooling_type 4, rank) and served from the file: its logits of
+    two tokens at the last position (the card's "no" and "yes"), and their softmax, as transformers' on the folder
+    it came from."""
+    import transformers
+
+    from tests.helpers.gguf_writers import byte_level_vocab, tiny_hf_model, write_llama_cpp_gguf
+
+    vocab = byte_level_vocab("qwen2")
+    tiny_hf_model("qwen3", len(vocab["tokens"])).save_pretrained(tmp_path / "hf")
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "rank.gguf", vocab, pooling_type=4)
+    engine = engine_for(GGUFSource(tmp_path / "rank.gguf"), quantization="none", max_num_batched_tokens=16)
+    assert engine.task.task == "score"
+    no, yes = 78, 121  # "n" and "y": byte-level tokens
+    prompts = random_prompts(3, engine.vocab_size, seed=12, low=5, high=40)
+    scores = pooled(engine, prompts, PoolingParams(logit_token_ids=(no, yes)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0, -1][[no, yes]]
+        assert torch.allclose(scores[rid], ref, atol=1e-4), (scores[rid], ref)
+        assert abs(torch.softmax(scores[rid], 0)[1] - torch.softmax(ref, 0)[1]) < 1e-4
+
+
+@pytest.mark.timeout(300)
 def test_preempted_and_aborted_prefill_only_requests(qwen3_dir):
     """A cache too small for the generating requests beside them: prefills are preempted (the newest running
     request goes first) and recomputed, and each mean vector comes out as it does alone; a request aborted
