@@ -87,9 +87,7 @@ class ModelConfig:
     residual_scale: float = 1.0  # Granite: each branch times this before the residual add
     logits_scaling: float = 1.0  # Granite: logits divided by this
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
-    attn_sinks: bool = (
-        False  # GPT-OSS: a learned logit per head joins each query's softmax (and takes no value)
-    )
+    attn_sinks: bool = False  # GPT-OSS: a learned logit per head in each query's softmax, with no value
     final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None

@@ -185,7 +185,8 @@ def main() -> int:
 
     # The texts are cut with llama-server's tokenizer (the GGUF's own), started alone for that.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    counter = servers["llama.cpp"]
+    llama = servers["llama.cpp"]
+    counter = Server("llama.cpp tokenizer", llama.command, llama.env, llama.url, logs / "tokenizer.log")
     counter.start(int(args.memory_floor * GiB))
     try:
         counter.wait_ready(args.start_timeout)
@@ -198,11 +199,9 @@ def main() -> int:
             warmup = make_texts(16, args.min_tokens, args.max_tokens, args.seed + 1, tokenize)
     finally:
         counter.stop()
-    counter.process = None
 
     results, vectors = {}, {}
     for name in args.servers:
-        servers[name]._stop.clear()
         results[name], vectors[name] = measure(servers[name], texts, warmup, args)
         print(json.dumps(results[name]), flush=True)
     if len(results) == 2:
