@@ -34,6 +34,7 @@ COMPILED = ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cp
             "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp")  # fmt: skip
 BUILD_COMMAND = "bash scripts/install.sh (or: python -m model.kernels build)"
 FAILED = "FAILED"  # a build folder holding this file records why the build failed
+TREE = "TREE"  # and this one, which source tree built it (a hash of its path)
 
 
 class KernelsNotBuilt(RuntimeError):
@@ -74,7 +75,10 @@ def build(tier: CpuTier) -> Path:
     final = so.parent
     if so.is_file():
         return final
-    work = kernels_dir() / f".work-{tier.name}"
+    # one work folder (and one set of builds) per source tree: two checkouts sharing a venv (git worktrees) once
+    # compiled into each other's folder, and each build removed the other's as older
+    tree = hashlib.sha256(str(SOURCES.resolve()).encode()).hexdigest()[:8]
+    work = kernels_dir() / f".work-{tier.name}-{tree}"
     work.mkdir(parents=True, exist_ok=True)
     try:
         _compile(tier, work)
@@ -82,9 +86,12 @@ def build(tier: CpuTier) -> Path:
         final.mkdir(parents=True, exist_ok=True)
         (final / FAILED).write_text(f"{type(e).__name__}: {e}\n")
         raise
-    for old in kernels_dir().glob(f"{tier.name}-*"):  # builds of older sources, or a recorded failure
+    for old in kernels_dir().glob(f"{tier.name}-*"):  # this tree's builds of older sources, or a failure
+        if (old / TREE).is_file() and (old / TREE).read_text() != tree:
+            continue
         shutil.rmtree(old, ignore_errors=True)
     final.mkdir(parents=True)
+    (final / TREE).write_text(tree)
     partial = final / (so.name + ".partial")
     shutil.copyfile(work / so.name, partial)
     partial.rename(so)

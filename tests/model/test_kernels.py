@@ -17,6 +17,35 @@ def test_cpu_kernels_build_here(tier_kernels):
         assert hasattr(kernels, name), name
 
 
+def test_two_source_trees_sharing_a_venv_keep_their_own_builds(tmp_path, monkeypatch):
+    """Two checkouts (git worktrees) installed into one venv: each compiles in a work folder of its own and keeps
+    its build when the other builds, while a tree's own older build is replaced (its compiles stubbed: the
+    folders are what is tested)."""
+    from model import kernels
+    from model.cpu_tier import TIERS
+
+    tier = next(t for t in TIERS if t.name == "generic")
+
+    def fake_compile(tier, work):
+        (work / (kernels.module_name(tier) + ".so")).write_bytes(b"a module")
+        compiled.append(work)
+
+    compiled = []
+    monkeypatch.setattr(kernels, "_compile", fake_compile)
+    monkeypatch.setenv("KVSERVE_KERNELS_DIR", str(tmp_path / "venv"))
+    trees = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "k.cpp").write_text(f"// tree {name}")
+        monkeypatch.setattr(kernels, "SOURCES", tmp_path / name)
+        trees[name] = kernels.build(tier)
+    assert trees["a"] != trees["b"] and all((t / "kvserve_cpu_kernels_generic.so").is_file() for t in trees.values())
+    assert len(set(compiled)) == 2  # a work folder each
+    (tmp_path / "b" / "k.cpp").write_text("// tree b, edited")
+    newer = kernels.build(tier)
+    assert not trees["b"].exists() and newer.is_dir() and trees["a"].is_dir()
+
+
 def transformers_rms_norm(x, weight, eps):
     """LlamaRMSNorm's arithmetic: float32 normalisation, rounded to x's dtype, then times the weight."""
     xf = x.float()
