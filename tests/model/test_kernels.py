@@ -39,7 +39,9 @@ def test_two_source_trees_sharing_a_venv_keep_their_own_builds(tmp_path, monkeyp
         (tmp_path / name / "k.cpp").write_text(f"// tree {name}")
         monkeypatch.setattr(kernels, "SOURCES", tmp_path / name)
         trees[name] = kernels.build(tier)
-    assert trees["a"] != trees["b"] and all((t / "kvserve_cpu_kernels_generic.so").is_file() for t in trees.values())
+    assert trees["a"] != trees["b"] and all(
+        (t / "kvserve_cpu_kernels_generic.so").is_file() for t in trees.values()
+    )
     assert len(set(compiled)) == 2  # a work folder each
     (tmp_path / "b" / "k.cpp").write_text("// tree b, edited")
     newer = kernels.build(tier)
