@@ -134,7 +134,10 @@ class ModelConfig:
             )
         family = FAMILIES[arch]
         cfg = {KEY_ALIASES.get(key, key): value for key, value in cfg.items()}
-        cfg = family.config_defaults | cfg  # a key the config leaves out reads as transformers' class default
+        defaults = family.config_defaults
+        if "rope_theta" in cfg or "rope_scaling" in cfg:  # 4.x's spelling: 5.x's default would override it
+            defaults = {k: v for k, v in defaults.items() if k != "rope_parameters"}
+        cfg = defaults | cfg  # a key the config leaves out reads as transformers' class default
         eos = _as_ids(cfg.get("eos_token_id")) + _as_ids((generation_config or {}).get("eos_token_id"))
         common = dict(
             architecture=arch,

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 # stacks every expert's (Granite MoE's [experts, out, in]), "expert_t" transposes that slice (GPT-OSS's
 # [experts, in, out]), "expert_pairs" / "expert_t_pairs" also put its interleaved gate/up rows (gate, up, gate,
 # ...) as [gate; up] (GPT-OSS's gate_up_proj and its bias), "" copies. `{i}` is the layer index, `{e}` the
-# expert's.
-WeightNames = dict[str, tuple[list[str], str]]
+# expert's. A parameter stored two ways has a list of such pairs, the first whose tensors the checkpoint holds
+# taken (GPT-OSS's experts: Hugging Face's stacked tensors, or a GGUF's per expert).
+Names = tuple[list[str], str]
+WeightNames = dict[str, Names | list[Names]]
 
 
 def _layer(name: str) -> str:
@@ -95,16 +97,34 @@ GRANITE_MOE_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
     "layers.{i}.mlp.experts.{e}.down.weight": ([_layer("block_sparse_moe.output_linear.weight")], "expert"),
 }
 
+
 # GPT-OSS: q/k/v/o with biases, a sink logit per head; the router with a bias; every expert's interleaved gate/up
 # in one [experts, hidden, 2 x size] tensor and down in [experts, size, hidden], each with a bias
+# (a GGUF's experts read per expert, gate and up apart, as weights/gguf_arch.py's GPT_OSS_LAYER names them)
+def _expert(kind: str) -> str:
+    return _layer(f"mlp.experts.{{e}}.{kind}")
+
+
 GPT_OSS_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
     "layers.{i}.attn.sinks": ([_layer("self_attn.sinks")], ""),
     "layers.{i}.mlp.router.weight": ([_layer("mlp.router.weight")], ""),
     "layers.{i}.mlp.router.bias": ([_layer("mlp.router.bias")], ""),
-    "layers.{i}.mlp.experts.{e}.up.weight": ([_layer("mlp.experts.gate_up_proj")], "expert_t_pairs"),
-    "layers.{i}.mlp.experts.{e}.up.bias": ([_layer("mlp.experts.gate_up_proj_bias")], "expert_pairs"),
-    "layers.{i}.mlp.experts.{e}.down.weight": ([_layer("mlp.experts.down_proj")], "expert_t"),
-    "layers.{i}.mlp.experts.{e}.down.bias": ([_layer("mlp.experts.down_proj_bias")], "expert"),
+    "layers.{i}.mlp.experts.{e}.up.weight": [
+        ([_layer("mlp.experts.gate_up_proj")], "expert_t_pairs"),
+        ([_expert("gate_proj.weight"), _expert("up_proj.weight")], "cat"),
+    ],
+    "layers.{i}.mlp.experts.{e}.up.bias": [
+        ([_layer("mlp.experts.gate_up_proj_bias")], "expert_pairs"),
+        ([_expert("gate_proj.bias"), _expert("up_proj.bias")], "cat"),
+    ],
+    "layers.{i}.mlp.experts.{e}.down.weight": [
+        ([_layer("mlp.experts.down_proj")], "expert_t"),
+        ([_expert("down_proj.weight")], ""),
+    ],
+    "layers.{i}.mlp.experts.{e}.down.bias": [
+        ([_layer("mlp.experts.down_proj_bias")], "expert"),
+        ([_expert("down_proj.bias")], ""),
+    ],
 }
 
 GPT2_WEIGHTS: WeightNames = {

@@ -3,14 +3,14 @@
 `from_gguf_blocks(type_name, blocks, shape)` takes a tensor's rows as the file holds them (uint8 [N, bytes per
 row], each row its blocks along K, as read from a GGUF or stored by weights/gguf_convert.py) and returns the
 exact integers and scales, in the form the kernels multiply (quant_gemm.cpp): 4 to 6 bits as in the file (Q4_0,
-Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K, whose q - 32 becomes q with a minimum; IQ4_NL, IQ4_XS, whose q indexes
-the levels), a byte each for Q8_0. The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
+Q4_1, Q4_K; Q5_0, Q5_1, Q5_K; Q6_K, whose q - 32 becomes q with a minimum; IQ4_NL, IQ4_XS, MXFP4, whose q
+indexes their levels), a byte each for Q8_0. The layouts are ggml-common.h's (MODELS.md 3.1); gguf-py's
 `gguf.quants.dequantize` gives the same values (tests/model/test_gguf_blocks.py).
 """
 
 import torch
 
-from model.quant import QuantizedTensor
+from model.quant import MXFP4_LEVELS, QuantizedTensor
 
 # type name -> (weights per block, bytes per block)
 BLOCKS = {
@@ -24,7 +24,12 @@ BLOCKS = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
 }
+
+
+class NotExactError(ValueError):
+    """The blocks hold a value the kernels' form cannot hold exactly (the caller dequantizes them instead)."""
 
 
 def from_gguf_blocks(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]) -> QuantizedTensor:
@@ -124,6 +129,19 @@ def _q6_k(b, N, K):  # ql[128], qh[64], int8 scales[16], d: w = d sc (q - 32) = 
     return QuantizedTensor(6, q, sc, sc, d, (-32 * d.float()).half(), group=16, kind="Q6_K")
 
 
+def _mxfp4(b, N, K):  # e (E8M0), qs[16] (nibbles as Q4_0's): w = 2^(e - 127) e2m1[q] = 2^(e - 128) levels[q]
+    e = b[..., 0].int()
+    # the kernels keep a group's scale as float16: 2^(e - 128) is one where e - 128 is in -24 .. 15 (a subnormal
+    # below -14); real checkpoints' scales sit near 2^-7 (GPT-OSS's), far inside
+    if e.numel() and (e.min() < 128 - 24 or e.max() > 128 + 15):
+        raise NotExactError(
+            f"MXFP4 scales 2^{e.min() - 127} .. 2^{e.max() - 127} are not all float16 numbers"
+        )
+    d = torch.ldexp(torch.ones(e.shape), (e - 128).float()).half()
+    q = _nibbles(b[..., 1:17]).reshape(N, K)
+    return QuantizedTensor(4, q, d, kind="MXFP4", levels=MXFP4_LEVELS)
+
+
 def _iq4_xs(b, N, K):  # d, u16 scales_h, scales_l[4], qs[128]: w = d (ls - 32) levels[q] per 32
     high = (_half(b, 2).view(torch.int16).int()[..., None] >> torch.arange(0, 16, 2)) & 3  # [N, blocks, 8]
     low = b[..., 4:8]
@@ -144,6 +162,7 @@ _PARSERS = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4,
 }
 
 
@@ -153,7 +172,10 @@ def gguf_weight(
     """A GGUF weight as a QuantizedTensor where a kernel keeps its type, else dequantized to float32 [N, K] by
     the gguf package (the caller logs what that cost)."""
     if type_name in BLOCKS:
-        return from_gguf_blocks(type_name, blocks, shape)
+        try:
+            return from_gguf_blocks(type_name, blocks, shape)
+        except NotExactError:
+            pass
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -1,5 +1,6 @@
 """A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
-Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3 with full rotary) whose GEMMs all run on quantized weights with
+Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3 with full rotary; the MoE families' sparse FFNs and GPT-OSS's sinks
+and clamped SwiGLU too) whose GEMMs all run on quantized weights with
 kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
@@ -44,8 +45,8 @@ CONFIG_FIELDS = {
     "num_kv_heads": _any, "head_dim": _any, "intermediate_size": _any, "max_position_embeddings": _any,
     "norm_eps": _any, "layers": _any,  # each layer by LAYER_FIELDS
     "norm": lambda c: c.norm == "rmsnorm",
-    "mlp": lambda c: c.mlp in ("swiglu", "geglu"),
-    "swiglu_alpha": _any, "swiglu_limit": _any,  # clamped_swiglu's, which "mlp" leaves to the Python loop
+    "mlp": lambda c: c.mlp in ("swiglu", "geglu", "clamped_swiglu"),
+    "swiglu_alpha": _any, "swiglu_limit": _any,  # clamped_swiglu's: passed on
     "positions": _any,  # learned positions are added before the blocks (their layers have no rope: LAYER_FIELDS)
     "block": lambda c: c.block in ("pre", "sandwich"),
     "qk_norm": lambda c: c.qk_norm in ("", "head"),
@@ -53,7 +54,7 @@ CONFIG_FIELDS = {
     "embedding_scale": _any,
     "residual_scale": lambda c: c.residual_scale == 1.0,
     "logits_scaling": _any, "attn_softcap": _any, "final_softcap": _any, "tie_word_embeddings": _any,
-    "attn_sinks": lambda c: not c.attn_sinks,  # the loop passes no sinks to its attention
+    "attn_sinks": _any,  # each layer's sinks go to its attention
     "bos_token_id": _any, "eos_token_ids": _any, "torch_dtype": _any,
     "has_lm_head": _any,  # the LM head runs after the stack
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
@@ -94,12 +95,14 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         layers.append(kernels.Layer(
             block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, *ffn, *qk,
             *(norm.weight if norm is not None else None for norm in post), spec.window or 0, ropes.index(spec.rope),
+            attn.sinks,
         ))  # fmt: skip
     attn = model.layers[0].attn
     return LayerStack(
         kernels.LayerStack(
             layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale,
             config.attn_softcap or 0.0, config.mlp == "geglu",
+            *((config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)),
         ),
         ropes,
     )  # fmt: skip

@@ -102,19 +102,27 @@ class Checkpoint:
         return self._open[f]
 
 
-def _source_names(name_map: dict, param: str) -> tuple[list[str], str, int | None] | None:
-    """The checkpoint names and transform of a parameter, and its expert's index (None: not an expert's)."""
+def _source_names(name_map: dict, param: str, ckpt) -> tuple[list[str], str, int | None] | None:
+    """The checkpoint names and transform of a parameter (of its spellings, the first the checkpoint holds), and
+    its expert's index (None: not an expert's)."""
     m = re.match(r"layers\.(\d+)\.(.*)", param)
     key = f"layers.{{i}}.{m.group(2)}" if m else param
     e = re.search(r"\.experts\.(\d+)\.", key)
     key = key.replace(e.group(0), ".experts.{e}.") if e else key
     if key not in name_map:
         return None
-    names, transform = name_map[key]
-    names = [n.replace("{i}", m.group(1)) if m else n for n in names]
-    if e is None:
-        return names, transform, None
-    return [n.replace("{e}", e.group(1)) for n in names], transform, int(e.group(1))
+    spellings = name_map[key] if isinstance(name_map[key], list) else [name_map[key]]
+
+    def filled(name: str) -> str:
+        name = name.replace("{i}", m.group(1)) if m else name
+        return name.replace("{e}", e.group(1)) if e else name
+
+    candidates = [([filled(n) for n in names], transform) for names, transform in spellings]
+    # none held: the first, whose missing tensor the loader names
+    names, transform = next(
+        (c for c in candidates if all(ckpt.resolve(n) is not None for n in c[0])), candidates[0]
+    )
+    return names, transform, int(e.group(1)) if e else None
 
 
 def model_name(model) -> str:
@@ -165,7 +173,7 @@ def load_model(
     for param_name, param in params:
         # tied: the one [vocab, hidden] matrix is the LM head and the embedding, stored as the embedding
         key = "embed.weight" if param_name == "lm_head.weight" and config.tie_word_embeddings else param_name
-        sources = _source_names(name_map, key)
+        sources = _source_names(name_map, key, ckpt)
         if sources is None:
             raise WeightLoadError(f"no checkpoint mapping for parameter {param_name}")
         names, transform, expert = sources

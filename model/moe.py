@@ -52,8 +52,11 @@ class MoE(nn.Module):
         )
         self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
-        # the C++ MoE FFN's constructor, or None; it runs unbiased SwiGLU experts behind an unbiased router
-        self.fused_ffn = ops.moe if config.mlp == "swiglu" and not moe.bias else None
+        # the C++ MoE FFN's constructor, or None; it runs SwiGLU experts, clamped or not, with biases or not
+        self.fused_ffn = ops.moe if config.mlp in ("swiglu", "clamped_swiglu") else None
+        self.alpha, self.limit = (
+            (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
+        )
         self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
 
     def weights_ready(self) -> None:
@@ -66,7 +69,8 @@ class MoE(nn.Module):
         shared = (self.shared.up.gemm, self.shared.down.gemm, self.shared_gate.weight) if self.shared else ()
         self.fused = self.fused_ffn(
             self.router.weight, [e.up.gemm for e in self.experts], [e.down.gemm for e in self.experts],
-            self.top_k, self.renormalize, *shared,
+            self.top_k, self.renormalize, *shared, router_bias=self.router.bias, swiglu_alpha=self.alpha,
+            swiglu_limit=self.limit,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]

@@ -1,4 +1,4 @@
-"""Quantized weights: GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), or int4 / int8
+"""Quantized weights: GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4), or int4 / int8
 made at load, kept quantized in memory and multiplied by kvserve's C++ kernel (model/csrc/quant_gemm.cpp).
 
 A QuantizedTensor holds a weight's exact integers and per-group scales, in a plain [N, K] form that the loader
@@ -26,12 +26,16 @@ TILE = 16  # output rows per tile of the packed layout
 QUANTIZED_FILE = "quantized/model.safetensors"
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's 16 E2M1 values doubled (ggml-common.h kvalues_mxfp4): 0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives,
+# times 2, its scale halved to match (model/gguf_blocks.py)
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass
 class QuantizedTensor:
     """[N, K] weights in groups of `group` (32, or 16) along K, w = d * q + m per group: q in 0 .. 2^bits - 1
-    (bits 4, 5, 6: with a minimum), IQ4_LEVELS[q] (bits 4 without one: IQ4_NL, IQ4_XS) or -128..127 (bits 8).
+    (bits 4, 5, 6: with a minimum), levels[q] (bits 4 without one: IQ4_LEVELS for IQ4_NL and IQ4_XS,
+    MXFP4_LEVELS for MXFP4) or -128..127 (bits 8).
     d and m are float16 per group (`scale`, `min`), or, where `supers` is set (K-quants, IQ4_XS), int8 sub-scales
     and sub-minimums per group times a float16 scale and minimum per super-block of 256 (`supers`, `super_mins`:
     the file's d and -dmin), whose products are exact in float32.
@@ -39,7 +43,7 @@ class QuantizedTensor:
     Resident bits per weight once packed (q, the group's scale and minimum, the super-block's): Q4_0, Q4_1 5.0
     (4 + 2 x 16 / 32); Q4_K 4.5 (4 + 2 x 6 / 32 + 2 x 16 / 256); Q5_0, Q5_1 6.0; Q5_K 5.5; Q6_K 6.625 (6 +
     8 / 16 + 2 x 16 / 256: its minimum, -32 d sc, shares the scale's sub-scale); Q8_0 8.5; IQ4_NL 4.5; IQ4_XS
-    4.3125. The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25.
+    4.3125; MXFP4 4.5. The file's: 4.5, 5.0, 4.5, 5.5, 6.0, 5.5, 6.5625, 8.5, 4.5, 4.25, 4.25.
     A minimum may be the scale's own tensor (`min is scale`, Q6_K): packed once. `kind` names the file's type."""
 
     bits: int
@@ -51,6 +55,7 @@ class QuantizedTensor:
     super_mins: torch.Tensor | None = None  # [N, K / 256] float16: the super-block's minimum scale (-dmin)
     group: int = GROUP
     kind: str = ""
+    levels: tuple[int, ...] = IQ4_LEVELS  # what q stands for, 4 bits without a minimum
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,7 +64,12 @@ class QuantizedTensor:
     @property
     def format(self) -> tuple:
         """What the kernel must know to multiply it: tensors of one format can be fused by rows."""
-        return (self.bits, self.group, self.min is not None, self.supers is not None)
+        return (self.bits, self.group, self.min is not None, self.supers is not None, self.level_table)
+
+    @property
+    def level_table(self) -> tuple[int, ...] | None:
+        """The levels q indexes (4 bits without a minimum), else None: q is the integer."""
+        return self.levels if self.bits == 4 and self.min is None else None
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 d and m per group, [N, K / group] each (m None without a minimum): exact."""
@@ -77,8 +87,8 @@ class QuantizedTensor:
         N, K = self.shape
         d, m = self.scales()
         q = self.q
-        if self.bits == 4 and self.min is None:  # IQ4: q indexes the levels
-            q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[q.long()]
+        if self.level_table:  # q indexes the levels
+            q = torch.tensor(self.level_table, dtype=torch.int8)[q.long()]
         w = q.view(N, K // self.group, self.group).float() * d[..., None]
         if m is not None:
             w = w + m[..., None]
@@ -95,7 +105,9 @@ class QuantizedTensor:
 
     def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
         rows = {k: None if v is None else v[index] for k, v in self._per_row().items()}
-        return QuantizedTensor(self.bits, **self._shared(rows), group=self.group, kind=self.kind)
+        return QuantizedTensor(
+            self.bits, **self._shared(rows), group=self.group, kind=self.kind, levels=self.levels
+        )
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
@@ -109,7 +121,7 @@ class QuantizedTensor:
         kind = "+".join(dict.fromkeys(p.kind for p in parts))
         if all(p.min is p.scale for p in parts):
             rows = parts[0]._shared(rows)
-        return QuantizedTensor(parts[0].bits, **rows, group=parts[0].group, kind=kind)
+        return QuantizedTensor(parts[0].bits, **rows, group=parts[0].group, kind=kind, levels=parts[0].levels)
 
     @staticmethod
     def segments(parts: list["QuantizedTensor"]) -> list["QuantizedTensor"]:
@@ -171,8 +183,10 @@ class QuantizedTensor:
         else:
             scales = per_group(self.scale)
             mins = scales if self.min is self.scale else per_group(self.min)
+        levels = self.level_table
         return {"packed": kernels.pack_quant(self.q, self.bits, self.group), "scales": scales, "mins": mins,
-                "supers": per_group(self.supers), "super_mins": per_group(self.super_mins)}  # fmt: skip
+                "supers": per_group(self.supers), "super_mins": per_group(self.super_mins),
+                "levels": None if levels is None else torch.tensor(levels, dtype=torch.int8)}  # fmt: skip
 
     @property
     def six_bit_subs(self) -> bool:

@@ -36,6 +36,7 @@ class Ops:
     # (x, residual | None, weight, eps) -> [norm(x + residual), x + residual]: the C++ kernel; None = PyTorch ops
     rms_norm: Callable | None = None
     silu_mul: Callable | None = None  # [gate, up] -> silu(gate) * up: the C++ kernel; None = PyTorch ops
+    clamped_swiglu: Callable | None = None  # ([gate, up], alpha, limit) -> GPT-OSS's activation: likewise
     # (loaded model) -> its blocks as one call with the same bits (model/layer_stack.py), or None; None = a loop
     layer_stack: Callable | None = None
     moe: Callable | None = None  # the C++ MoE FFN's constructor (model/moe.py); None = PyTorch ops
@@ -50,6 +51,7 @@ class Ops:
             linear,
             kernels.rms_norm,
             kernels.silu_mul,
+            kernels.clamped_swiglu,
             functools.partial(build_layer_stack, kernels=kernels),
             kernels.MoeFfn,
         )
@@ -196,7 +198,7 @@ class MLP(nn.Module):
         n_up = size * (1 if self.kind == "gelu" else 2)
         self.up = Linear(config.hidden_size, n_up, bias, ops.linear)  # gated: [gate; up] fused
         self.down = Linear(size, config.hidden_size, bias, ops.linear)
-        self.silu_mul = ops.silu_mul
+        self.silu_mul, self.clamped_swiglu = ops.silu_mul, ops.clamped_swiglu
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +209,8 @@ class MLP(nn.Module):
             return F.gelu(h, approximate="tanh")
         if self.kind == "swiglu" and self.silu_mul is not None:
             return self.silu_mul(h)
+        if self.kind == "clamped_swiglu" and self.clamped_swiglu is not None:
+            return self.clamped_swiglu(h, self.alpha, self.limit)
         gate, up = h.chunk(2, dim=-1)
         if self.kind == "clamped_swiglu":  # GPT-OSS
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)

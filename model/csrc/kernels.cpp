@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v") = py::none(), py::arg("slots") = py::none(), py::arg("cos") = py::none(),
         py::arg("sin") = py::none(), py::arg("sinks") = py::none(), no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
+  m.def("clamped_swiglu", &clamped_swiglu, "GPT-OSS's clamped SwiGLU of x = [gate, up] (CPU)", py::arg("x"),
+        py::arg("alpha"), py::arg("limit"));
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned (CPU)");
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
         py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
@@ -44,11 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "one format's run of a weight's rows, packed")
       .def(py::init([](at::Tensor packed, at::Tensor scales, std::optional<at::Tensor> mins,
                        std::optional<at::Tensor> supers, std::optional<at::Tensor> super_mins, int64_t bits,
-                       int64_t group, int64_t n) {
-             return QuantSegment{packed, scales, mins, supers, super_mins, bits, group, n};
+                       int64_t group, int64_t n, std::optional<at::Tensor> levels) {
+             return QuantSegment{packed, scales, mins, supers, super_mins, bits, group, n, levels};
            }),
            py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("supers"), py::arg("super_mins"),
-           py::arg("bits"), py::arg("group"), py::arg("n"));
+           py::arg("bits"), py::arg("group"), py::arg("n"), py::arg("levels") = py::none());
   py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on quantized weights: its segments, bias, width")
       .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
              return QuantGemm{std::move(segments), bias, n};
@@ -57,32 +59,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<MoeFfn>(m, "MoeFfn", py::module_local(), "a sparse MoE FFN on quantized experts (moe.cpp)")
       .def(py::init([](at::Tensor router, std::vector<QuantGemm> up, std::vector<QuantGemm> down, int64_t top_k,
                        bool renormalize, std::optional<QuantGemm> shared_up, std::optional<QuantGemm> shared_down,
-                       std::optional<at::Tensor> shared_gate) {
+                       std::optional<at::Tensor> shared_gate, std::optional<at::Tensor> router_bias,
+                       double swiglu_alpha, double swiglu_limit) {
              return MoeFfn{router, std::move(up), std::move(down), top_k, renormalize, shared_up, shared_down,
-                           shared_gate};
+                           shared_gate, router_bias, Swiglu{swiglu_alpha, swiglu_limit}};
            }),
            py::arg("router"), py::arg("up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("shared_up") = py::none(), py::arg("shared_down") = py::none(),
-           py::arg("shared_gate") = py::none())
+           py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 1.0,
+           py::arg("swiglu_limit") = 0.0)
       .def("__call__", &MoeFfn::operator(), no_gil());
   py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
       .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, std::optional<QuantGemm> up,
                        std::optional<QuantGemm> down, std::optional<MoeFfn> moe, std::optional<at::Tensor> q_norm,
                        std::optional<at::Tensor> k_norm, std::optional<at::Tensor> post_attn_norm,
-                       std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope) {
+                       std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope,
+                       std::optional<at::Tensor> sinks) {
              TORCH_CHECK(moe.has_value() != (up.has_value() && down.has_value()), "an MLP or a MoE FFN");
              return Layer{norm1, qkv, o, norm2, up, down, moe, q_norm, k_norm, post_attn_norm, post_mlp_norm,
-                          window, rope};
+                          window, rope, sinks};
            }),
            py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("up"), py::arg("down"),
            py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
-           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"));
+           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("sinks") = py::none());
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       double eps, double scale, double softcap, bool gelu) {
-             return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale, softcap, gelu};
+                       double eps, double scale, double softcap, bool gelu, double swiglu_alpha,
+                       double swiglu_limit) {
+             return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale, softcap, gelu,
+                               Swiglu{swiglu_alpha, swiglu_limit}};
            }),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("scale"), py::arg("softcap"), py::arg("gelu"))
+           py::arg("scale"), py::arg("softcap"), py::arg("gelu"), py::arg("swiglu_alpha") = 1.0,
+           py::arg("swiglu_limit") = 0.0)
       .def("forward", &LayerStack::forward, no_gil());
 }

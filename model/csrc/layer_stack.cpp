@@ -31,6 +31,10 @@ at::Tensor gelu_mul(const at::Tensor& h) {
 
 }  // namespace
 
+at::Tensor Swiglu::operator()(const at::Tensor& h) const {
+  return limit > 0 ? clamped_swiglu(h, alpha, limit) : silu_mul(h);
+}
+
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers, KVH, slots, D]; slots, block_tables, seqs, block_size,
 // chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
 // each, read by index (Layer::rope). Returns the last block's output and the residual stream it adds to (the
@@ -63,7 +67,7 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     }
     const auto attended = paged_attention(q, k_cache[i], v_cache[i], block_tables, seqs, block_size, scale,
                                           layer.window, softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots,
-                                          cos[layer.rope], sin[layer.rope], std::nullopt);
+                                          cos[layer.rope], sin[layer.rope], layer.sinks);
     auto out = layer.o(attended.view({T, H * D}));
     if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
     auto normed = rms_norm(out, residual, layer.norm2, eps);
@@ -72,7 +76,7 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       x = (*layer.moe)(normed[0]);
     } else {
       const auto up = (*layer.up)(normed[0]);
-      x = (*layer.down)(gelu ? gelu_mul(up) : silu_mul(up));
+      x = (*layer.down)(gelu ? gelu_mul(up) : swiglu(up));
     }
     if (layer.post_mlp_norm) x = rms_norm(x, std::nullopt, *layer.post_mlp_norm, eps)[0];
   }

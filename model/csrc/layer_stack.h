@@ -11,6 +11,7 @@ struct QuantSegment {
   at::Tensor packed, scales;  // scales: float16 per group, or int8 sub-scales with supers
   std::optional<at::Tensor> mins, supers, super_mins;
   int64_t bits, group, n;  // n: its output features
+  std::optional<at::Tensor> levels;  // int8 [16]: what a 4-bit q without a minimum stands for (default IQ4's)
 };
 
 // One GEMM on quantized weights: its segments' outputs side by side (one segment unless a fused layer's parts
@@ -22,8 +23,15 @@ struct QuantGemm {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// A sparse MoE FFN on quantized experts (moe.cpp, model/moe.py): a float32 router, each token's top k experts,
-// the step's tokens grouped by expert, each expert a SwiGLU MLP; a shared expert behind a sigmoid gate (Qwen2-MoE)
+// A gated MLP's activation on its fused [gate, up] output: SwiGLU, or GPT-OSS's clamped SwiGLU where limit > 0
+struct Swiglu {
+  double alpha = 1.0, limit = 0.0;
+  at::Tensor operator()(const at::Tensor& h) const;
+};
+
+// A sparse MoE FFN on quantized experts (moe.cpp, model/moe.py): a float32 router (with a bias: GPT-OSS), each
+// token's top k experts, the step's tokens grouped by expert, each expert a SwiGLU MLP (its GEMMs' biases in
+// them); a shared expert behind a sigmoid gate (Qwen2-MoE)
 struct MoeFfn {
   at::Tensor router;                  // [experts, hidden] float32
   std::vector<QuantGemm> up, down;    // per expert; up: [gate; up] fused
@@ -31,6 +39,8 @@ struct MoeFfn {
   bool renormalize;                   // the top k weights divided by their sum
   std::optional<QuantGemm> shared_up, shared_down;
   std::optional<at::Tensor> shared_gate;  // [1, hidden] float32
+  std::optional<at::Tensor> router_bias;  // [experts] float32
+  Swiglu activation;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
@@ -45,6 +55,7 @@ struct Layer {
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;
   int64_t window;  // keys further back than this are not attended (0: none)
   int64_t rope;    // which of the step's rotary tables (cos, sin) this layer reads
+  std::optional<at::Tensor> sinks;  // [heads] float32: a logit per head that joins each softmax (GPT-OSS)
 };
 
 struct LayerStack {
@@ -52,6 +63,7 @@ struct LayerStack {
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale, softcap;  // RMSNorm's epsilon, attention's score scale and soft-cap (0: none)
   bool gelu;                   // the MLP's gate: gelu_tanh (GeGLU) rather than silu (SwiGLU)
+  Swiglu swiglu;               // else its SwiGLU, clamped or not
 
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                                      at::Tensor block_tables, at::Tensor seqs, int64_t block_size, int64_t chunk,

@@ -22,12 +22,14 @@
 
 namespace {
 
-// x [T, K] float32 . w [N, K] float32 -> [T, N]: each dot product in VL lanes, then a fixed tree
-at::Tensor scores(const at::Tensor& x, const at::Tensor& w) {
+// x [T, K] float32 . w [N, K] float32 (+ bias [N]) -> [T, N]: each dot product in VL lanes, then a fixed tree
+at::Tensor scores(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias = std::nullopt) {
   const int64_t T = x.size(0), N = w.size(0), K = x.size(1);
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == K, "router: float32 [N, K]");
   auto out = at::empty({T, N}, x.options().dtype(at::kFloat));
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "router bias: float32 [N]");
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T * N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -37,7 +39,7 @@ at::Tensor scores(const at::Tensor& x, const at::Tensor& w) {
       for (; k + VL <= K; k += VL) acc += load_floats(a + k) * load_floats(b + k);
       float sum = hsum(acc);
       for (; k < K; ++k) sum += a[k] * b[k];
-      op[i] = sum;
+      op[i] = bp ? sum + bp[i % N] : sum;
     }
   });
   return out;
@@ -53,7 +55,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
                   k >= 1 && k <= E,
               "experts mismatch");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor logits = scores(xf, router);  // [T, E]
+  const at::Tensor logits = scores(xf, router, router_bias);  // [T, E]
   // each token's top k: softmax over every expert, the k largest (ties to the lower id), renormalized or not
   std::vector<int64_t> chosen(T * k);
   std::vector<float> weights(T * k);
@@ -101,7 +103,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
       const int64_t e = order[i];
       auto rows = at::empty({static_cast<int64_t>(tokens[e].size())}, x.options().dtype(at::kLong));
       std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
-      ys[e] = down[e](silu_mul(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
+      ys[e] = down[e](activation(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
     }
   });
   auto out = at::zeros({T, x.size(1)}, x.options().dtype(at::kFloat));
@@ -117,7 +119,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
   }
   if (shared_up) {  // Qwen2-MoE: every token's shared expert, scaled by sigmoid(gate . x)
     const at::Tensor gate = scores(xf, *shared_gate);  // [T, 1]
-    const at::Tensor y = (*shared_down)(silu_mul((*shared_up)(x))).to(at::kFloat).contiguous();
+    const at::Tensor y = (*shared_down)(activation((*shared_up)(x))).to(at::kFloat).contiguous();
     const float *gp = gate.data_ptr<float>(), *yp = y.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       const float g = 1.0f / (1.0f + std::exp(-gp[t]));

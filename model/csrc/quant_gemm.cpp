@@ -2,7 +2,8 @@
 // stored as small integers q with a scale d (and a minimum m), w = d q + m:
 //   4-bit (GGUF Q4_0, Q4_1, Q4_K, int4 at load), 5-bit (Q5_0, Q5_1, Q5_K), 6-bit (Q6_K, groups of 16): q in
 //          0 .. 2^bits - 1, with a minimum (Q5_0's d (q - 16) is d q + (-16 d), Q6_K's likewise with 32)
-//   4-bit without a minimum (IQ4_NL, IQ4_XS): w = d IQ4_LEVELS[q] (-127..113, exact in bfloat16 and int16)
+//   4-bit without a minimum (IQ4_NL, IQ4_XS, MXFP4): w = d levels[q], the format's 16 whole numbers (IQ4's
+//          -127..113, MXFP4's -12..12: exact in bfloat16 and int16; quant_gemm.h)
 //   8-bit (GGUF Q8_0, int8 at load): q in -128..127, no minimum
 // d and m are float16 per group, or (K-quants, IQ4_XS) an int8 sub-scale per group times a float16 scale per
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
@@ -89,6 +90,13 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
     w.min = s.mins ? s.mins->data_ptr<at::Half>() : nullptr;
   }
   w.bias = bias;
+  w.levels = IQ4_LEVELS;
+  if (s.levels) {
+    TORCH_CHECK(s.bits == 4 && !s.mins && s.levels->scalar_type() == at::kChar && s.levels->numel() == 16 &&
+                    s.levels->is_contiguous(),
+                "levels: int8 [16], for 4 bits without a minimum");
+    w.levels = s.levels->data_ptr<int8_t>();
+  }
   w.num_groups = K / s.group;
   return w;
 }
@@ -181,9 +189,9 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
               const uint8_t b = wg[c * 32 + 2 * j + i];
               const int mask = (1 << HB) - 1;
               const int q_low = (b & 15) | ((high[i] & mask) << 4), q_high = (b >> 4) | ((high[2 + i] & mask) << 4);
-              if (!w.has_min) {  // IQ4: q indexes IQ4_LEVELS
-                o[4 * c + i] = static_cast<float>(IQ4_LEVELS[q_low]) * d;
-                o[4 * c + 2 + i] = static_cast<float>(IQ4_LEVELS[q_high]) * d;
+              if (!w.has_min) {  // q indexes the format's levels
+                o[4 * c + i] = static_cast<float>(w.levels[q_low]) * d;
+                o[4 * c + 2 + i] = static_cast<float>(w.levels[q_high]) * d;
                 continue;
               }
               o[4 * c + i] = static_cast<float>(q_low) * d + m;  // two roundings, as model/quant.py's

@@ -96,6 +96,7 @@ struct Packed {
   const at::Half* super_d;  // [tiles, K / 256, 16]
   const at::Half* super_m;  // [tiles, K / 256, 16] (with a minimum)
   const float* bias;       // [N] or null
+  const int8_t* levels;    // 4-bit q without a minimum: the 16 values q stands for (IQ4_LEVELS, MXFP4_LEVELS)
   int64_t num_groups;      // K / group, kept: not a division by the runtime group in every read of a scale
 
   int64_t groups() const { return num_groups; }
@@ -174,12 +175,15 @@ constexpr bool form_of(int form, int bits, int g, bool min) {
   return form != SIX_BIT_SUBS || (min && g == GROUP && (bits == 4 || bits == 5));
 }
 
-// IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): what a 4-bit q without a minimum stands for
+// What a 4-bit q without a minimum stands for, per format (Packed::levels; model/quant.py says which): IQ4_NL's
+// and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl), or MXFP4's E2M1 values doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6
+// and their negatives, times 2: its scale is halved to match). Every level is a whole number below 128 in
+// magnitude: exact as int8, int16 and bfloat16.
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Calls f(BITS, G, MIN), each an std::integral_constant, for the packed form's kernel: 4-, 5- or 6-bit q
 // (a nibble plane, and for 5 and 6 a high-bit plane) with a minimum, groups of 32 (16 for 6-bit: Q6_K); 4-bit
-// without one: IQ4_LEVELS[q] (IQ4_NL, IQ4_XS); or 8-bit in groups of 32 without a minimum
+// without one: levels[q] (IQ4_NL, IQ4_XS, MXFP4); or 8-bit in groups of 32 without a minimum
 template <class F>
 void dispatch(const Packed& w, F&& f) {
   using std::integral_constant;

@@ -59,13 +59,6 @@ void require_tiles() {
   TORCH_CHECK(granted, "the kernel refused this process AMX's tile state: run another CPU tier");
 }
 
-// IQ4_LEVELS in each 128-bit lane: vpshufb looks a byte up within its lane
-alignas(64) constexpr int8_t IQ4_BYTES[64] = {
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-static_assert(IQ4_BYTES[15] == IQ4_LEVELS[15]);
 
 inline __m512i widen_words(const uint8_t* p) {  // 16 words -> the low halves of 16 dwords
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -75,7 +68,7 @@ template <int BITS, int G, bool MIN>
 struct AmxKernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
-  static constexpr bool LEVELS = NIB && !MIN;     // IQ4: q indexes IQ4_LEVELS (signed), as 8-bit q is
+  static constexpr bool LEVELS = NIB && !MIN;     // q indexes the format's levels (signed), as 8-bit q is
   static constexpr int QUADS = G / 4;             // B's rows a group
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
@@ -106,7 +99,7 @@ struct AmxKernel {
   ThreadScope thread_scope() const { return ThreadScope(tile_rows); }
 
   // Row c of a group's B: lane j's q[4c] .. q[4c + 3], a byte each (the packed layout: quant_gemm.cpp)
-  static __m512i quads(const uint8_t* wg, int c) {
+  static __m512i quads(const uint8_t* wg, int c, const int8_t* levels) {
     if constexpr (!NIB) {  // chunks 2c and 2c + 1: lane j's word (q[4c], q[4c + 1]), then (q[4c + 2], q[4c + 3])
       return _mm512_or_si512(widen_words(wg + 2 * c * 32), _mm512_slli_epi32(widen_words(wg + (2 * c + 1) * 32), 16));
     } else {
@@ -125,7 +118,8 @@ struct AmxKernel {
       const __m512i mixed = bitcast<__m512i>(low | (high << 8));
       const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
       __m512i q = _mm512_shuffle_epi8(mixed, order);
-      if constexpr (LEVELS) q = _mm512_shuffle_epi8(_mm512_load_si512(IQ4_BYTES), q);
+      if constexpr (LEVELS)  // the levels in each 128-bit lane: vpshufb looks a byte up within its lane
+        q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels))), q);
       return q;
     }
   }
@@ -134,7 +128,7 @@ struct AmxKernel {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       __m512i* o = out + g * UNPACKED;
-      for (int c = 0; c < QUADS; ++c) o[c] = quads(wt + g * GROUP_BYTES, c);
+      for (int c = 0; c < QUADS; ++c) o[c] = quads(wt + g * GROUP_BYTES, c, w.levels);
       vfloat d, m;
       w.group_scales(t, g, 0, d, m);
       o[QUADS] = bitcast<__m512i>(d);

@@ -31,7 +31,7 @@ template <int BITS, int G, bool MIN, int FORM>
 struct Bf16Kernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
-  static constexpr bool LEVELS = NIB && !MIN;  // IQ4: q indexes IQ4_LEVELS; else 128 + q, the minimum's offset
+  static constexpr bool LEVELS = NIB && !MIN;  // q indexes the format's levels; else 128 + q, the minimum's offset
                                               // taking the 128 back
   static constexpr int VECS = G / 2;  // pair vectors per group: vector v holds the 16 lanes' weights k = 2v, 2v + 1
   static constexpr bool TWO_CHAINS = G == 32;  // a group's products in two chains (rows, below)
@@ -68,6 +68,7 @@ struct Bf16Kernel {
     vfloat y[R];  // local, so that the compiler keeps it in registers
     for (int r = 0; r < R; ++r) y[r] = vfloat{};
     [[maybe_unused]] SuperScales<FORM, MIN, G> supers;
+    [[maybe_unused]] const __m512i table = LEVELS ? levels_bf16(w.levels) : __m512i{};
     for (int64_t g = 0; g < groups; ++g) {
       // Groups of 32: two chains of products a row, the group's even pair vectors (a chunk's low: v = 2c) and
       // its odd ones, added at the group's end (TWO_CHAINS). One chain waited on each product's latency (6 cycles
@@ -100,7 +101,7 @@ struct Bf16Kernel {
         if constexpr (NIB) {
           for (int c = 0; c < G / 4; ++c) {
             vuint low, high;
-            unpack_nibbles<HB, G, LEVELS>(wg, c, low, high);
+            unpack_nibbles<HB, G, LEVELS>(wg, c, low, high, table);
             dot_rows(low, high, 2 * c);
           }
         } else {

@@ -12,15 +12,18 @@ static_assert(VL == TILE, "one 16-lane vector per tile");
 
 typedef uint16_t vword32 __attribute__((vector_size(64)));
 
-// IQ4_LEVELS as bfloat16 bits (exact), twice over: vpermw indexes 32 words
-alignas(64) constexpr uint16_t IQ4_BF16[32] = {
-    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2,
-    0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120, 0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2};
+// A format's 16 levels (Packed::levels) as bfloat16 bits in the low 16 of 32 words, for vpermw (exact: whole
+// numbers below 128 in magnitude; a float32's top half)
+inline __m512i levels_bf16(const int8_t* levels) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels))));
+  return _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+}
 
 // Chunk c of a group's nibble layout -> two vectors of 16 bfloat16 pairs, 128 + q each: (q[4c], q[4c + 1]),
 // (q[4c + 2], q[4c + 3]); with HB high bits (5-, 6-bit q) from the group's high-bit plane (quant_gemm.h)
+// (LEVELS: q indexes `table`, levels_bf16's)
 template <int HB, int G, bool LEVELS = false>
-inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high) {
+inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high, __m512i table = {}) {
   // lane j: byte 2j | byte 2j+1 << 16. One vpmovzxbw: GCC's own widening of a byte vector took five
   // instructions (two halves, an extract and an insert), and at few rows the unpack competes with the products
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c * 32)));
@@ -37,8 +40,7 @@ inline void unpack_nibbles(const uint8_t* group, int c, vuint& low, vuint& high)
     const vuint h = bitcast<vuint>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
     add_high<HB>(h >> high_shift(HB, c), low, high);
   }
-  if constexpr (LEVELS) {  // q indexes IQ4_LEVELS: their bfloat16 bits, one vpermw a vector (exact: |level| < 256)
-    const __m512i table = _mm512_loadu_si512(IQ4_BF16);
+  if constexpr (LEVELS) {  // q indexes the levels: their bfloat16 bits, one vpermw a vector
     low = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(low), table));
     high = bitcast<vuint>(_mm512_permutexvar_epi16(bitcast<__m512i>(high), table));
   } else {
@@ -80,15 +82,16 @@ inline float group_sum(const c10::BFloat16* x) {
   }
 }
 
-// A group's pair vectors (vector v holds the 16 lanes' weights k = 2v, 2v + 1: 128 + q, IQ4's levels, or int8
+// A group's pair vectors (vector v holds the 16 lanes' weights k = 2v, 2v + 1: 128 + q, the levels, or int8
 // q), then its d and offset as float32 vectors: the unpacked form both kernels read, [G / 2 + 2] vectors
 template <int BITS, int G, bool MIN>
 inline void unpack_group(const Packed& w, int64_t t, int64_t g, vuint* out) {
   constexpr bool NIB = BITS < 8;
   const uint8_t* wg = w.tile(t) + g * (TILE * G * BITS / 8);
+  const __m512i table = NIB && !MIN ? levels_bf16(w.levels) : __m512i{};
   for (int c = 0; c < (NIB ? G / 4 : G / 2); ++c) {
     if constexpr (NIB)
-      unpack_nibbles<NIB ? BITS - 4 : 0, G, NIB && !MIN>(wg, c, out[2 * c], out[2 * c + 1]);
+      unpack_nibbles<NIB ? BITS - 4 : 0, G, NIB && !MIN>(wg, c, out[2 * c], out[2 * c + 1], table);
     else
       out[c] = unpack_q8(wg + c * 32);
   }

@@ -77,14 +77,14 @@ inline void unpack_high(const uint8_t* group, int c, int h, vfloat* wf) {
   wf[1] = to_float(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
   wf[3] = to_float(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
 }
-// IQ4 (4-bit q without a minimum): IQ4_LEVELS[q] in k order, each whole (SCALES 1), lane by lane
-inline void unpack_levels(const uint8_t* chunk, int h, vfloat* wf) {
+// 4-bit q without a minimum: levels[q] in k order, each whole (SCALES 1), lane by lane
+inline void unpack_levels(const uint8_t* chunk, int h, const int8_t* levels, vfloat* wf) {
   const vint w = words(chunk, h);
   for (int l = 0; l < VL; ++l) {
-    wf[0][l] = IQ4_LEVELS[w[l] & 15];
-    wf[2][l] = IQ4_LEVELS[(w[l] >> 4) & 15];
-    wf[1][l] = IQ4_LEVELS[(w[l] >> 8) & 15];
-    wf[3][l] = IQ4_LEVELS[(w[l] >> 12) & 15];
+    wf[0][l] = levels[w[l] & 15];
+    wf[2][l] = levels[(w[l] >> 4) & 15];
+    wf[1][l] = levels[(w[l] >> 8) & 15];
+    wf[3][l] = levels[(w[l] >> 12) & 15];
   }
 }
 inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
@@ -129,11 +129,11 @@ struct F32Kernel {
   const float* x;     // [M, K], scaled: see SCALES4
   const float* xsum;  // [M, K / G] (with a minimum), of x as given
 
-  static void unpack_chunk(const uint8_t* group, int c, int h, vfloat* wf) {
+  static void unpack_chunk(const uint8_t* group, int c, int h, const int8_t* levels, vfloat* wf) {
     if constexpr (HB > 0)
       unpack_high<HB, G>(group, c, h, wf);
     else if constexpr (Q4 && !MIN)
-      unpack_levels(group + c * 32, h, wf);
+      unpack_levels(group + c * 32, h, levels, wf);
     else if constexpr (Q4)
       unpack4(group + c * 32, h, wf);
     else
@@ -147,7 +147,7 @@ struct F32Kernel {
       for (int c = 0; c < G / PER_CHUNK; ++c)
         for (int h = 0; h < NV; ++h) {
           vfloat wf[PER_CHUNK];
-          unpack_chunk(wt + g * GROUP_BYTES, c, h, wf);
+          unpack_chunk(wt + g * GROUP_BYTES, c, h, w.levels, wf);
           for (int i = 0; i < PER_CHUNK; ++i) o[(c * PER_CHUNK + i) * NV + h] = wf[i];
         }
       for (int h = 0; h < NV; ++h) w.group_scales(t, g, h, o[G * NV + h], o[(G + 1) * NV + h]);
@@ -191,7 +191,7 @@ struct F32Kernel {
 #pragma GCC unroll 4
           for (int h = 0; h < NV; ++h) {
             vfloat wf[PER_CHUNK];
-            unpack_chunk(wt[tt] + g * GROUP_BYTES, c, h, wf);
+            unpack_chunk(wt[tt] + g * GROUP_BYTES, c, h, w.levels, wf);
             for (int i = 0; i < PER_CHUNK; ++i)
               for (int r = 0; r < R; ++r)
                 acc[r][tt][h] = madd(wf[i], splat(xk[r * w.K + c * PER_CHUNK + i]), acc[r][tt][h]);

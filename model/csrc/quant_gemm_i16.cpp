@@ -60,11 +60,11 @@ inline void pairs_high(const uint8_t* group, int c, int h, __m256i& a, __m256i& 
   a = bitcast<__m256i>(low);
   b = bitcast<__m256i>(high);
 }
-// IQ4 (4-bit q without a minimum): pairs4 of IQ4_LEVELS[q], int16, by one byte shuffle (each word's low byte
+// 4-bit q without a minimum: pairs4 of levels[q], int16, by one byte shuffle (each word's low byte
 // indexes the table) and a sign extension of the low bytes
-inline void pairs_levels(const uint8_t* chunk, int h, __m256i& a, __m256i& b) {
+inline void pairs_levels(const uint8_t* chunk, int h, const int8_t* levels, __m256i& a, __m256i& b) {
   pairs4(chunk, h, a, b);
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels)));
   a = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, a), 8), 8);
   b = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(table, b), 8), 8);
 }
@@ -108,9 +108,9 @@ inline void pairs_high_wide(const uint8_t* group, int c, __m512i& a, __m512i& b)
   a = bitcast<__m512i>(low);
   b = bitcast<__m512i>(high);
 }
-inline void pairs_levels_wide(const uint8_t* chunk, __m512i& a, __m512i& b) {
+inline void pairs_levels_wide(const uint8_t* chunk, const int8_t* levels, __m512i& a, __m512i& b) {
   pairs4_wide(chunk, a, b);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels)));
   a = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(table, a), 8), 8);
   b = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(table, b), 8), 8);
 }
@@ -183,11 +183,11 @@ struct I16Kernel {
   static constexpr int PAIRS = G / 2;  // k pairs per group
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
-  static void nibble_pairs(const uint8_t* group, int c, int h, __m256i& a, __m256i& b) {
+  static void nibble_pairs(const uint8_t* group, int c, int h, const int8_t* levels, __m256i& a, __m256i& b) {
     if constexpr (HB > 0)
       pairs_high<HB, G>(group, c, h, a, b);
     else if constexpr (!MIN)
-      pairs_levels(group + c * 32, h, a, b);
+      pairs_levels(group + c * 32, h, levels, a, b);
     else
       pairs4(group + c * 32, h, a, b);
   }
@@ -241,7 +241,7 @@ struct I16Kernel {
       for (int h = 0; h < HALVES; ++h) {
         for (int c = 0; c < (Q4 ? G / 4 : PAIRS); ++c) {
           if constexpr (Q4)
-            nibble_pairs(wg, c, h, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
+            nibble_pairs(wg, c, h, w.levels, o[(2 * c) * HALVES + h], o[(2 * c + 1) * HALVES + h]);
           else
             o[c * HALVES + h] = pairs8(wg + c * 32, h);
         }
@@ -293,7 +293,7 @@ struct I16Kernel {
           for (int h = 0; h < HALVES; ++h) {
             if constexpr (Q4) {
               __m256i a, b;
-              nibble_pairs(wg, c, h, a, b);
+              nibble_pairs(wg, c, h, w.levels, a, b);
               for (int r = 0; r < R; ++r) {
                 acc[r][h] = dot_pairs(acc[r][h], a, broadcast_pair(x + r * K + 4 * c));
                 acc[r][h] = dot_pairs(acc[r][h], b, broadcast_pair(x + r * K + 4 * c + 2));
@@ -368,7 +368,7 @@ struct I16Kernel {
           if constexpr (HB > 0)
             pairs_high_wide<HB, G>(wg, c, a, b);
           else if constexpr (!MIN)
-            pairs_levels_wide(wg + c * 32, a, b);
+            pairs_levels_wide(wg + c * 32, w.levels, a, b);
           else
             pairs4_wide(wg + c * 32, a, b);
           for (int r = 0; r < R; ++r) {

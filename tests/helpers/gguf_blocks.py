@@ -10,16 +10,22 @@ HALVES = {
     "IQ4_NL": {0: "d"}, "Q4_K": {0: "d", 2: "m"}, "Q5_K": {0: "d", 2: "m"}, "Q6_K": {208: "d"},
     "IQ4_XS": {0: "d"}, "Q3_K": {108: "d"},
 }  # fmt: skip
+# byte offset in the block of an E8M0 scale (2^(e - 127)): MXFP4's
+E8M0 = {"MXFP4": 0}
 
 
 def random_blocks(type_name: str, N: int, K: int, seed: int = 0) -> np.ndarray:
     """uint8 [N, bytes per row]: random bytes, each float16 field a random finite value of sane magnitude (a
-    scale of about 2^-12 .. 2^-6 of either sign, as a weight's; a minimum up to ~16 of those)."""
+    scale of about 2^-12 .. 2^-6 of either sign, as a weight's; a minimum up to ~16 of those; an E8M0 scale
+    2^-12 .. 2^-4)."""
     size, nbytes = BLOCKS[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (N, K // size, nbytes), dtype=np.uint8)
-    for at, what in HALVES[type_name].items():
+    for at, what in HALVES.get(type_name, {}).items():
         magnitude = 2.0 ** rng.uniform(-12, -6, (N, K // size)) * (16 if what == "m" else 1)
         value = (magnitude * rng.choice([-1, 1], (N, K // size))).astype(np.float16)
         blocks[..., at : at + 2] = value[..., None].view(np.uint8)
+    if type_name in E8M0:
+        at = E8M0[type_name]
+        blocks[..., at] = rng.integers(127 - 12, 127 - 4, (N, K // size))
     return blocks.reshape(N, -1)

@@ -127,3 +127,17 @@ def test_the_expert_count_reads_the_same_in_either_spelling(spelling):
     cfg = {k: v for k, v in cfg.items() if k not in KEY_ALIASES and k not in KEY_ALIASES.values()}
     assert ModelConfig.from_dict(cfg | {spelling: 16}).moe.num_experts == 16
     assert ModelConfig.from_dict(cfg).moe.num_experts == 128  # the class's default
+
+
+@pytest.mark.timeout(30)
+def test_rope_in_4x_spelling_is_not_overridden_by_the_5x_default():
+    """GPT-OSS's class default is transformers 5's rope_parameters (YaRN x32 from 4096, base 150000); a config in
+    4.x's spelling (rope_theta, rope_scaling: what a GGUF becomes) keeps its own."""
+    cfg = dict(architectures=["GptOssForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+               rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "original_max_position_embeddings": 64})  # fmt: skip
+    rope = ModelConfig.from_dict(cfg).layers[0].rope
+    assert rope.theta == 10000.0 and dict(rope.scaling)["factor"] == 4.0
+    default = ModelConfig.from_dict({k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")})
+    assert default.layers[0].rope.theta == 150000.0 and dict(default.layers[0].rope.scaling)["factor"] == 32.0

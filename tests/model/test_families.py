@@ -149,9 +149,10 @@ def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
     from model.layer_stack import covers
 
     # RMSNorm before each branch (and after it: Gemma), q/k norms per head, SwiGLU or GeGLU, a window and
-    # full-width RoPE tables per layer, an attention soft-cap; sparse experts (the C++ MoE FFN)
+    # full-width RoPE tables per layer, an attention soft-cap; sparse experts (the C++ MoE FFN); GPT-OSS's sinks,
+    # biased router and experts and clamped SwiGLU
     stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3")
-    stacked += ("qwen3moe", "qwen2moe", "mixtral")
+    stacked += ("qwen3moe", "qwen2moe", "mixtral", "gpt_oss")
     for arch in stacked:
         assert covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch
     for arch in sorted(

@@ -7,12 +7,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from model.gguf_blocks import BLOCKS, from_gguf_blocks
+from model.gguf_blocks import BLOCKS, from_gguf_blocks, gguf_weight
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
 from tests.helpers.gguf_blocks import random_blocks
 
-NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS"]
+NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 def reference(type_name: str, blocks: np.ndarray) -> np.ndarray:
@@ -73,11 +73,11 @@ def test_resident_bits_per_weight(tier_kernels):
     """The packed form is close to the file's bits (model/quant.py's docstring states them); Q4_K's and Q5_K's
     are the file's (their 6-bit sub-scales and sub-minimums kept in 12 bits a group)."""
     expected = {"Q4_K": 4.5, "Q6_K": 6.625, "Q5_0": 6.0, "Q5_K": 5.5, "Q5_1": 6.0, "IQ4_NL": 4.5,
-                "IQ4_XS": 4.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5}  # fmt: skip
+                "IQ4_XS": 4.3125, "Q4_0": 5.0, "Q4_1": 5.0, "Q8_0": 8.5, "MXFP4": 4.5}  # fmt: skip
     for type_name, bpw in expected.items():
         qt, _ = weight(type_name, 32, 512)
-        # Q6_K's minimum is its scale: counted once
-        packed = {id(t): t for t in qt.pack(tier_kernels).values() if t is not None}
+        # Q6_K's minimum is its scale: counted once; a levels table (16 bytes a layer) is no weight's
+        packed = {id(t): t for k, t in qt.pack(tier_kernels).items() if t is not None and k != "levels"}
         bits = 8 * sum(t.numel() * t.element_size() for t in packed.values())
         assert bits / (32 * 512) == bpw, type_name
 
@@ -113,7 +113,7 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype):
     """Batches of 1..40 rows take every kernel path (packed tiles, blocks of rows, tiles unpacked once): each
@@ -147,6 +147,36 @@ def test_a_fused_layer_of_mixed_formats_keeps_each_part_as_it_is(tier_kernels, d
         ids = torch.tensor([0, 63, 64, 87, 50])
         want = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])[ids]
         assert torch.equal(fused.rows(ids, torch.float32), want)
+
+
+@pytest.mark.timeout(120)
+def test_level_tables_are_a_format_of_their_own(tier_kernels):
+    """IQ4_NL's and MXFP4's q both index 16 levels, different ones: fused by rows they stay two segments, each
+    multiplied by its own levels."""
+    iq4, iq4_ref = weight("IQ4_NL", 24, 256, seed=1)
+    mxfp4, mxfp4_ref = weight("MXFP4", 40, 256, seed=2)
+    segments = QuantizedTensor.segments([iq4, mxfp4])
+    assert [s.kind for s in segments] == ["IQ4_NL", "MXFP4"]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    exact = x.double() @ torch.from_numpy(np.concatenate([iq4_ref, mxfp4_ref])).T
+    with torch.inference_mode():
+        fused = layer_for(segments, tier_kernels).logits(x)
+    bound = torch.cat([error_bound(x, q, tier_kernels.gemm_float32_as) for q in (iq4, mxfp4)], dim=1)
+    assert ((fused.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.timeout(60)
+def test_mxfp4_scales_no_float16_holds_are_dequantized_exactly():
+    """An E8M0 scale outside float16's range (2^-25 and below, 2^16 and above: no real checkpoint's) cannot be a
+    group's float16 scale: that weight is dequantized instead, exactly, rather than rounded."""
+    blocks = random_blocks("MXFP4", 4, 64, seed=9)
+    blocks[0, 0] = 127 - 30  # 2^-30
+    with pytest.raises(ValueError, match="not all float16"):
+        from_gguf_blocks("MXFP4", torch.from_numpy(blocks), (4, 64))
+    dense = gguf_weight("MXFP4", torch.from_numpy(blocks), (4, 64))
+    assert isinstance(dense, torch.Tensor) and torch.equal(
+        dense.double(), torch.from_numpy(reference("MXFP4", blocks))
+    )
 
 
 @pytest.mark.timeout(60)

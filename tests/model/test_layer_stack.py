@@ -89,6 +89,15 @@ def test_gemma3s_layers_differ_as_the_stack_is_told(tiny_model_factory):
     assert windows == {8, None} and len(ropes) == 2 and covers(config)
 
 
+def test_gpt_oss_runs_in_the_stack(tiny_model_factory):
+    """GPT-OSS's sinks, windows, biased router and experts and clamped SwiGLU are all the loop's (the case above
+    then compares its bits with the Python loop's), its experts as one C++ MoE FFN a layer."""
+    model, config = load(tiny_family(tiny_model_factory, "gpt_oss"), bits=8)
+    assert config.attn_sinks and config.mlp == "clamped_swiglu" and covers(config)
+    assert model.layer_stack is not None
+    assert all(block.mlp.fused is not None for block in model.layers)
+
+
 def test_the_stack_only_covers_quantized_llama_style_blocks(tiny_model_factory):
     assert load(tiny_model_factory("llama"), bits=None)[0].layer_stack is None  # dense bfloat16 GEMMs
     assert load(tiny_model_factory("gpt2"), bits=8)[0].layer_stack is None  # LayerNorm, GELU
