@@ -91,6 +91,18 @@ GRANITE_MOE_FFN = {
     "ffn_gate_up_exps": "block_sparse_moe.input_linear",
     "ffn_down_exps": "block_sparse_moe.output_linear",
 }
+# GPT-OSS (llama.cpp's gpt-oss): a norm after attention in the MLP's place, a sink logit per head, a router with a
+# bias, and the experts' gate, up and down (each with a bias) one tensor per kind, as the other MoE files; Hugging
+# Face's tensor of every expert's interleaved gate/up columns ([experts, hidden, 2 x size]) has no row-wise
+# counterpart in GGUF, so the experts read under per-expert names (model/families.py's GPT-OSS row takes both)
+GPT_OSS_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in (*DENSE_FFN, "ffn_norm")} | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
 # Qwen2-MoE's shared expert, which every token takes, scaled by sigmoid(ffn_gate_inp_shexp . x)
 SHARED_EXPERT = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -138,6 +150,12 @@ class Family:
     linear_rope_scaling: bool = True  # Hugging Face's class accepts rope_scaling {type: linear}
     # family-specific config fields: (GGUF metadata, the config so far) -> fields to add
     extra: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    # GGUF tensors whose Hugging Face counterpart is a bare parameter, `<module>`, not `<module>.weight` (sinks)
+    bare: tuple[str, ...] = ()
+    yarn_truncate: bool | None = None  # YaRN's `truncate` where the release's config sets it (GPT-OSS: false)
+    # False: its Hugging Face layout cannot be written from the GGUF's tensors row by row (GPT-OSS's experts):
+    # served in place only
+    convertible: bool = True
 
 
 REQUIRED = object()  # a key without a default
@@ -310,6 +328,24 @@ def olmoe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]
     return moe_config(meta, config)
 
 
+def gpt_oss_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's gpt-oss build (src/models/openai-moe.cpp): a window on every other layer from the first
+    (set_swa_pattern(2)), the softmax over the top k logits, and the clamped SwiGLU of GPT-OSS's release (alpha
+    1.702, limit 7), which it hard-codes rather than stores; its YaRN as the release's config (not truncated)."""
+    window = arch_key(meta, "attention.sliding_window", 0)
+    if not window:
+        raise UnsupportedGGUFError("gpt-oss without attention.sliding_window")
+    if arch_key(meta, "rope.scaling.type") != "yarn":
+        raise UnsupportedGGUFError(
+            f"gpt-oss with rope scaling {arch_key(meta, 'rope.scaling.type')!r}, not yarn"
+        )
+    return {
+        "sliding_window": window,
+        "layer_types": window_pattern(meta, config["num_hidden_layers"], every=2),
+        "swiglu_limit": 7.0,
+    }
+
+
 SILU = {"hidden_act": "silu"}
 GELU_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
 LLAMA3_ROPE = ("rope_freqs",)
@@ -452,6 +488,20 @@ FAMILIES: dict[str, Family] = {
     ),
     # Llama's q/k row order and rope_freqs, as the granite build; experts feed_forward_length wide (the converter
     # writes Granite MoE's intermediate_size, the expert's, there)
+    "gpt-oss": Family(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        GPT_OSS_LAYER,
+        keys=LOCAL_EXPERT_KEYS,
+        biases=(
+            BiasGroup("attention_bias", ATTENTION_BIASES),
+            BiasGroup(None, ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")),
+        ),
+        extra=gpt_oss_config,
+        bare=("attn_sinks",),
+        yarn_truncate=False,
+        convertible=False,
+    ),
     "granitemoe": Family(
         "GraniteMoeForCausalLM",
         "granitemoe",
@@ -506,6 +556,7 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
         "ffn_gate": (ffn, hidden),
         "ffn_up": (2 * ffn if "ffn_gate" not in family.layer_tensors else ffn, hidden),
         "ffn_down": (hidden, ffn),
+        "attn_sinks": (config["num_attention_heads"],),
     }
     if "ffn_gate_inp" in family.layer_tensors:
         experts, size = expert_count(config), expert_size(config)
@@ -575,6 +626,9 @@ def rope_config(
         fields["partial_rotary_factor"] = partial_rotary_factor(rope_dims, head_dim)
     kind = arch_key(meta, "rope.scaling.type")
     factor = arch_key(meta, "rope.scaling.factor") or arch_key(meta, "rope.scale_linear") or 1.0
+    if kind == "yarn" and not tensors:
+        fields["rope_scaling"] = yarn_scaling(meta, config, factor, family.yarn_truncate)
+        return fields
     if kind not in (None, "none", "linear"):
         raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported")
     # llama.cpp reads an absent type as linear, and "none" as no scaling whatever the factor
@@ -591,6 +645,31 @@ def rope_config(
     elif tensors:
         fields["rope_scaling"] = longrope_scaling(meta, config, tensors, rope_dims)
     return fields
+
+
+def yarn_scaling(
+    meta: dict[str, Any], config: dict[str, Any], factor: float, truncate: bool | None
+) -> dict[str, Any]:
+    """YaRN as Hugging Face's rope_scaling spells it, from llama.cpp's keys (its defaults where absent: betas 32
+    and 1, the attention factor derived from the factor). `truncate` where the family's release says (GPT-OSS's
+    false; llama.cpp rounds the band's ends, as transformers' default does)."""
+    for key in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
+        if arch_key(meta, f"rope.scaling.{key}") not in (None, 0.0, -1.0, 1.0):
+            raise UnsupportedGGUFError(
+                f"yarn with rope.scaling.{key} = {arch_key(meta, f'rope.scaling.{key}')}"
+            )
+    scaling = {
+        "rope_type": "yarn",
+        "factor": shortest_float(factor),
+        "original_max_position_embeddings": arch_key(
+            meta, "rope.scaling.original_context_length", config["max_position_embeddings"]
+        ),
+        "beta_fast": shortest_float(arch_key(meta, "rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": shortest_float(arch_key(meta, "rope.scaling.yarn_beta_slow", 1.0)),
+    }
+    if truncate is not None:
+        scaling["truncate"] = truncate
+    return scaling
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

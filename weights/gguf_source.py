@@ -343,14 +343,22 @@ def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[i
     biases = [name for group in family.biases if config.get(group.switch, True) for name in group.tensors]
     for layer in range(config["num_hidden_layers"]):
         for name, module in family.layer_tensors.items():
+            suffix = "" if name in family.bare else ".weight"
             if "{e}" in module:  # one Hugging Face tensor per expert
                 for e in range(expert_count(config)):
                     expert_module = module.replace("{e}", str(e))
-                    shapes[f"model.layers.{layer}.{expert_module}.weight"] = per_layer[name][1:]
+                    shapes[f"model.layers.{layer}.{expert_module}{suffix}"] = per_layer[name][1:]
             else:
-                shapes[f"model.layers.{layer}.{module}.weight"] = per_layer[name]
-        for name in biases:
-            shapes[f"model.layers.{layer}.{family.layer_tensors[name]}.bias"] = per_layer[name][:1]
+                shapes[f"model.layers.{layer}.{module}{suffix}"] = per_layer[name]
+        for name in biases:  # a bias per output row (an expert's: per expert)
+            module = family.layer_tensors[name]
+            if "{e}" in module:
+                for e in range(expert_count(config)):
+                    shapes[f"model.layers.{layer}.{module.replace('{e}', str(e))}.bias"] = per_layer[name][
+                        1:-1
+                    ]
+            else:
+                shapes[f"model.layers.{layer}.{module}.bias"] = per_layer[name][:-1]
     return shapes
 
 
@@ -443,10 +451,11 @@ def tensor_pieces(
         shift = family.norm_shift if kind == "weight" and target.endswith("norm") else 0.0
         # a tensor stacking every expert's: one piece per expert, of its own Hugging Face tensor
         experts = range(expert_count(config)) if "{e}" in module else [None]
+        suffix = "" if short in family.bare else f".{kind}"
         for e in experts:
-            name = f"model.layers.{layer}.{module.replace('{e}', str(e))}.{kind}"
+            name = f"model.layers.{layer}.{module.replace('{e}', str(e))}{suffix}"
             pieces.append((name, Piece(gguf_name, part, rows_slice, unpermute, shift, e)))
-    return (per_layer[short] if kind == "weight" else per_layer[short][:1]), pieces
+    return (per_layer[short] if kind == "weight" else per_layer[short][:-1]), pieces
 
 
 def stored(tensor: GGUFTensor, expert: int | None) -> np.ndarray:

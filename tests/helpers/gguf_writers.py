@@ -283,12 +283,13 @@ TINY_FAMILIES = {
 }  # fmt: skip
 
 
-def tiny_hf_model(family: str, vocab_size: int, seed: int = 0):
-    """A random transformers model of the family, every parameter drawn at random (initialization leaves norms at
-    1 or 0 and biases at 0, which would hide a missing shift or bias), in eval mode."""
+def tiny_hf_model(family: "str | TinyFamily", vocab_size: int, seed: int = 0):
+    """A random transformers model of the family (a TINY_FAMILIES name, or a spec), every parameter drawn at random
+    (initialization leaves norms at 1 or 0 and biases at 0, which would hide a missing shift or bias), in eval
+    mode."""
     import transformers
 
-    spec = TINY_FAMILIES[family]
+    spec = TINY_FAMILIES[family] if isinstance(family, str) else family
     config_class = getattr(transformers, spec.config_class)
     config = config_class(
         vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=None, **spec.config
