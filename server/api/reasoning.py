@@ -139,8 +139,8 @@ class Piece:
 @dataclass
 class ReplyParser:
     """Splits one reply, as its engine outputs come, into pieces in order: reasoning, answer text and tool calls.
-    Answer text goes through the tool-call parser when tools are offered (think format and no format: calls
-    written as text); harmony writes its calls as messages, parsed here. Counts the reasoning's tokens."""
+    Answer text goes through the tool-call parser when tools are offered (calls written as text); harmony's own
+    calls are messages, parsed here. Counts the reasoning's tokens."""
 
     format: ReasoningFormat | None
     start: str = "out"  # in | out | open: ReasoningFormat.start
@@ -154,6 +154,7 @@ class ReplyParser:
     _header: str = ""  # harmony: the message's header text so far
     _header_tokens: int = 0
     _body: str = ""  # harmony: reasoning | content | call | none (a call of no offered function: dropped)
+    _call_index: int = 0  # harmony: the open call's index in the reply
 
     def __post_init__(self):
         if self.format is not None and self.format.name == "harmony":
@@ -213,7 +214,7 @@ class ReplyParser:
         elif self._state == "body" and self._body == "reasoning":
             pieces.append(Piece("reasoning", text))
         elif self._state == "body" and self._body == "call":
-            pieces.append(Piece("call", call=CallDelta(self.num_calls_written, None, None, text)))
+            pieces.append(Piece("call", call=CallDelta(self._call_index, None, None, text)))
         elif self._body != "none":  # the final channel, a preamble, or text outside any message
             self._content(pieces, text)
 
@@ -270,8 +271,8 @@ class ReplyParser:
         if recipient is not None and recipient[1].startswith("functions."):
             name = recipient[1].removeprefix("functions.")
             if name in self.tool_names:
-                self._body = "call"
-                pieces.append(Piece("call", call=CallDelta(self.num_calls_written, self.new_id(), name, "")))
+                self._body, self._call_index = "call", self.num_calls
+                pieces.append(Piece("call", call=CallDelta(self._call_index, self.new_id(), name, "")))
             else:
                 self._body = "none"
         elif (
@@ -301,8 +302,8 @@ def reply_parser(
     calls: ToolCallParser | None,
     new_id: Callable[[], str] = new_call_id,
 ) -> ReplyParser:
-    """The parser of one reply: `calls` parses calls written as text (None: no tools offered); harmony parses its
-    own."""
-    harmony = format is not None and format.name == "harmony"
+    """The parser of one reply: `calls` parses calls written as text in the answer (None: no tools offered), as
+    every format may write them there (harmony too, where a forced call's grammar writes it in the final
+    channel); harmony's own calls are its messages to functions."""
     names = {f.name for f in tools.functions} if tools is not None and tools.active else set()
-    return ReplyParser(format, start, None if harmony else calls, names, new_id)
+    return ReplyParser(format, start, calls, names, new_id)
