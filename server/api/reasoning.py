@@ -30,7 +30,6 @@ HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "
 # Harmony's end of reasoning: the answer's header, and what the model writes to close its analysis and open it
 HARMONY_ANSWER, HARMONY_CLOSE = "<|channel|>final<|message|>", "<|end|><|start|>assistant"
 RECIPIENT = re.compile(r"to=([^\s<]+)")
-EFFORTS = ("low", "medium", "high")
 MIN_BUDGET = 1024  # Anthropic's least budget_tokens
 
 

@@ -285,6 +285,7 @@ def test_responses_gives_reasoning_items(servers, name):
             events.append(event)
         final = stream.get_final_response()
     types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == "Sum: 4" and len(deltas) >= 6
     last_reasoning = max(i for i, t in enumerate(types) if t == "response.reasoning_text.delta")
@@ -322,6 +323,7 @@ def test_responses_summaries_are_the_reasoning(servers):
     assert [s.text for s in r.output[0].summary] == [c.text for c in r.output[0].content] == ["Sum: 4"]
     with client.responses.stream(**kw) as stream:
         events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
     assert "".join(deltas) == "Sum: 4" and len(deltas) >= 6
     assert [e.part.text for e in events if e.type == "response.reasoning_summary_part.done"] == ["Sum: 4"]

@@ -252,9 +252,12 @@ class ResponsesShape(Shape):
                 ]
                 return added + self._summary_part("added", block, "")
             case Grew(piece=piece) if block.reasoning:
-                summary = [self._event(rp.ReasoningSummaryTextDeltaEvent, summary_index=0, delta=piece, **at)]
                 delta = [self._event(rp.ReasoningTextDeltaEvent, content_index=0, delta=piece, **at)]
-                return delta + (summary if self.summarized else [])
+                if self.summarized:
+                    delta.append(
+                        self._event(rp.ReasoningSummaryTextDeltaEvent, summary_index=0, delta=piece, **at)
+                    )
+                return delta
             case Closed() if block.reasoning:
                 status = "completed" if c.finish_reason in (None, "stop") else "incomplete"
                 done = [
