@@ -384,6 +384,8 @@ def test_messages_gives_thinking_blocks_when_enabled(servers, name):
     for off in [{}, {"thinking": {"type": "disabled"}}]:
         message = client.messages.create(**kw, **off)
         assert [(b.type, b.text) for b in message.content] == [("text", "OK")]
+        counted = client.messages.count_tokens(model=MODEL, messages=ASK, **off).input_tokens
+        assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
 
 
 def test_messages_takes_thinking_blocks_back(servers):

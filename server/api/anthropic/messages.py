@@ -37,17 +37,11 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     tools = request_tools(body)
     if unused := body.unused_fields():
         log.debug("request %s: accepted, not used: %s", serving.request_id, ", ".join(unused))
-    thinking = body.thinking is not None and body.thinking.type != "disabled"
+    thinking = thinks(body)
     budget = body.thinking.budget_tokens if thinking else None
     if budget is not None:
         check_budget(budget, body.max_tokens, "thinking.budget_tokens")
-    # Anthropic's models think only when asked: so are the templates that can leave the thinking out
-    prompt = chat_prompt(
-        serving,
-        chat_messages(body),
-        tools=tools,
-        template_kwargs=None if thinking else {"enable_thinking": False},
-    )
+    prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=thinking_kwargs(body))
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
@@ -64,6 +58,17 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     )
     shape = MessagesShape(serving, body, message_id, ReplyBlocks(parser), thinking)
     return await serving.answer(choices, shape, body.stream)
+
+
+def thinks(body: mp.MessagesRequest) -> bool:
+    """The request enables thinking: its blocks are shown."""
+    return body.thinking is not None and body.thinking.type != "disabled"
+
+
+def thinking_kwargs(body: mp.MessagesRequest) -> dict | None:
+    """The template variables of the request's thinking: Anthropic's models think only when asked, and so are
+    the templates that can leave the thinking out (Qwen3's enable_thinking)."""
+    return None if thinks(body) else {"enable_thinking": False}
 
 
 def request_tools(body: mp.MessagesRequest) -> Tools | None:
