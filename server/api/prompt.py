@@ -45,6 +45,8 @@ def chat_prompt(
     for m in dicts:
         if m["role"] == "developer":
             m["role"] = "system"
+        if "reasoning_content" in m and serving.reasoning is not None:
+            m[serving.reasoning.history_key] = m.pop("reasoning_content")
     if serving.system_prompt and not any(m["role"] == "system" for m in dicts):
         dicts.insert(0, {"role": "system", "content": serving.system_prompt})
     tokenizer = serving.engine.tokenizer

@@ -46,6 +46,11 @@ class ReasoningFormat:
     def markers(self) -> frozenset[int]:
         return frozenset(self.ids.values())
 
+    @property
+    def history_key(self) -> str:
+        """Where templates read an earlier turn's reasoning: GPT-OSS's `thinking`, Qwen3's `reasoning_content`."""
+        return "thinking" if self.name == "harmony" else "reasoning_content"
+
     def start(self, generation_prompt: list[int]) -> str:
         """Where a reply starts, from the tokens the template adds for it: in (reasoning), out (none), or open
         (the model's first token decides)."""

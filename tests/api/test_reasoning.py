@@ -156,6 +156,21 @@ def test_reasoning_effort_reaches_the_template(servers):
     assert r.usage.input_tokens == tokens["high"]
 
 
+@pytest.mark.parametrize("name", ["think", "harmony"])
+def test_reasoning_in_the_history_reaches_the_template(servers, name):
+    """An earlier turn's reasoning_content goes where the template reads it: GPT-OSS's `thinking` (our harmony
+    template renders it as an analysis message); the think model's template renders none."""
+    url = servers(name)
+    turn = {"role": "assistant", "content": "4"}
+    history = [*ASK, turn, {"role": "user", "content": "And 3+3?"}]
+    plain = oai(url).chat.completions.create(model=MODEL, messages=history, max_tokens=1)
+    history[1] = {**turn, "reasoning_content": "Sum: 4"}
+    thought = oai(url).chat.completions.create(model=MODEL, messages=history, max_tokens=1)
+    # harmony: <|start|> assistant <|channel|> analysis <|message|> S u m : _ 4 <|end|>
+    grown = {"think": 0, "harmony": 12}
+    assert thought.usage.prompt_tokens - plain.usage.prompt_tokens == grown[name]
+
+
 def test_include_reasoning_false_leaves_it_out(servers):
     r = chat(servers("think"), extra_body={"include_reasoning": False})
     assert (
