@@ -119,13 +119,11 @@ def reason(
     params.reasoning = format.spec(start, budget)
 
 
-def check_budget(budget: int, max_tokens: int, param: str) -> None:
-    """Anthropic's rules for thinking.budget_tokens, in its error's words."""
+def check_budget(budget: int, param: str) -> None:
+    """Anthropic's least thinking.budget_tokens. (A budget of max_tokens or more, which Anthropic refuses unless
+    thinking is interleaved with tool calls, is taken: max_tokens bounds the thinking and the answer together.)"""
     if budget < MIN_BUDGET:
         raise ApiError(400, f"{param}: must be at least {MIN_BUDGET}, got {budget}", param=param)
-    if budget >= max_tokens:
-        why = f"{param}: must be less than max_tokens ({max_tokens}), got {budget}"
-        raise ApiError(400, why, param=param)
 
 
 # --- the parser ----------------------------------------------------------------------------------------

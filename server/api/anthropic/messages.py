@@ -40,7 +40,7 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     thinking = thinks(body)
     budget = body.thinking.budget_tokens if thinking else None
     if budget is not None:
-        check_budget(budget, body.max_tokens, "thinking.budget_tokens")
+        check_budget(budget, "thinking.budget_tokens")
     prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=thinking_kwargs(body))
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
@@ -175,6 +175,8 @@ class MessagesShape(Shape):
                 tool_use = mp.ToolUseBlock(id=block.call.id, name=block.call.name, input={})
                 return [mp.ContentBlockStartEvent(index=index, content_block=tool_use)]
             case Grew(piece=piece) if block.reasoning:
+                if self.body.thinking.display == "omitted":
+                    return []
                 return [mp.ContentBlockDeltaEvent(index=index, delta=mp.ThinkingDelta(thinking=piece))]
             case Grew(piece=piece) if block.call is None:
                 return [mp.ContentBlockDeltaEvent(index=index, delta=mp.TextDelta(text=piece))]

@@ -146,8 +146,11 @@ class Thinking(Body):
     )
     budget_tokens: int | None = Field(
         None,
-        description="enabled: at most this many tokens of thinking (at least 1024, less than max_tokens); the "
-        "thinking is then closed and the answer follows.",
+        description="enabled: at most this many tokens of thinking (at least 1024); the thinking is then "
+        "closed and the answer follows. max_tokens bounds the thinking and the answer together.",
+    )
+    display: Literal["summarized", "omitted"] | None = Field(
+        None, description="omitted: thinking blocks come with their signature and no text."
     )
 
     @model_validator(mode="after")
