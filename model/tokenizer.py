@@ -134,8 +134,14 @@ class Tokenizer:
         return self._template is not None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
+        """`template_kwargs`: more variables for the template (enable_thinking, reasoning_effort), as transformers'
+        **kwargs; they never replace the ones set here."""
         if self._template is None:
             raise ValueError(
                 "this model has no chat template; pass one with --chat-template (a Jinja template or a file)"
@@ -143,12 +149,15 @@ class Tokenizer:
         messages = [_template_message(m) for m in messages]
         try:
             return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                # transformers always defines these, and templates test `tools is not none`.
-                tools=tools,
-                documents=None,
-                **self.special_tokens,
+                {
+                    **(template_kwargs or {}),
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                    # transformers always defines these, and templates test `tools is not none`.
+                    "tools": tools,
+                    "documents": None,
+                    **self.special_tokens,
+                }
             )
         except Exception as e:
             # The template is the model author's code run on the client's messages: any failure there (including

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.api.config import ServerConfig
+from server.api.config import REASONING_ALIASES, REASONING_PARSERS, ServerConfig
 from server.commands import (
     cmd_bench,
     cmd_bench_gemms,
@@ -173,6 +173,15 @@ SERVER_FLAGS = (
         help="seconds a request body may take to arrive; slower ones get 408",
     ),
     Flag("--no-ui", False, store_true=True, env=True, help="no chat page at /"),
+    Flag(
+        "--reasoning-parser",
+        SERVER.reasoning_parser,
+        choices=(*REASONING_PARSERS, *REASONING_ALIASES),
+        env=True,
+        help="how replies split into reasoning and answer: think (<think>...</think>: Qwen3, DeepSeek-R1, "
+        "SmolLM3), harmony (GPT-OSS's channels), none (reasoning stays in the answer); auto: from the chat "
+        "template. vLLM's names deepseek_r1, qwen3 and gpt_oss are taken too",
+    ),
 )
 CLIENT_FLAGS = (  # kvserve chat and kvserve bench, against any OpenAI-compatible server
     Flag("--url", "http://127.0.0.1:8000", env=True),

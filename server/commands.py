@@ -109,6 +109,7 @@ def server_config(args, model_path: str | None):
         shutdown_timeout=args.shutdown_timeout,
         system_prompt=args.system_prompt,
         ui=not args.no_ui,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -195,3 +195,17 @@ def test_speculative_config_is_auto_unless_turned_off_or_given():
     for bad in ('{"method": "eagle"}', "[1]", "on"):
         with pytest.raises(SystemExit, match="--speculative-config"):
             speculative_config(bad)
+
+
+def test_reasoning_parser_takes_vllms_names_and_refuses_others(capsys, monkeypatch):
+    from server.cli import parser
+    from server.commands import server_config
+
+    monkeypatch.delenv("KVSERVE_REASONING_PARSER", raising=False)
+    assert server_config(parser().parse_args(["serve"]), None).reasoning_parser == "auto"
+    for name in ("think", "harmony", "none", "deepseek_r1", "qwen3", "gpt_oss"):
+        args = parser().parse_args(["serve", "--reasoning-parser", name])
+        assert server_config(args, None).reasoning_parser == name
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--reasoning-parser", "r1"])
+    assert "invalid choice: 'r1'" in capsys.readouterr().err

@@ -5,6 +5,8 @@ server's own routes and what all routes share in routes.py; errors in errors.py,
 middleware.py, the OpenAPI document in openapi.py.
 """
 
+import logging
+
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -16,9 +18,12 @@ from server.api.metrics import Metrics
 from server.api.middleware import RequestGuard
 from server.api.openai import routes as openai
 from server.api.openapi import openapi_schema
+from server.api.reasoning import choose_format
 from server.api.routes import api_router, check_api_key, health_router
 from server.api.ui import ui_router
 from server.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 
 def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
@@ -32,8 +37,8 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
         openapi_url=None,  # the schema ships as openapi.yaml; nothing beyond the API is served
         separate_input_output_schemas=False,
     )
-    app.state.engine = engine
     app.state.config = config
+    set_engine(app, engine)
     app.state.draining = False
     app.state.metrics = Metrics(config.served_model_name, lambda: app.state.engine)
     app.include_router(health_router)
@@ -65,7 +70,13 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
 
 
 def set_engine(app: FastAPI, engine: AsyncEngine) -> None:
-    """The model has loaded: start serving."""
+    """The model has loaded: start serving (None: not yet)."""
+    app.state.reasoning = None
+    if engine is not None:
+        app.state.reasoning, why = choose_format(engine.tokenizer, app.state.config.reasoning_parser)
+        log.info(
+            "reasoning parser: %s (%s)", app.state.reasoning.name if app.state.reasoning else "none", why
+        )
     app.state.engine = engine
 
 

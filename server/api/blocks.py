@@ -1,17 +1,20 @@
-"""A reply as a row of blocks, each text or one tool call, for the APIs that stream it so (Responses' output
-items, Messages' content blocks): the tool-call parser's content and call pieces become the opening, growth and
-closing of blocks, one block open at a time."""
+"""A reply as a row of blocks, each reasoning, text or one tool call, for the APIs that stream it so (Responses'
+output items, Messages' content blocks): the reply parser's pieces (reasoning, content, call pieces) become the
+opening, growth and closing of blocks, one block open at a time."""
 
 from dataclasses import dataclass, field
 
-from server.api.tools import CallDelta, ToolCallParser
+from server.api.reasoning import ReplyParser
+from server.api.tools import CallDelta
+from server.engine.request import RequestOutput
 
 
 @dataclass(slots=True)
 class Block:
     index: int  # in the reply
-    call: CallDelta | None  # a call's first piece (its id and name); None for text
+    call: CallDelta | None  # a call's first piece (its id and name); None for text and reasoning
     text: str = ""  # the text, or the call's arguments, so far
+    reasoning: bool = False  # the model's reasoning, not its answer
 
 
 @dataclass(slots=True)
@@ -35,7 +38,7 @@ Step = Opened | Grew | Closed
 
 @dataclass
 class ReplyBlocks:
-    parser: ToolCallParser | None = None  # None: no tools offered, the reply is text
+    parser: ReplyParser
     blocks: list[Block] = field(default_factory=list)
     open: Block | None = None
 
@@ -43,36 +46,36 @@ class ReplyBlocks:
     def num_calls(self) -> int:
         return sum(b.call is not None for b in self.blocks)
 
-    def feed(self, text: str, final: bool) -> list[Step]:
-        """What one text delta of the reply does to its blocks; at the end (final) the open block closes."""
-        calls: list[CallDelta] = []
-        if self.parser is not None:
-            text, calls = self.parser.feed(text, final)
-        # The parser gives content and calls apart. Within one delta, the pieces that go on with the open call
-        # come first, then the content (it can only follow a call's end), then new calls.
-        n = 0
-        while n < len(calls) and calls[n].id is None:
-            n += 1
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.parser.num_reasoning_tokens
+
+    def feed(self, out: RequestOutput) -> list[Step]:
+        """What one engine output of the reply does to its blocks; at the end (finished) the open block closes."""
         steps: list[Step] = []
-        for call in calls[:n]:
-            steps += self._add(call, call.arguments)
-        if text:
-            steps += self._add(None, text)
-        for call in calls[n:]:
-            steps += self._add(call, call.arguments)
-        if final and self.open is not None:
+        for piece in self.parser.feed(out):
+            if piece.kind == "call":
+                steps += self._add(piece.call, piece.call.arguments, False)
+            else:
+                steps += self._add(None, piece.text, piece.kind == "reasoning")
+        if out.finished and self.open is not None:
             steps.append(Closed(self.open))
             self.open = None
         return steps
 
-    def _add(self, call: CallDelta | None, piece: str) -> list[Step]:
+    def _add(self, call: CallDelta | None, piece: str, reasoning: bool) -> list[Step]:
         steps: list[Step] = []
-        # text goes on with open text; a call's first piece (it has the id) always opens a block
-        goes_on = self.open is not None and (self.open.call is None if call is None else call.id is None)
+        # text goes on with open text, reasoning with open reasoning; a call's first piece (it has the id) always
+        # opens a block
+        open = self.open
+        if call is None:
+            goes_on = open is not None and open.call is None and open.reasoning == reasoning
+        else:
+            goes_on = open is not None and open.call is not None and call.id is None
         if not goes_on:
-            if self.open is not None:
-                steps.append(Closed(self.open))
-            self.open = Block(len(self.blocks), call)
+            if open is not None:
+                steps.append(Closed(open))
+            self.open = Block(len(self.blocks), call, reasoning=reasoning)
             self.blocks.append(self.open)
             steps.append(Opened(self.open))
         if piece:

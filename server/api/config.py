@@ -2,6 +2,15 @@
 
 from dataclasses import dataclass, field
 
+# --reasoning-parser's choices (server/api/reasoning.py): its own names, then vLLM's for the same formats
+REASONING_PARSERS = ("auto", "think", "harmony", "none")
+REASONING_ALIASES = {
+    "deepseek_r1": "think",
+    "qwen3": "think",
+    "gpt_oss": "harmony",
+    "openai_gptoss": "harmony",
+}
+
 
 @dataclass
 class ServerConfig:
@@ -14,3 +23,6 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds running requests get to finish when draining
     system_prompt: str | None = None  # put first in chat requests that have no system message
     ui: bool = True  # serve the chat page at / (public, like /health; it holds no secret)
+    # how replies are split into reasoning and answer: auto (from the chat template), think, harmony or none
+    # (vLLM's names deepseek_r1, qwen3, gpt_oss too); server/api/reasoning.py
+    reasoning_parser: str = "auto"

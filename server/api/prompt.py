@@ -2,6 +2,9 @@
 and Anthropic's messages become) and the tools offered, through the model's chat template, to prompt ids. Chat,
 Responses, Messages and /tokenize all render with it, so one conversation is one prompt whichever API sent it."""
 
+import os
+from dataclasses import dataclass
+
 from pydantic import BaseModel
 
 from server.api.errors import ApiError
@@ -14,13 +17,36 @@ def chat_prompt_ids(
     messages: list[BaseModel] | list[dict],
     add_generation_prompt: bool = True,
     tools: Tools | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The prompt the chat template makes of the messages (OpenAI's chat shape) and the tools offered, after the
     server's system prompt if they have none."""
+    return chat_prompt(serving, messages, add_generation_prompt, tools, template_kwargs).ids
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    # where the reply starts against the model's reasoning (ReasoningFormat.start): in, out or open; out when the
+    # model's replies are not parsed for reasoning
+    reasoning_start: str = "out"
+
+
+def chat_prompt(
+    serving: Serving,
+    messages: list[BaseModel] | list[dict],
+    add_generation_prompt: bool = True,
+    tools: Tools | None = None,
+    template_kwargs: dict | None = None,
+) -> Prompt:
+    """chat_prompt_ids(), and where the reply starts against the reasoning: read from what the template adds for
+    the reply (its generation prompt), which may open the reasoning, or open and close it."""
     dicts = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else dict(m) for m in messages]
     for m in dicts:
         if m["role"] == "developer":
             m["role"] = "system"
+        if "reasoning_content" in m and serving.reasoning is not None:
+            m[serving.reasoning.history_key] = m.pop("reasoning_content")
     if serving.system_prompt and not any(m["role"] == "system" for m in dicts):
         dicts.insert(0, {"role": "system", "content": serving.system_prompt})
     tokenizer = serving.engine.tokenizer
@@ -31,9 +57,33 @@ def chat_prompt_ids(
     try:
         # The template writes the special tokens (BOS, role markers) itself.
         template_tools = tools.template_tools() if tools is not None and native else None
-        return tokenizer.encode(tokenizer.apply_chat_template(dicts, add_generation_prompt, template_tools))
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt, template_tools, template_kwargs)
+        prompt = Prompt(tokenizer.encode(text))
+        if serving.reasoning is not None and add_generation_prompt:
+            without = tokenizer.apply_chat_template(dicts, False, template_tools, template_kwargs)
+            common = len(os.path.commonprefix([text, without]))
+            prompt.reasoning_start = serving.reasoning.start(tokenizer.encode(text[common:]))
+        return prompt
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
+
+
+# What the renderer sets itself: a request's template variables may not replace them
+RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents"}
+
+
+def template_kwargs(
+    kwargs: dict | None, effort: str | None = None, param: str = "chat_template_kwargs"
+) -> dict:
+    """The template variables a request sets: its reasoning effort (as GPT-OSS's template reads it), then its
+    own (`param`), which win. A 400 for a variable the renderer sets itself."""
+    kwargs = kwargs or {}
+    taken = sorted(
+        RESERVED_TEMPLATE_VARIABLES.intersection(kwargs) | {k for k in kwargs if k.endswith("_token")}
+    )
+    if taken:
+        raise ApiError(400, f"{param}: {', '.join(taken)} cannot be set (the server sets them)", param=param)
+    return {**({"reasoning_effort": effort} if effort is not None else {}), **kwargs}
 
 
 def fold_inline_system(messages: list[dict]) -> list[dict]:

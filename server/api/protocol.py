@@ -106,6 +106,9 @@ def one_of(handler, value: Any, message: str) -> Any:
         raise ValueError(message) from None
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class Sampling(Body):
     """The sampling fields every generating endpoint takes: OpenAI's names, and vLLM's for what OpenAI's lack."""
 
@@ -142,6 +145,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens: the reasoning's, markers included
+
+
 # What a request used, as the serving pipeline counts it: OpenAI's shape, which chat and completions send as it
 # is and the other APIs reshape (a docstring here would be a description in openapi.yaml).
 class Usage(BaseModel):
@@ -149,6 +156,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 # --- a conversation in OpenAI's chat shape: chat's messages and /tokenize's ---------------------
@@ -179,6 +187,9 @@ class ChatMessage(Body):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls (history).")
     tool_call_id: Text | None = Field(None, description="A tool message's call.")
+    reasoning_content: Text | None = Field(
+        None, description="An assistant's reasoning (history), for templates that render it."
+    )
 
     @field_validator("content", mode="wrap")
     @classmethod

@@ -65,6 +65,7 @@ async def serving_for(request: Request) -> Serving:
         request.state.request_id,
         request.state.received,
         lambda: client_gone(request),
+        state.reasoning,
     )
 
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
+from server.api.reasoning import ReasoningFormat
 from server.api.shape import Choice, Event, Shape, usage
 from server.engine.async_engine import AsyncEngine
 from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
@@ -45,6 +46,7 @@ class Serving:
     request_id: str  # the X-Request-Id: what the request's log lines name
     received: float  # time.monotonic() when the request's whole body was here (RequestGuard)
     disconnected: Disconnected  # returns when the client has gone away
+    reasoning: ReasoningFormat | None = None  # how the model writes its reasoning; None: not parsed
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

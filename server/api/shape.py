@@ -29,6 +29,7 @@ class Choice:
     text_offset: int = 0  # completions' logprobs: where the next token starts in the choice's text
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of its output: its reply parser counts them (server/api/reasoning.py)
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
     first_output_time: float | None = None
@@ -109,4 +110,7 @@ def usage(choices: list[Choice]) -> p.Usage:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.num_cached_tokens for c in firsts)),
+        completion_tokens_details=p.CompletionTokensDetails(
+            reasoning_tokens=sum(c.num_reasoning_tokens for c in choices)
+        ),
     )

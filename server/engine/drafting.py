@@ -223,8 +223,8 @@ class Drafter:
         n-gram drafts; none while it waits. Once a wait is over, the first draft counts as sure, so that it is
         tried wherever a kept draft would pay (its verify then updates the estimate)."""
         none = _Proposal(request, [], [], False)
-        if not request.params.speculative:
-            return none
+        if not request.params.speculative or (request.grammar is None and request.constraint is not None):
+            return none  # its reasoning's phase masks the next draw (reasoning.py): no drafts meanwhile
         state = self._states.get(request.request_id)
         if state is None:
             state = self._states[request.request_id] = _Drafts()

@@ -18,6 +18,7 @@ from server.engine.drafting import Drafter, StepCosts
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
 from server.engine.pooling import select_task
+from server.engine.reasoning import ReasoningState
 from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
 from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
@@ -95,8 +96,11 @@ class Engine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        if params.grammar is not None:
-            request.grammar = params.grammar.new_state()
+        grammar = params.grammar.new_state() if params.grammar is not None else None
+        if params.reasoning is not None:  # the grammar waits for the reasoning's end
+            request.reasoning = ReasoningState(params.reasoning, grammar)
+        else:
+            request.grammar = grammar
         self.outputs.add(request)
         self.scheduler.add_request(request)
 

@@ -164,12 +164,13 @@ class ModelRunner:
     ) -> SamplingTensors:
         """One row per (request, the drafts before it)."""
         reqs = [r for r, _ in rows]
-        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        # a row's mask: its grammar's, or its reasoning's phase's (reasoning.py)
+        grammar_rows = [i for i, r in enumerate(reqs) if r.constraint is not None]
         grammar_bitmask = None
         if grammar_rows:
-            constrained = [c for c in chunks if c.request.grammar is not None]
+            constrained = [c for c in chunks if c.request.constraint is not None]
             grammar_bitmask = fill_bitmasks(
-                [c.request.grammar for c in constrained],
+                [c.request.constraint for c in constrained],
                 self.model_config.vocab_size,
                 [c.drafts for c in constrained],
             )

@@ -34,6 +34,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     stop: list[str]
     include_stop: bool
+    markers: frozenset[int] = frozenset()  # SamplingParams.marker_token_ids: left out of the text, marked
     held: str = ""  # text not yet sent: it may be the start of a stop string
     # the prompt's logprobs by position, filled over its chunks (a preempted prefill recomputes some: they land
     # in the same places) until the first output carries them; None = not asked for, or sent
@@ -81,6 +82,7 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             params.stop,
             params.include_stop_str_in_output,
+            params.marker_token_ids,
             # the first prompt token has none: nothing comes before it
             prompt_logprobs=[None] * request.num_prompt_tokens if params.prompt_logprobs else None,
         )
@@ -108,7 +110,7 @@ class OutputProcessor:
             sampled = model_output.sampled.get(request.request_id)
             if sampled is None:
                 continue
-            kept, text, reason, stop_string = self._keep(request, state, sampled, c.drafts)
+            kept, text, marks, reason, stop_string = self._keep(request, state, sampled, c.drafts)
             if state.first_token_time is None:
                 state.first_token_time = now
             output = RequestOutput(
@@ -123,6 +125,7 @@ class OutputProcessor:
                 logprobs=[s.logprob for s in kept] if request.params.logprobs is not None else None,
                 prompt_logprobs=state.take_prompt_logprobs(),
                 stop_string=stop_string,
+                marks=marks,
             )
             if reason is FinishReason.ABORT:
                 output.error = grammar_failure(request, output.num_output_tokens)
@@ -164,34 +167,55 @@ class OutputProcessor:
 
     def _keep(
         self, request: Request, state: RequestState, sampled: list[SampledToken], drafts: list[int]
-    ) -> tuple[list[SampledToken], str, FinishReason | None, str | None]:
+    ) -> tuple[list[SampledToken], str, list[tuple[int, int]], FinishReason | None, str | None]:
         """The drawn tokens the output keeps, in order, as the plain path would have drawn them one per step:
         each draw after a confirmed draft is what that step would have drawn, so keep draws while each equals
-        the draft it follows, and stop at the first that ends the output. Returns (kept, their text, why the
-        output ended or None, the stop string that ended it or None). A token the grammar refuses is not kept and
-        ends the output with ABORT: the mask allows only what the grammar takes, so the grammar itself failed
-        (llguidance's per-token budget ran out while masking or advancing; then its mask allows only the end)."""
+        the draft it follows, and stop at the first that ends the output. Returns (kept, their text, where the
+        marker tokens fell in it, why the output ended or None, the stop string that ended it or None). A token
+        the grammar refuses is not kept and ends the output with ABORT: the mask allows only what the grammar
+        takes, so the grammar itself failed (llguidance's per-token budget ran out while masking or advancing;
+        then its mask allows only the end). A token that moves the request's reasoning to another phase ends the
+        run too: the draws after it were masked as the phase before it masks."""
         kept: list[SampledToken] = []
         texts: list[str] = []
+        marks: list[tuple[int, int]] = []
+        num_chars = 0
         reason = stop_string = None
         for j, drawn in enumerate(sampled):
             token_id = drawn.token_id
-            if request.grammar is not None and not request.grammar.accept(token_id):
+            moved = False
+            if request.reasoning is not None:
+                phase = request.reasoning.phase
+                over, answers = request.reasoning.advance(token_id)
+                moved = over or request.reasoning.phase is not phase
+                if over:  # the answer starts: under the grammar, from its first token
+                    request.grammar, request.reasoning = request.reasoning.grammar, None
+                    if answers and request.grammar is not None and not request.grammar.accept(token_id):
+                        reason = FinishReason.ABORT
+                        break
+            elif request.grammar is not None and not request.grammar.accept(token_id):
                 reason = FinishReason.ABORT
                 break
             kept.append(drawn)
             num_output = len(request.output_token_ids) + len(kept)
             reason = finish_reason(request, token_id, num_output, self.max_model_len)
-            new_text = state.detokenizer.add([token_id])
-            if reason is not None:
-                new_text += state.detokenizer.flush()
-            text, stop_string = state.release(new_text, final=reason is not None)
+            marker = token_id in state.markers
+            if marker:  # not in the text: what is held back goes before it
+                new_text = state.detokenizer.flush()
+            else:
+                new_text = state.detokenizer.add([token_id])
+                if reason is not None:
+                    new_text += state.detokenizer.flush()
+            text, stop_string = state.release(new_text, final=reason is not None or marker)
             texts.append(text)
+            num_chars += len(text)
             if stop_string is not None:
                 reason = FinishReason.STOP
-            if reason is not None or j == len(drafts) or token_id != drafts[j]:
+            elif marker:
+                marks.append((num_chars, token_id))
+            if reason is not None or moved or j == len(drafts) or token_id != drafts[j]:
                 break
-        return kept, "".join(texts), reason, stop_string
+        return kept, "".join(texts), marks, reason, stop_string
 
     def abort(self, request: Request) -> RequestOutput:
         """The last output of a request ended before it finished (client gone, shutdown, engine error)."""

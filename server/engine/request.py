@@ -32,6 +32,36 @@ class Grammar(Protocol):
     spec: GrammarSpec
 
 
+@dataclass(frozen=True)
+class ReasoningSpec:
+    """A thinking model's reasoning, which comes before its answer in the output, as the engine needs to know it:
+    where it ends (a grammar constrains only what follows: the answer), and a budget that bounds it. The ids come
+    from the caller's reasoning parser (server/api/reasoning.py)."""
+
+    end: tuple[
+        int, ...
+    ]  # the tokens, in a row, that end it (`</think>`; harmony's `<|channel|>final<|message|>`)
+    # None: the output starts inside the reasoning (the prompt opened it); an id (`<think>`): the output reasons
+    # only if its first token is that one (the chat template left it to the model)
+    opens_with: int | None = None
+    budget: int | None = None  # at most this many tokens of reasoning, then `close` is forced
+    close: tuple[int, ...] = ()  # what the budget forces when it runs out; ends with `end`
+
+    def validate(self, vocab_size: int | None) -> None:
+        ids = [*self.end, *self.close, *([self.opens_with] if self.opens_with is not None else [])]
+        if not self.end:
+            raise ParamError("reasoning", "reasoning.end must hold at least one token id")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+            raise ParamError("reasoning", f"reasoning token ids must be in [0, {vocab_size})")
+        if self.budget is not None:
+            if self.budget < 1:
+                raise ParamError("reasoning", f"the reasoning budget must be at least 1, got {self.budget}")
+            if self.close[-len(self.end) :] != self.end:
+                raise ParamError(
+                    "reasoning", "a reasoning budget needs a close that ends with its end tokens"
+                )
+
+
 class ParamError(ValueError):
     """A request the engine can never serve, blamed on one of its parameters: each API dialect names that
     parameter in its own words (the engine's `prompt` is chat's `messages`)."""
@@ -70,6 +100,12 @@ class SamplingParams:
     # the output must match it (its end may end the output); from AsyncEngine.compile_grammar()
     grammar: Grammar | None = None
     speculative: bool = True  # False: never draft for this request, where the engine speculates
+    # a thinking model's reasoning: the grammar waits for its end, the budget bounds it (None: no reasoning to
+    # wait for; the grammar, if any, starts at the first token)
+    reasoning: ReasoningSpec | None = None
+    # token ids (a reasoning parser's markers: `<think>`, harmony's `<|channel|>` ...) left out of the text, each
+    # output saying where in its text they fell (RequestOutput.marks), so that the caller splits the text by ids
+    marker_token_ids: frozenset[int] = frozenset()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ParamError naming the offending field; the API maps it to a 400."""
@@ -120,6 +156,8 @@ class SamplingParams:
             bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):  # NaN fails too
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.reasoning is not None:
+            self.reasoning.validate(vocab_size)
 
 
 class Pooling(enum.Enum):
@@ -189,6 +227,9 @@ class RequestOutput:
     error: RequestError | None = None  # with finish_reason ABORT: the engine ended the request early
     times: RequestTimes | None = None  # on the final output only
     stop_string: str | None = None  # the stop string that ended the output, on the final output
+    # (offset in `text`, token id) of each of SamplingParams.marker_token_ids among new_token_ids, in order: the
+    # text before the offset came before that token (its held-back text was released at it), the rest after
+    marks: list[tuple[int, int]] = field(default_factory=list)
     # a PoolingParams request's vector, float32 values, on its one (final) output: the pooled hidden state, or
     # the logits it asked for
     pooled: list[float] | None = None

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from server.engine.grammar import GrammarState
+from server.engine.reasoning import ReasoningState
 from server.engine.request import FinishReason, Pooling, PoolingParams, SamplingParams
 
 
@@ -31,6 +32,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # where its output is in params.grammar; dropped when it finishes
+    # where its output is against its reasoning (params.reasoning), until that ends: then its grammar moves here
+    reasoning: ReasoningState | None = None
     num_preemptions: int = 0
     scheduled_time: float | None = None  # time.monotonic() of its first admission, for metrics
     # tokens guessed to follow its last one (drafting.py), verified in its next decode; never part of the output
@@ -57,6 +60,13 @@ class Request:
         score each one, mean and CLS pooling read their hidden states (a cached block holds K/V, not those)."""
         pooling = self.pooling.pooling if self.pooling is not None else None
         return self.params.prompt_logprobs or pooling in (Pooling.MEAN, Pooling.CLS)
+
+    @property
+    def constraint(self) -> GrammarState | ReasoningState | None:
+        """What masks its next draw: its grammar, or its reasoning's phase where that decides; None: nothing."""
+        if self.grammar is not None:
+            return self.grammar
+        return self.reasoning if self.reasoning is not None and self.reasoning.masks else None
 
     @property
     def is_finished(self) -> bool:

@@ -149,6 +149,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.grammar = None
+        request.reasoning = None
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

@@ -23,6 +23,7 @@ import pytest
 from server.api.app import create_app
 from server.api.config import ServerConfig
 from tests.helpers.agent_cli import Recorded, npm_command
+from tests.helpers.thinking_models import think_model
 
 CLAUDE_CODE = "2.1.200"
 MODEL = "smollm2"
@@ -150,3 +151,39 @@ def test_claude_code_against_kvserve(claude, new_engine, default_model_dir, serv
     (call,) = [b for b in blocks if b["type"] == "tool_use"]
     (answer,) = [b for b in blocks if b["type"] == "tool_result"]
     assert call["name"] == "Read" and answer["tool_use_id"] == call["id"]
+
+
+def test_claude_code_shows_a_thinking_models_thinking_apart(claude, new_engine, serve_app, tmp_path):
+    """A thinking model (tiny, its reply "<think>Sum: 4</think>OK" scripted by its weights): Claude Code asks
+    for thinking (adaptive) and gets it as a thinking block, apart from the answer's text."""
+    thinker = think_model(tmp_path / "thinker", max_len=20480)  # its prompt, a byte a token: ~15,000
+    engine = new_engine(thinker, kv_cache_memory=KV_CACHE)
+    server = Recorded(create_app(engine, ServerConfig(served_model_name=MODEL, api_key=KEY)))
+    home, workdir = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    workdir.mkdir()
+    with serve_app(server) as url:
+        env = claude_env(home, url, CLAUDE_CODE_EXTRA_BODY=json.dumps({"temperature": 0}))
+        command = [claude, "-p", "What is 2+2?", "--output-format", "stream-json", "--verbose"]
+        command += ["--no-session-persistence", "--tools", TOOLS, "--max-turns", "1"]
+        done = subprocess.run(
+            command,
+            env=env,
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    show(server.exchanges)
+    print(done.stdout[-3000:])
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    blocks = [b for e in events if e["type"] == "assistant" for b in e["message"]["content"]]
+    assert [(b["type"], b.get("thinking") or b.get("text")) for b in blocks] == [
+        ("thinking", "Sum: 4"),
+        ("text", "OK"),
+    ]
+    assert events[-1]["type"] == "result" and events[-1]["result"] == "OK"
+    first = server.bodies("/v1/messages")[0]
+    assert first["thinking"]["type"] in ("adaptive", "enabled")

@@ -22,6 +22,7 @@ import pytest
 from server.api.app import create_app
 from server.api.config import ServerConfig
 from tests.helpers.agent_cli import Recorded, npm_command
+from tests.helpers.thinking_models import think_model
 
 CODEX = "0.169.0"
 MODEL = "smollm2-135m-instruct"  # as the README's config names it
@@ -93,10 +94,18 @@ def forcing(choices: list | None):
 
 
 @contextmanager
-def live_codex(new_engine, default_model_dir, serve_app, tmp_path, forced_choices=None) -> Iterator[tuple]:
-    """(the recorded server, CODEX_HOME, the folder Codex works in) around a kvserve on the default model, with
-    the README's config.toml plus a one-tool MCP server."""
-    engine = new_engine(default_model_dir, max_model_len=MAX_MODEL_LEN)
+def live_codex(
+    new_engine,
+    default_model_dir,
+    serve_app,
+    tmp_path,
+    forced_choices=None,
+    extra_config="",
+    max_model_len=MAX_MODEL_LEN,
+) -> Iterator[tuple]:
+    """(the recorded server, CODEX_HOME, the folder Codex works in) around a kvserve on the default model (or the
+    model folder given), with the README's config.toml plus a one-tool MCP server (and `extra_config`)."""
+    engine = new_engine(default_model_dir, max_model_len=max_model_len)
     server = Recorded(create_app(engine, ServerConfig(served_model_name=MODEL)), forcing(forced_choices))
     home, workdir = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
@@ -107,7 +116,9 @@ def live_codex(new_engine, default_model_dir, serve_app, tmp_path, forced_choice
     assert f'model = "{MODEL}"' in config and "http://127.0.0.1:8000/v1" in config
     with serve_app(server) as url:
         config = config.replace("http://127.0.0.1:8000", url)
-        config += MCP_CONFIG.format(python=sys.executable, mcp_server=home / "mcp_notes.py")
+        config = (
+            extra_config + config + MCP_CONFIG.format(python=sys.executable, mcp_server=home / "mcp_notes.py")
+        )
         (home / "config.toml").write_text(config)
         yield server, home, workdir
 
@@ -187,6 +198,36 @@ def test_codex_runs_a_namespaced_call(codex, new_engine, default_model_dir, serv
     assert (call["name"], call["namespace"], output["call_id"]) == ("echo", "mcp__notes", call["call_id"])
     assert "unsupported call" not in json.dumps(output["output"]), output
     print("\ncall:", call, "\noutput:", output)
+
+
+# Codex shows reasoning summaries of the models it knows; for others it is told the model has them, and asked to
+# show the raw reasoning too (top-level keys: before the README's tables)
+THINKER_LEN = 12288
+THINKING_CONFIG = """model_reasoning_summary = "auto"
+show_raw_agent_reasoning = true
+"""
+
+
+def test_codex_shows_a_thinking_models_reasoning_apart(codex, new_engine, serve_app, tmp_path):
+    """A thinking model (tiny, its reply "<think>Sum: 4</think>OK" scripted by its weights): Codex gets the
+    reasoning as a reasoning item and shows it apart from the answer, its agent message."""
+    # its tokenizer spells Codex's prompt a byte a token: ~7,000
+    thinker = think_model(tmp_path / "thinker", max_len=THINKER_LEN)
+    with live_codex(new_engine, thinker, serve_app, tmp_path, None, THINKING_CONFIG, THINKER_LEN) as (
+        server,
+        home,
+        workdir,
+    ):
+        status, events, stderr = run_codex(codex, home, workdir, PROMPT)
+    show("codex exec, a thinking model", events)
+    assert status == 0, (events, stderr[-2000:])
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    reasoning = [item["text"] for item in items if item["type"] == "reasoning"]
+    messages = [item["text"] for item in items if item["type"] == "agent_message"]
+    assert reasoning and all("Sum: 4" in text for text in reasoning), items
+    assert messages == ["OK"], items
+    first = json.loads(answered(server)[0]["body"])
+    assert first["reasoning"]["summary"] == "auto"
 
 
 def model_rambled(events: list[dict]) -> bool:

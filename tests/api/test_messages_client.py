@@ -228,7 +228,7 @@ def test_claude_codes_requests(default_server, caplog):
             sent = stream.response.request
     assert sent.url.path == "/v1/messages" and sent.url.query == b"beta=true"
     assert "context-management-2025-06-27" in sent.headers["anthropic-beta"]
-    assert "accepted, not used: thinking, context_management, metadata, output_config.effort" in caplog.text
+    assert "accepted, not used: context_management, metadata, output_config.effort" in caplog.text
     (use,) = first.content
     assert use.type == "tool_use" and use.name == "get_weather" and first.stop_reason == "tool_use"
     result = {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "18 C"}]}

@@ -17,6 +17,7 @@ from server.api.blocks import Closed, Grew, Opened, ReplyBlocks
 from server.api.metrics import Metrics
 from server.api.openai import responses_protocol as rp
 from server.api.openai.responses import ResponsesShape
+from server.api.reasoning import ReplyParser
 from server.api.serving import Serving
 from server.api.shape import Choice
 from server.api.tools import Function, ToolCallParser, Tools, call_parser, new_call_id
@@ -84,7 +85,9 @@ def responses_client(engine: ScriptedEngine, tools: Tools | None = None, **reque
     body = rp.ResponsesRequest.model_validate({"input": "hi", **request})
 
     def shape(serving):
-        return ResponsesShape(serving, body, "resp_1", 0, ReplyBlocks(call_parser(tools)))
+        return ResponsesShape(
+            serving, body, "resp_1", 0, ReplyBlocks(ReplyParser(None, calls=call_parser(tools)))
+        )
 
     client = openai.DefaultHttpxClient(transport=serve(shape, engine))
     return openai.OpenAI(base_url="http://kvserve/v1", api_key="x", http_client=client, max_retries=0)
@@ -97,10 +100,14 @@ def messages_client(engine: ScriptedEngine, tools: Tools | None = None, **reques
 
     def shape(serving):
         parser = call_parser(tools, new_id=lambda: new_call_id("toolu_"))
-        return MessagesShape(serving, body, "msg_1", ReplyBlocks(parser))
+        return MessagesShape(serving, body, "msg_1", ReplyBlocks(ReplyParser(None, calls=parser)))
 
     client = anthropic.DefaultHttpxClient(transport=serve(shape, engine))
     return anthropic.Anthropic(base_url="http://kvserve", api_key="x", http_client=client, max_retries=0)
+
+
+def output(text: str, final: bool) -> RequestOutput:
+    return RequestOutput("r", [], text, finished=final)
 
 
 def same_calls(a, b) -> None:
@@ -113,11 +120,11 @@ def same_calls(a, b) -> None:
 
 
 def test_blocks_open_grow_and_close_in_reply_order():
-    blocks = ReplyBlocks(ToolCallParser({"get_weather"}, new_id=lambda: "c"))
+    blocks = ReplyBlocks(ReplyParser(None, calls=ToolCallParser({"get_weather"}, new_id=lambda: "c")))
     steps = []
     text = "Let me look.\n" + CALL + "\n" + CALL
     for i, piece in enumerate(pieces(text, 3)):
-        steps += blocks.feed(piece, final=i == len(pieces(text, 3)) - 1)
+        steps += blocks.feed(output(piece, final=i == len(pieces(text, 3)) - 1))
     kinds = [(type(s).__name__, s.block.index) for s in steps if not isinstance(s, Grew)]
     assert kinds == [("Opened", 0), ("Closed", 0), ("Opened", 1), ("Closed", 1), ("Opened", 2), ("Closed", 2)]
     assert [b.text for b in blocks.blocks] == ["Let me look.", '{"city": "Paris"}', '{"city": "Paris"}']
@@ -126,8 +133,8 @@ def test_blocks_open_grow_and_close_in_reply_order():
         "".join(s.piece for s in steps if isinstance(s, Grew) and s.block.index == 1) == '{"city": "Paris"}'
     )
     # text alone, no parser: one block
-    plain = ReplyBlocks()
-    steps = plain.feed("a", False) + plain.feed("b", True)
+    plain = ReplyBlocks(ReplyParser(None))
+    steps = plain.feed(output("a", False)) + plain.feed(output("b", True))
     assert [type(s) for s in steps] == [Opened, Grew, Grew, Closed] and plain.blocks[0].text == "ab"
 
 

@@ -1,7 +1,9 @@
 """/v1/messages, Anthropic's Messages API: the system prompt and messages (text, tool_use and tool_result blocks)
 become chat messages rendered through the chat template as /v1/chat/completions renders them, and the reply
-streams as content blocks (text, tool_use) in Anthropic's event sequence."""
+streams as content blocks (thinking, text, tool_use) in Anthropic's event sequence."""
 
+import functools
+import hashlib
 import json
 import logging
 import uuid
@@ -10,7 +12,8 @@ from dataclasses import dataclass, field
 from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
-from server.api.prompt import chat_prompt_ids
+from server.api.prompt import chat_prompt
+from server.api.reasoning import check_budget, reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
 from server.api.structured import answer_grammar, compiled, offered_tools
@@ -34,18 +37,38 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     tools = request_tools(body)
     if unused := body.unused_fields():
         log.debug("request %s: accepted, not used: %s", serving.request_id, ", ".join(unused))
-    ids = chat_prompt_ids(serving, chat_messages(body), tools=tools)
+    thinking = thinks(body)
+    budget = body.thinking.budget_tokens if thinking else None
+    if budget is not None:
+        check_budget(budget, "thinking.budget_tokens")
+    prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=thinking_kwargs(body))
+    ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
     max_tokens = min(body.max_tokens, serving.rest_of_context(ids, "messages"))
     params = serving.sampling_params(body, max_tokens, None)
     schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
     params.grammar = await compiled(serving, answer_grammar(schema, "output_config.format", tools))
+    reason(params, serving.reasoning, prompt.reasoning_start, budget)
     message_id = f"msg_{uuid.uuid4().hex}"
     choices = serving.choices(message_id, 0, ids, params, names=ENGINE_NAMES)
-    parser = call_parser(tools, new_id=lambda: new_call_id("toolu_"))
-    shape = MessagesShape(serving, body, message_id, ReplyBlocks(parser))
+    new_id = functools.partial(new_call_id, "toolu_")
+    parser = reply_parser(
+        serving.reasoning, prompt.reasoning_start, tools, call_parser(tools, new_id), new_id
+    )
+    shape = MessagesShape(serving, body, message_id, ReplyBlocks(parser), thinking)
     return await serving.answer(choices, shape, body.stream)
+
+
+def thinks(body: mp.MessagesRequest) -> bool:
+    """The request enables thinking: its blocks are shown."""
+    return body.thinking is not None and body.thinking.type != "disabled"
+
+
+def thinking_kwargs(body: mp.MessagesRequest) -> dict | None:
+    """The template variables of the request's thinking: Anthropic's models think only when asked, and so are
+    the templates that can leave the thinking out (Qwen3's enable_thinking)."""
+    return None if thinks(body) else {"enable_thinking": False}
 
 
 def request_tools(body: mp.MessagesRequest) -> Tools | None:
@@ -57,8 +80,9 @@ def request_tools(body: mp.MessagesRequest) -> Tools | None:
 
 def chat_messages(body: mp.MessagesRequest) -> list[dict]:
     """The conversation in the chat shape chat_prompt_ids() renders: the system blocks (but Claude Code's billing
-    line) as the system message, an assistant's tool_use blocks as its tool_calls, a user's tool_result blocks as
-    tool messages (before its text, as Anthropic has them first), and a system message among the others as a
+    line) as the system message, an assistant's tool_use blocks as its tool_calls and its thinking blocks as its
+    reasoning_content, a user's tool_result blocks as tool messages (before its text, as Anthropic has them
+    first), and a system message among the others as a
     system message where it stands (chat_prompt_ids() folds it into a user turn for a template that cannot
     render it there)."""
     messages: list[dict] = []
@@ -67,11 +91,15 @@ def chat_messages(body: mp.MessagesRequest) -> list[dict]:
         messages.append({"role": "system", "content": "\n".join(system)})
     call_ids = set()
     for i, m in enumerate(body.messages):
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for block in m.content:
             match block:
                 case mp.TextBlock():
                     texts.append(block.text)
+                case mp.ThinkingBlock() if m.role == "assistant":
+                    thoughts.append(block.thinking)
+                case mp.RedactedThinkingBlock() if m.role == "assistant":
+                    pass
                 case mp.ToolUseBlock() if m.role == "assistant":
                     function = {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}
                     calls.append({"id": block.id, "type": "function", "function": function})
@@ -83,13 +111,16 @@ def chat_messages(body: mp.MessagesRequest) -> list[dict]:
                     content = "\n".join(b.text for b in block.content)
                     messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
                 case _:
-                    home = "assistant" if block.type == "tool_use" else "user"
+                    home = "user" if block.type == "tool_result" else "assistant"
                     why = f"{block.type} blocks belong in {home} messages"
                     raise ApiError(400, f"messages.{i}: {why}", param=f"messages.{i}")
+        reasoning = {"reasoning_content": "\n".join(thoughts)} if thoughts else {}
         if calls:
-            messages.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
-        elif texts:
-            messages.append({"role": m.role, "content": "\n".join(texts)})
+            messages.append(
+                {"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls, **reasoning}
+            )
+        elif texts or thoughts:
+            messages.append({"role": m.role, "content": "\n".join(texts), **reasoning})
     if body.messages[-1].role == "assistant":
         why = "a final assistant message (a prefill for the reply to continue) is not supported"
         raise ApiError(400, why, param="messages")
@@ -106,12 +137,16 @@ class Reply:
 
 @dataclass
 class MessagesShape(Shape):
-    """The reply as content blocks: a text block for each stretch of text, a tool_use block for each call."""
+    """The reply as content blocks: a thinking block for each stretch of reasoning (when the request enables
+    thinking; otherwise the reasoning is not shown), a text block for each stretch of text, a tool_use block for
+    each call."""
 
     serving: Serving
     body: mp.MessagesRequest
     message_id: str
     blocks: ReplyBlocks
+    thinking: bool = False  # the request enabled thinking: its blocks are shown
+    index: dict[int, int] = field(default_factory=dict)  # reply block -> its index in the message
     end = ""
     closes_with_answer = False  # message_delta carries the stop reason and usage only
 
@@ -119,24 +154,42 @@ class MessagesShape(Shape):
         return [named(mp.MessageStartEvent(message=self.empty(choices).message))]
 
     def events(self, c: Choice, out) -> list[Event]:
-        return [named(self._event(step)) for step in self.blocks.feed(out.text, final=out.finished)]
+        steps = self.blocks.feed(out)
+        c.num_reasoning_tokens = self.blocks.num_reasoning_tokens
+        return [named(e) for step in steps for e in self._events(step)]
 
-    def _event(self, step: Step):
+    def _events(self, step: Step) -> list:
         block = step.block
+        if block.reasoning and not self.thinking:
+            return []
+        if isinstance(step, Opened):  # blocks not shown take no index
+            self.index[block.index] = len(self.index)
+        index = self.index[block.index]
         match step:
+            case Opened() if block.reasoning:
+                thinking = mp.ThinkingBlock(thinking="", signature="")
+                return [mp.ContentBlockStartEvent(index=index, content_block=thinking)]
             case Opened() if block.call is None:
-                return mp.ContentBlockStartEvent(index=block.index, content_block=mp.TextBlock(text=""))
+                return [mp.ContentBlockStartEvent(index=index, content_block=mp.TextBlock(text=""))]
             case Opened():
                 tool_use = mp.ToolUseBlock(id=block.call.id, name=block.call.name, input={})
-                return mp.ContentBlockStartEvent(index=block.index, content_block=tool_use)
+                return [mp.ContentBlockStartEvent(index=index, content_block=tool_use)]
+            case Grew(piece=piece) if block.reasoning:
+                if self.body.thinking.display == "omitted":
+                    return []
+                return [mp.ContentBlockDeltaEvent(index=index, delta=mp.ThinkingDelta(thinking=piece))]
             case Grew(piece=piece) if block.call is None:
-                return mp.ContentBlockDeltaEvent(index=block.index, delta=mp.TextDelta(text=piece))
+                return [mp.ContentBlockDeltaEvent(index=index, delta=mp.TextDelta(text=piece))]
             case Grew(piece=piece):
-                return mp.ContentBlockDeltaEvent(
-                    index=block.index, delta=mp.InputJsonDelta(partial_json=piece)
-                )
+                return [mp.ContentBlockDeltaEvent(index=index, delta=mp.InputJsonDelta(partial_json=piece))]
+            case Closed() if block.reasoning:
+                signature = mp.SignatureDelta(signature=thinking_signature(block.text))
+                return [
+                    mp.ContentBlockDeltaEvent(index=index, delta=signature),
+                    mp.ContentBlockStopEvent(index=index),
+                ]
             case Closed():
-                return mp.ContentBlockStopEvent(index=block.index)
+                return [mp.ContentBlockStopEvent(index=index)]
 
     def closing(self, answer: Reply, choices: list[Choice]) -> list[Event]:
         (c,) = choices
@@ -184,6 +237,10 @@ class MessagesShape(Shape):
                 content.append(event.content_block.model_copy(deep=True))
             case mp.ContentBlockDeltaEvent(delta=mp.TextDelta(text=text)):
                 content[event.index].text += text
+            case mp.ContentBlockDeltaEvent(delta=mp.ThinkingDelta(thinking=text)):
+                content[event.index].thinking += text
+            case mp.ContentBlockDeltaEvent(delta=mp.SignatureDelta(signature=signature)):
+                content[event.index].signature = signature
             case mp.ContentBlockDeltaEvent(delta=mp.InputJsonDelta(partial_json=piece)):
                 answer.input_json[event.index] = answer.input_json.get(event.index, "") + piece
             case mp.ContentBlockStopEvent() if event.index in answer.input_json:
@@ -202,6 +259,12 @@ class MessagesShape(Shape):
 def named(data) -> Event:
     """An event under its type's name, as Anthropic's streams name them."""
     return Event(data, data.type)
+
+
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's signature: Anthropic's is a proof the thinking is its model's, which clients send back
+    untouched; kvserve checks nothing, so its own is a digest of the text."""
+    return "kvserve-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
 def tool_input(text: str) -> dict:

@@ -1,9 +1,9 @@
 """The bodies of Anthropic's Messages API (/v1/messages), its stream events and its errors, as kvserve serves it:
-text and client tools.
+text, client tools and thinking.
 
 Request bodies follow protocol.py's rules: unknown fields are ignored (cache_control, a tool's defer_loading, ...),
 null means the default, and what kvserve cannot do (images, documents, server tools) is refused by name. The
-fields Claude Code sends that have no effect here (thinking, context_management, metadata, output_config.effort)
+fields Claude Code sends that have no effect here (context_management, metadata, output_config.effort)
 are named in the schema, so that the server can say at debug level that it did not use them.
 """
 
@@ -75,7 +75,25 @@ class ToolResultBlock(Body):
     is_error: bool = False
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(Body):
+    """The model's reasoning before its answer: in the reply, and in an assistant message (history)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: Text
+    signature: str = Field("", description="Opaque; kvserve's is a digest of the thinking, not checked.")
+
+
+class RedactedThinkingBlock(Body):
+    """Anthropic's encrypted thinking (history): accepted, and left out of the prompt (nothing can read it)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(Body):
@@ -119,11 +137,27 @@ class OutputConfig(Body):
 
 
 class Thinking(Body):
-    """Extended thinking. The models kvserve serves do not reason apart from their answer, so no thinking blocks
-    are written; and as Anthropic counts thinking against max_tokens, none spent leaves the answer all of it."""
+    """Extended thinking: a thinking model's reasoning comes as thinking blocks before the answer. Left out or
+    disabled, the chat template is asked for none (enable_thinking false, for the models that can leave it
+    out) and whatever reasoning comes is not shown."""
 
-    type: str = Field(description="enabled (with budget_tokens), adaptive or disabled: all accepted alike.")
-    budget_tokens: int | None = Field(None, description="Not spent: max_tokens bounds the answer alone.")
+    type: Literal["enabled", "adaptive", "disabled"] = Field(
+        description="enabled (with budget_tokens) or adaptive: thinking blocks; disabled: none."
+    )
+    budget_tokens: int | None = Field(
+        None,
+        description="enabled: at most this many tokens of thinking (at least 1024); the thinking is then "
+        "closed and the answer follows. max_tokens bounds the thinking and the answer together.",
+    )
+    display: Literal["summarized", "omitted"] | None = Field(
+        None, description="omitted: thinking blocks come with their signature and no text."
+    )
+
+    @model_validator(mode="after")
+    def _budget_given(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens is required with type 'enabled'")
+        return self
 
 
 class MessagesRequest(Sampling):
@@ -140,7 +174,9 @@ class MessagesRequest(Sampling):
         "the tools' schemas by a grammar.",
     )
     output_config: OutputConfig | None = None
-    thinking: Thinking | None = Field(None, description="Accepted, not used: no thinking blocks are written.")
+    thinking: Thinking | None = Field(
+        None, description="Thinking blocks before the answer (a thinking model's)."
+    )
     context_management: JsonObject | None = Field(
         None,
         description="Accepted, not used: there are no thinking blocks or tool results kept here to clear.",
@@ -152,9 +188,7 @@ class MessagesRequest(Sampling):
 
     def unused_fields(self) -> list[str]:
         """The fields given that kvserve accepts and does not act on."""
-        given = [
-            name for name in ("thinking", "context_management", "metadata") if getattr(self, name) is not None
-        ]
+        given = [name for name in ("context_management", "metadata") if getattr(self, name) is not None]
         if self.output_config is not None and self.output_config.effort is not None:
             given.append("output_config.effort")
         return given
@@ -178,7 +212,7 @@ class MessageUsage(BaseModel):
     cache_read_input_tokens: int = 0  # of the prompt, those found in the prefix cache
 
 
-OutputBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+OutputBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class MessageResponse(BaseModel):
@@ -235,10 +269,20 @@ class InputJsonDelta(BaseModel):
     partial_json: str  # the next piece of the tool input's JSON
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str  # a thinking block's, sent just before the block stops
+
+
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Annotated[TextDelta | InputJsonDelta, Field(discriminator="type")]
+    delta: Annotated[TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta, Field(discriminator="type")]
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -1,5 +1,6 @@
 """/v1/chat/completions: messages rendered through the chat template (server/api/prompt.py), n choices,
-logprobs in the chat shape, tool calls (server/api/tools.py) and structured outputs (server/api/structured.py)."""
+logprobs in the chat shape, reasoning apart from the answer (server/api/reasoning.py), tool calls
+(server/api/tools.py) and structured outputs (server/api/structured.py)."""
 
 import time
 import uuid
@@ -8,10 +9,11 @@ from dataclasses import dataclass, field
 from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape
 from server.api.openai.structured import chat_tools, output_grammar_for
-from server.api.prompt import chat_prompt_ids
+from server.api.prompt import chat_prompt, template_kwargs
+from server.api.reasoning import ReplyParser, reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event
-from server.api.tools import CallDelta, ToolCallParser, Tools, call_parser
+from server.api.tools import CallDelta, Tools, call_parser
 from server.engine.request import RequestOutput, TokenLogprob
 
 
@@ -20,13 +22,16 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
     serving.check_model(body.model)
     serving.check_queue()
     tools = chat_tools(body)
-    ids = chat_prompt_ids(serving, body.messages, tools=tools)
+    kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+    prompt = chat_prompt(serving, body.messages, tools=tools, template_kwargs=kwargs)
+    ids = prompt.ids
     max_tokens = body.max_completion_tokens or body.max_tokens or serving.rest_of_context(ids, "messages")
     params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     params.grammar = await output_grammar_for(serving, body, tools)
+    reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = serving.choices(response_id, 0, ids, params, body.n, names={"prompt": "messages"})
-    shape = ChatShape(serving, body, response_id, int(time.time()), tools)
+    shape = ChatShape(serving, body, response_id, int(time.time()), tools, prompt.reasoning_start)
     return await serving.answer(choices, shape, body.stream)
 
 
@@ -34,7 +39,8 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
 class ChatShape(OpenAIShape):
     body: p.ChatCompletionRequest
     tools: Tools | None = None
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice, while tools are offered
+    reasoning_start: str = "out"  # where each reply starts against the reasoning (prompt.Prompt)
+    parsers: dict[int, ReplyParser] = field(default_factory=dict)  # by choice
     chunk_type = p.ChatCompletionStreamResponse
     response_type = p.ChatCompletionResponse
 
@@ -42,21 +48,32 @@ class ChatShape(OpenAIShape):
         logprobs = None
         if self.body.logprobs:
             logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
-        text, calls, finish_reason = out.text, [], c.finish_reason
-        if self.tools is not None and self.tools.active:
-            parser = self.parsers.get(c.index)
-            if parser is None:
-                parser = self.parsers[c.index] = call_parser(self.tools)
-            text, calls = parser.feed(out.text, final=out.finished)
-            if finish_reason == "stop" and parser.num_calls:
-                finish_reason = "tool_calls"
-        if not text and not calls and not (logprobs and logprobs.content) and not out.finished:
+        finish_reason = c.finish_reason
+        parser = self.parsers.get(c.index)
+        if parser is None:
+            calls_parser = call_parser(self.tools)
+            parser = reply_parser(self.serving.reasoning, self.reasoning_start, self.tools, calls_parser)
+            self.parsers[c.index] = parser
+        pieces = parser.feed(out)
+        c.num_reasoning_tokens = parser.num_reasoning_tokens
+        text = "".join(piece.text for piece in pieces if piece.kind == "content")
+        reasoning = "".join(piece.text for piece in pieces if piece.kind == "reasoning")
+        reasoning = reasoning if self.body.include_reasoning else ""
+        calls = [piece.call for piece in pieces if piece.kind == "call"]
+        if finish_reason == "stop" and parser.num_calls:
+            finish_reason = "tool_calls"
+        if not (text or reasoning or calls or (logprobs and logprobs.content) or out.finished):
             return None
-        if calls:  # as OpenAI's: a delta of calls has no content unless there is text
+        if calls or reasoning:  # as OpenAI's: a delta of calls has no content unless there is text
             content = text or None
         else:
             content = text if text or not out.finished else None
-        delta = p.DeltaMessage(content=content, tool_calls=tool_call_deltas(calls) or None)
+        delta = p.DeltaMessage(
+            content=content,
+            reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
+            tool_calls=tool_call_deltas(calls) or None,
+        )
         return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     def _logprob(self, entry: TokenLogprob) -> p.TokenLogprob:
@@ -90,6 +107,9 @@ class ChatShape(OpenAIShape):
     def add_choice(self, total: p.ChatChoice, delta: p.ChatChunkChoice) -> None:
         message = total.message
         message.content += delta.delta.content or ""
+        if delta.delta.reasoning_content:
+            message.reasoning_content = (message.reasoning_content or "") + delta.delta.reasoning_content
+            message.reasoning = message.reasoning_content
         for d in delta.delta.tool_calls or []:
             if message.tool_calls is None:
                 message.tool_calls = []

@@ -18,6 +18,7 @@ from server.api.protocol import (
     TOOL_NAME,
     Body,
     ChatMessage,
+    Effort,
     EmbeddingUsage,
     JsonObject,
     Sampling,
@@ -188,6 +189,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply.")
     functions: list[Any] | None = Field(None, description="Not supported (use tools).")
     function_call: Any = Field(None, description="Not supported (use tool_choice).")
+    reasoning_effort: Effort | None = Field(
+        None, description="Passed to the chat template as reasoning_effort (GPT-OSS's: `Reasoning: low`...)."
+    )
+    chat_template_kwargs: JsonObject | None = Field(
+        None, description='More variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).'
+    )
+    include_reasoning: bool = Field(True, description="false: the reasoning is left out of the reply.")
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -266,6 +274,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null in a reply of tool calls alone
     tool_calls: list[ToolCall] | None = None
+    # a thinking model's reasoning, apart from its answer: vLLM's and llama.cpp's name, and vLLM's newer one
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -307,6 +318,8 @@ class ToolCallDelta(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

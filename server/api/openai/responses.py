@@ -1,6 +1,6 @@
 """/v1/responses, OpenAI's Responses API, stateless: the input items become chat messages rendered through the
-chat template as /v1/chat/completions renders them, and the reply streams as output items (a message's text,
-function calls, custom tool calls) in the Responses event sequence.
+chat template as /v1/chat/completions renders them, and the reply streams as output items (the model's reasoning,
+a message's text, function calls, custom tool calls) in the Responses event sequence.
 
 The model is offered every tool as a function: a namespace tool's functions flattened out as
 `<namespace>.<name>`, a custom tool as a function of one string argument, `input`. Its calls are mapped back to
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
 from server.api.openai import responses_protocol as rp
-from server.api.prompt import chat_prompt_ids
+from server.api.prompt import chat_prompt, template_kwargs
+from server.api.reasoning import reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
 from server.api.structured import answer_grammar, compiled, offered_tools
@@ -119,15 +120,20 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
             raise ApiError(400, why, param="tool_choice")
         choice = choice.prompt_name()
     tools = offered_tools(functions, choice, body.parallel_tool_calls)
-    ids = chat_prompt_ids(serving, chat_messages(body), tools=tools)
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    kwargs = template_kwargs(body.chat_template_kwargs, effort)
+    prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=kwargs)
+    ids = prompt.ids
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
     params = serving.sampling_params(body, max_tokens, None)
     params.grammar = await compiled(
         serving, answer_grammar(body.text.format.output_schema(), "text.format", tools)
     )
+    reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"resp_{uuid.uuid4().hex}"
     choices = serving.choices(response_id, 0, ids, params, names=ENGINE_NAMES)
-    blocks = ReplyBlocks(call_parser(tools))
+    parser = reply_parser(serving.reasoning, prompt.reasoning_start, tools, call_parser(tools))
+    blocks = ReplyBlocks(parser)
     shape = ResponsesShape(serving, body, response_id, int(time.time()), blocks, offered)
     return await serving.answer(choices, shape, body.stream)
 
@@ -135,16 +141,28 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
 def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
     """The conversation in the chat shape chat_prompt_ids() renders: the instructions as the system message,
     function and custom tool calls as the tool_calls of the assistant message they follow (named as the model
-    is offered them), their outputs as tool messages."""
+    is offered them), their outputs as tool messages, reasoning items as the reasoning_content of the assistant
+    message that follows them."""
     messages: list[dict] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
     call_ids = set()
+    reasoning: list[str] = []  # reasoning items waiting for the assistant message they come before
+
+    def with_reasoning(message: dict) -> dict:
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        return message
+
     for item in body.input:
         last = messages[-1] if messages else {}
         match item:
+            case rp.ReasoningItem():
+                reasoning.extend(p.text for p in item.content or item.summary)
             case rp.MessageItem():
-                messages.append({"role": item.role, "content": "\n".join(p.text for p in item.content)})
+                message = {"role": item.role, "content": "\n".join(p.text for p in item.content)}
+                messages.append(with_reasoning(message) if item.role == "assistant" else message)
             case rp.FunctionCallItem() | rp.CustomToolCallItem():
                 if isinstance(item, rp.FunctionCallItem):
                     arguments = item.arguments
@@ -152,10 +170,10 @@ def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
                     arguments = json.dumps({"input": item.input}, ensure_ascii=False)
                 function = {"name": prompt_name(item.name, item.namespace), "arguments": arguments}
                 call = {"id": item.call_id, "type": "function", "function": function}
-                if last.get("role") == "assistant":  # a reply's words, then its calls
+                if last.get("role") == "assistant" and not reasoning:  # a reply's words, then its calls
                     last.setdefault("tool_calls", []).append(call)
                 else:
-                    messages.append({"role": "assistant", "tool_calls": [call]})
+                    messages.append(with_reasoning({"role": "assistant", "tool_calls": [call]}))
                 call_ids.add(item.call_id)
             case rp.FunctionCallOutputItem() | rp.CustomToolCallOutputItem():
                 if item.call_id not in call_ids:
@@ -214,18 +232,44 @@ class ResponsesShape(Shape):
 
     def events(self, c: Choice, out: RequestOutput) -> list[Event]:
         events: list[Event] = []
-        for step in self.blocks.feed(out.text, final=out.finished):
+        for step in self.blocks.feed(out):
             events += self._step(step, c)
+        c.num_reasoning_tokens = self.blocks.num_reasoning_tokens
         return events
 
     def _step(self, step: Step, c: Choice) -> list[Event]:
         block = step.block
         tool = self._tool(block)
         if isinstance(step, Opened):
-            kind = "msg" if tool is None else "ctc" if tool.custom else "fc"
+            kind = ("rs" if block.reasoning else "msg") if tool is None else "ctc" if tool.custom else "fc"
             self.item_ids[block.index] = f"{kind}_{uuid.uuid4().hex}"
         at = {"item_id": self.item_ids[block.index], "output_index": block.index}
         match step:
+            case Opened() if block.reasoning:
+                added = [
+                    self._item_event("added", block, "", "in_progress"),
+                    self._part_event("added", block, ""),
+                ]
+                return added + self._summary_part("added", block, "")
+            case Grew(piece=piece) if block.reasoning:
+                delta = [self._event(rp.ReasoningTextDeltaEvent, content_index=0, delta=piece, **at)]
+                if self.summarized:
+                    delta.append(
+                        self._event(rp.ReasoningSummaryTextDeltaEvent, summary_index=0, delta=piece, **at)
+                    )
+                return delta
+            case Closed() if block.reasoning:
+                status = "completed" if c.finish_reason in (None, "stop") else "incomplete"
+                done = [
+                    self._event(rp.ReasoningTextDoneEvent, content_index=0, text=block.text, **at),
+                    self._part_event("done", block, block.text),
+                ]
+                if self.summarized:
+                    done.append(
+                        self._event(rp.ReasoningSummaryTextDoneEvent, summary_index=0, text=block.text, **at)
+                    )
+                    done += self._summary_part("done", block, block.text)
+                return done + [self._item_event("done", block, block.text, status)]
             case Opened():  # empty: a feed's steps are all made before these are, the block may have grown
                 added = [self._item_event("added", block, "", "in_progress")]
                 if tool is None:
@@ -266,7 +310,11 @@ class ResponsesShape(Shape):
     def _item_event(self, when: str, block: Block, text: str, status: str) -> Event:
         """output_item.added or .done: the block's item with that text (or arguments) and status."""
         item_id = self.item_ids[block.index]
-        if block.call is None:
+        if block.reasoning:
+            reasoning = [rp.ReasoningText(text=text)] if when == "done" else []
+            summary = [rp.SummaryText(text=text)] if when == "done" and self.summarized else []
+            item = rp.OutputReasoning(id=item_id, status=status, content=reasoning, summary=summary)
+        elif block.call is None:
             content = [rp.OutputText(text=text)] if when == "done" else []
             item = rp.OutputMessage(id=item_id, status=status, content=content)
         else:
@@ -281,15 +329,35 @@ class ResponsesShape(Shape):
         )
 
     def _part_event(self, when: str, block: Block, text: str) -> Event:
-        """content_part.added or .done: a message's one text part."""
+        """content_part.added or .done: a message's one text part, or a reasoning item's."""
         return self._event(
             rp.ContentPartEvent,
             type=f"response.content_part.{when}",
             item_id=self.item_ids[block.index],
             output_index=block.index,
             content_index=0,
-            part=rp.OutputText(text=text),
+            part=rp.ReasoningText(text=text) if block.reasoning else rp.OutputText(text=text),
         )
+
+    @property
+    def summarized(self) -> bool:
+        """The request asked for reasoning summaries: the reasoning is its own."""
+        return self.body.reasoning is not None and self.body.reasoning.summarized
+
+    def _summary_part(self, when: str, block: Block, text: str) -> list[Event]:
+        """reasoning_summary_part.added or .done, when summaries are asked for."""
+        if not self.summarized:
+            return []
+        return [
+            self._event(
+                rp.ReasoningSummaryPartEvent,
+                type=f"response.reasoning_summary_part.{when}",
+                item_id=self.item_ids[block.index],
+                output_index=block.index,
+                summary_index=0,
+                part=rp.SummaryText(text=text),
+            )
+        ]
 
     def closing(self, answer: rp.ResponseObject, choices: list[Choice]) -> list[Event]:
         response = self.response(answer, choices)
@@ -310,8 +378,12 @@ class ResponsesShape(Shape):
                 answer.output[event.output_index] = event.item.model_copy(deep=True)
             case rp.ContentPartEvent(type="response.content_part.added"):
                 answer.output[event.output_index].content.append(event.part.model_copy())
-            case rp.OutputTextDeltaEvent():
+            case rp.OutputTextDeltaEvent() | rp.ReasoningTextDeltaEvent():
                 answer.output[event.output_index].content[event.content_index].text += event.delta
+            case rp.ReasoningSummaryPartEvent(type="response.reasoning_summary_part.added"):
+                answer.output[event.output_index].summary.append(event.part.model_copy())
+            case rp.ReasoningSummaryTextDeltaEvent():
+                answer.output[event.output_index].summary[event.summary_index].text += event.delta
             case rp.FunctionCallArgumentsDeltaEvent():
                 answer.output[event.output_index].arguments += event.delta
             case rp.CustomToolCallInputDeltaEvent():
@@ -325,6 +397,9 @@ class ResponsesShape(Shape):
             input_tokens=u.prompt_tokens,
             input_tokens_details=rp.InputTokensDetails(cached_tokens=u.prompt_tokens_details.cached_tokens),
             output_tokens=u.completion_tokens,
+            output_tokens_details=rp.OutputTokensDetails(
+                reasoning_tokens=u.completion_tokens_details.reasoning_tokens
+            ),
             total_tokens=u.total_tokens,
         )
         if c.finish_reason == "stop":

@@ -23,6 +23,7 @@ from pydantic import (
 from server.api.protocol import (
     TOOL_NAME,
     Body,
+    Effort,
     JsonObject,
     Sampling,
     Text,
@@ -114,12 +115,33 @@ class CustomToolCallOutputItem(Body):
     output: list_or_string(InputTextPart, _text_parts)
 
 
+class ReasoningTextPart(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(Body):
+    """The model's reasoning in an earlier turn (as the response's output gave it): rendered as the reasoning of
+    the assistant turn it comes before, for templates that render it."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    content: list[ReasoningTextPart] | None = None
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    encrypted_content: Text | None = Field(None, description="Accepted; not read (kvserve encrypts nothing).")
+
+
 def _user_message(text: str) -> list[dict]:
     return [{"type": "message", "role": "user", "content": text}]
 
 
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem | CustomToolCallOutputItem,
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem,
     Field(discriminator="type"),
 ]
 
@@ -244,6 +266,22 @@ class TextConfig(Body):
     )
 
 
+class ReasoningConfig(Body):
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = Field(
+        None,
+        description="Asked for (not none), the reasoning is its own summary too: kvserve has no summarizer, "
+        "and clients that show only summaries (Codex) show the reasoning.",
+    )
+    generate_summary: Literal["auto", "concise", "detailed", "none"] | None = Field(
+        None, description="The older name of summary."
+    )
+
+    @property
+    def summarized(self) -> bool:
+        return (self.summary or self.generate_summary or "none") != "none"
+
+
 class ResponsesRequest(Sampling):
     input: list_or_string(InputItem, _user_message) = Field(
         min_length=1,
@@ -269,8 +307,13 @@ class ResponsesRequest(Sampling):
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply.")
     metadata: dict[str, str] | None = Field(None, description="Echoed in the response.")
     user: str | None = None
-    reasoning: JsonObject | None = Field(
-        None, description="Accepted; no effect (whatever the model reasons is part of its answer)."
+    reasoning: ReasoningConfig | None = Field(
+        None,
+        description="effort: passed to the chat template as reasoning_effort; the reasoning comes as reasoning "
+        "items before the answer (summary: accepted, no effect).",
+    )
+    chat_template_kwargs: JsonObject | None = Field(
+        None, description='More variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).'
     )
     include: list[str] | None = Field(None, description="Accepted; no effect.")
     prompt_cache_key: str | None = Field(
@@ -354,7 +397,30 @@ class OutputCustomToolCall(BaseModel):
     status: Status
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputCustomToolCall, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class SummaryText(BaseModel):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's reasoning before its answer (or between its calls), as its text; its summary is the same
+    text, when the request asked for one."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Status
+
+
+OutputItem = Annotated[
+    OutputMessage | OutputFunctionCall | OutputCustomToolCall | OutputReasoning, Field(discriminator="type")
+]
 
 
 class InputTokensDetails(BaseModel):
@@ -438,14 +504,61 @@ class OutputItemEvent(BaseModel):
 
 
 class ContentPartEvent(BaseModel):
-    """A message's text part begins (added: empty) or ends (done: whole)."""
+    """A message's text part, or a reasoning item's, begins (added: empty) or ends (done: whole)."""
 
     type: Literal["response.content_part.added", "response.content_part.done"]
     sequence_number: int
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
+
+
+class ReasoningTextDeltaEvent(BaseModel):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningSummaryPartEvent(BaseModel):
+    """A reasoning item's summary part begins (added: empty) or ends (done: whole)."""
+
+    type: Literal["response.reasoning_summary_part.added", "response.reasoning_summary_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryText
+
+
+class ReasoningSummaryTextDeltaEvent(BaseModel):
+    type: Literal["response.reasoning_summary_text.delta"] = "response.reasoning_summary_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    delta: str
+
+
+class ReasoningSummaryTextDoneEvent(BaseModel):
+    type: Literal["response.reasoning_summary_text.done"] = "response.reasoning_summary_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    text: str
+
+
+class ReasoningTextDoneEvent(BaseModel):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class OutputTextDeltaEvent(BaseModel):
@@ -519,6 +632,11 @@ class ResponseStreamEvent(
             | ContentPartEvent
             | OutputTextDeltaEvent
             | OutputTextDoneEvent
+            | ReasoningTextDeltaEvent
+            | ReasoningTextDoneEvent
+            | ReasoningSummaryPartEvent
+            | ReasoningSummaryTextDeltaEvent
+            | ReasoningSummaryTextDoneEvent
             | FunctionCallArgumentsDeltaEvent
             | FunctionCallArgumentsDoneEvent
             | CustomToolCallInputDeltaEvent
