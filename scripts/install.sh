@@ -15,8 +15,10 @@
 #   TORCH_SPEC           the torch requirement (default: torch==2.13.0, the CPU wheel on these machines)
 #   TORCH_INDEX_URL      where torch comes from elsewhere, e.g. https://download.pytorch.org/whl/cpu
 #                        or https://download.pytorch.org/whl/cu128 (default: the configured index)
-#   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: runnable (default: the tiers this CPU runs), all
-#                        (every tier of the platform, for an image that runs elsewhere), or names (avx2,generic)
+#   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: auto (the default: the one tier a server here runs
+#                        as), runnable (the default with --test: every tier this CPU runs, as the kernel tests
+#                        run each), all (every tier of the platform, for an image that runs elsewhere), or
+#                        names (avx2,generic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,11 +73,13 @@ else
         "${pip[@]}" -e ".$extras"
         [ -z "$stamp" ] || echo "$wanted" >"$stamp"
     fi
-    # The C++ CPU kernels (model/csrc) are compiled here, for every tier this CPU runs (~1-2 min a tier on 2
-    # cores; an edit recompiles only what it touched), into this install's own folder: a server start never
-    # compiles. KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
+    # The C++ CPU kernels (model/csrc) are compiled here (~1-2 min a tier on 2 cores; an edit recompiles only
+    # what it touched) into this install's own folder: a server start never compiles. A server runs one tier,
+    # so `make serve` waits for that one alone; the tests run every tier this CPU can (--test), and
+    # KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
     # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
-    "$python" -m model.kernels build
+    tiers="${KVSERVE_KERNEL_TIERS:-$([ -n "$extras" ] && echo runnable || echo auto)}"
+    "$python" -m model.kernels build --tiers "$tiers"
     echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
 fi
 # The chat page's tests drive a real browser: Debian's Chromium through its own ChromeDriver (the pair always
