@@ -2,9 +2,10 @@
 loop), one build per CPU tier (model/cpu_tier.py).
 
 They are compiled at install time, never when a server starts: scripts/install.sh runs
-`python -m model.kernels build`, which builds every tier this CPU can run (KVSERVE_KERNEL_TIERS=all: every tier
-of the platform, for images that run on other hosts) into the install's own folder, one sub-folder per tier
-and hash of the sources, flags and torch version. A start loads the module of its tier from there, or fails
+`python -m model.kernels build`, which builds the tier a server here runs as (`--tiers auto`: what `make serve`
+waits for), every tier this CPU can run (`runnable`: what the tests run, `make test`) or every tier of the
+platform (`all`: images that run on other hosts) into the install's own folder, one sub-folder per tier and hash
+of the sources, flags and torch version. A start loads the module of its tier from there, or fails
 with the command that builds it: a missing or stale build is never rebuilt behind the user's back, and no
 start waits on another process's compiler. Where a build failed at install (no C++ compiler) the failure is
 recorded and kvserve runs PyTorch ops instead, with a warning (`--cpu-kernels off` asks for that outright).
@@ -32,13 +33,17 @@ SOURCES = Path(__file__).parent / "csrc"
 COMPILED = ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp",
             "quant_gemm_bf16.cpp", "quant_gemm_amx.cpp", "quant_gemm_f32.cpp", "quant_gemm_i16.cpp",
             "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp")  # fmt: skip
-BUILD_COMMAND = "bash scripts/install.sh (or: python -m model.kernels build)"
 FAILED = "FAILED"  # a build folder holding this file records why the build failed
 TREE = "TREE"  # and this one, which source tree built it (a hash of its path)
 
 
 class KernelsNotBuilt(RuntimeError):
     pass
+
+
+def build_command(tier: str) -> str:
+    """What builds one tier's kernels, for the errors and warnings that find them missing."""
+    return f"python -m model.kernels build --tiers {tier} (in kvserve's venv; or: bash scripts/install.sh --test)"
 
 
 def kernels_dir() -> Path:
@@ -151,7 +156,7 @@ def load(name: str):
             return None
         raise KernelsNotBuilt(
             f"kvserve's C++ CPU kernels for the {name} tier are not built for these sources (no {folder}): run "
-            f"{BUILD_COMMAND}, or serve with --cpu-kernels off"
+            f"{build_command(name)}, or serve with --cpu-kernels off"
         )
     spec = importlib.util.spec_from_file_location(module_name(tier), so)
     module = importlib.util.module_from_spec(spec)
@@ -165,6 +170,18 @@ def cpu_kernels(tier: str = "auto"):
     return load(cpu_tier.select(tier)[0].name)
 
 
+def named_tiers(spec: str) -> list[CpuTier]:
+    """The tiers --tiers names: runnable, auto (the one `kvserve serve` runs as here: KVSERVE_CPU_TIER is its
+    --cpu-tier), all, or names, comma-separated."""
+    if spec == "runnable":
+        return cpu_tier.runnable()
+    if spec == "auto":
+        return [cpu_tier.select(os.environ.get("KVSERVE_CPU_TIER") or "auto")[0]]
+    if spec == "all":
+        return list(cpu_tier.platform_tiers())
+    return [cpu_tier.BY_NAME[n.strip()] for n in spec.split(",")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m model.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -176,15 +193,11 @@ def main() -> int:
     parser.add_argument(
         "--tiers",
         default=os.environ.get("KVSERVE_KERNEL_TIERS", "runnable"),
-        help="runnable (the tiers this CPU runs), all (every tier of this platform), or names, comma-separated",
+        help="runnable (the tiers this CPU runs), auto (the one `kvserve serve` runs as here), all (every tier "
+        "of this platform), or names, comma-separated",
     )
     args = parser.parse_args()
-    if args.tiers == "runnable":
-        tiers = cpu_tier.runnable()
-    elif args.tiers == "all":
-        tiers = cpu_tier.platform_tiers()
-    else:
-        tiers = [cpu_tier.BY_NAME[n.strip()] for n in args.tiers.split(",")]
+    tiers = named_tiers(args.tiers)
     if args.command == "check":
         # a tier this CPU cannot run is only looked for: loading it would fault
         ok = [module_file(t).is_file() for t in tiers]

@@ -15,8 +15,10 @@
 #   TORCH_SPEC           the torch requirement (default: torch==2.13.0, the CPU wheel on these machines)
 #   TORCH_INDEX_URL      where torch comes from elsewhere, e.g. https://download.pytorch.org/whl/cpu
 #                        or https://download.pytorch.org/whl/cu128 (default: the configured index)
-#   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: runnable (default: the tiers this CPU runs), all
-#                        (every tier of the platform, for an image that runs elsewhere), or names (avx2,generic)
+#   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: auto (the default: the one tier a server here runs
+#                        as), runnable (the default with --test: every tier this CPU runs, as the kernel tests
+#                        run each), all (every tier of the platform, for an image that runs elsewhere), or
+#                        names (avx2,generic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,15 +69,27 @@ else
     stamp="${venv:+$venv/.kvserve-installed}"
     wanted="$(sha256sum pyproject.toml | cut -c1-16)$extras"
     installed="$(cat "$stamp" 2>/dev/null || true)"
+    # The C++ CPU kernels (model/csrc) are compiled here (~1-3 min a tier on 2 cores; an edit recompiles only
+    # what it touched) into this install's own folder: a server start never compiles. A server runs one tier,
+    # so `make serve` waits for that one alone; the tests run every tier this CPU can (--test), and
+    # KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
+    # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
+    tiers="${KVSERVE_KERNEL_TIERS:-$([ -n "$extras" ] && echo runnable || echo auto)}"
     if [ -z "$stamp" ] || { [ "$installed" != "$wanted" ] && [ "$installed" != "$wanted[test]" ]; }; then
-        "${pip[@]}" -e ".$extras"
+        # The kernels need only torch and ninja: they compile (CPU) while pip fetches and unpacks the rest
+        # (network, disk), a minute or more off a first `make serve`. A build that failed beside pip (a package
+        # it imports being replaced) is tried again below; one that succeeded is not redone.
+        "$python" -c "import ninja" 2>/dev/null || "${pip[@]}" "ninja>=1.11"
+        "$python" -m model.kernels build --tiers "$tiers" >/dev/null 2>&1 &
+        early_build=$!
+        if ! "${pip[@]}" -e ".$extras"; then
+            wait "$early_build" || true
+            exit 1
+        fi
+        wait "$early_build" || true
         [ -z "$stamp" ] || echo "$wanted" >"$stamp"
     fi
-    # The C++ CPU kernels (model/csrc) are compiled here, for every tier this CPU runs (~1-2 min a tier on 2
-    # cores; an edit recompiles only what it touched), into this install's own folder: a server start never
-    # compiles. KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
-    # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
-    "$python" -m model.kernels build
+    "$python" -m model.kernels build --tiers "$tiers"
     echo "kvserve installed into $("$python" -c 'import sys; print(sys.prefix)')"
 fi
 # The chat page's tests drive a real browser: Debian's Chromium through its own ChromeDriver (the pair always

@@ -43,6 +43,7 @@ def _text(event: dict) -> str:
 async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: dict) -> Result:
     start = time.perf_counter()
     last = None
+    chunks = 0  # events that carried text: the output's tokens where the server reports no usage
     result = Result(ok=False)
     try:
         async with client.stream("POST", f"{url}{route}", json=body) as response:
@@ -55,6 +56,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: di
                     return result
                 now = time.perf_counter()
                 if event.get("choices") and _text(event):
+                    chunks += 1
                     if last is None:
                         result.ttft = now - start
                     else:
@@ -65,6 +67,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: di
                     result.prompt_tokens = usage.get("prompt_tokens", 0)
                     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
         result.ok = True
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}"

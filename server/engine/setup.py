@@ -132,7 +132,7 @@ def select_cpu_tier(name: str, device: torch.device, kernels_mode: str) -> CpuTi
             log.warning(
                 "the %s tier's kernels are not built here: run %s to build them",
                 tier.name,
-                kernels.BUILD_COMMAND,
+                kernels.build_command(tier.name),
             )
             tier, why = (
                 fallback,

@@ -55,13 +55,13 @@ def test_readme_ci_makefile_and_dockerfiles_share_the_install_script():
 
 
 FAKE_PYTHON = """#!{real}
-# Stands in for the interpreter install.sh is given: records every call, answers pip and the torch check
-# itself, and hands anything else (the script's inline Python) to the real interpreter.
+# Stands in for the interpreter install.sh is given: records every call, answers pip, the kernels' build and
+# the torch check itself, and hands anything else (the script's inline Python) to the real interpreter.
 import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps(args) + "\\n")
-if args[:2] == ["-m", "pip"]:
+if args[:2] in (["-m", "pip"], ["-m", "model.kernels"]):
     sys.exit(0)
 if args == ["-c", "import torch"]:
     sys.exit(1 if os.environ.get("FAKE_NO_TORCH") else 0)
@@ -72,6 +72,14 @@ os.execv({real!r}, [{real!r}] + args)
 def run_install(
     tmp_path: Path, *flags: str, **env: str
 ) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    result, calls = run_install_calls(tmp_path, *flags, **env)
+    return result, [c[2:] for c in calls if c[:2] == ["-m", "pip"]]
+
+
+def run_install_calls(
+    tmp_path: Path, *flags: str, **env: str
+) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """install.sh run with the fake interpreter: its result and every call it made of the interpreter."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(real=sys.executable))
     fake.chmod(0o755)
@@ -85,8 +93,7 @@ def run_install(
         ["bash", str(REPO / SCRIPT), *flags], env=environ, capture_output=True, text=True, timeout=60
     )
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    pips = [c[2:] for c in calls if c[:2] == ["-m", "pip"]]
-    return result, pips
+    return result, calls
 
 
 def project_requirements(extra: bool) -> list[str]:
@@ -132,3 +139,24 @@ def test_install_script_modes(tmp_path):
     assert result.returncode == 2 and pips == [], (
         "an unknown flag must stop the script, not install everything"
     )
+
+
+@pytest.mark.timeout(60)
+def test_make_serve_builds_the_servers_tier_and_make_test_every_tier_the_tests_run(tmp_path, monkeypatch):
+    """A first `make serve` waits for one tier's kernels, the one its server runs as (auto); `make test` builds each
+    tier this CPU runs, as the kernel tests run them all; KVSERVE_KERNEL_TIERS (the images: all) wins over both;
+    --deps-only builds none."""
+    monkeypatch.delenv("KVSERVE_KERNEL_TIERS", raising=False)
+
+    def builds(*flags: str, **env: str) -> list[list[str]]:
+        result, calls = run_install_calls(tmp_path, *flags, **env)
+        assert result.returncode == 0, result.stderr
+        return [c[2:] for c in calls if c[:2] == ["-m", "model.kernels"]]
+
+    # twice: beside pip's install of the rest (a first start waits for both), then once more, which does
+    # nothing when that one succeeded and builds again when it failed beside pip
+    assert builds() == [["build", "--tiers", "auto"]] * 2
+    assert builds("--test") == [["build", "--tiers", "runnable"]] * 2
+    everything = [["build", "--tiers", "all"]] * 2
+    assert builds(KVSERVE_KERNEL_TIERS="all") == builds("--test", KVSERVE_KERNEL_TIERS="all") == everything
+    assert builds("--deps-only") == []

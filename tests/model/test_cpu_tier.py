@@ -103,6 +103,27 @@ def test_each_tier_is_compiled_for_its_own_instructions():
     assert not any("amx" in f for t in cpu_tier.TIERS if t.name != "amx" for f in t.cflags)
 
 
+@pytest.mark.timeout(10)
+def test_the_install_builds_the_servers_tier_alone_or_every_tier_the_tests_run(cpu, monkeypatch):
+    """`make serve` builds `auto`: the one tier `kvserve serve` would run as on this CPU (KVSERVE_CPU_TIER, its
+    --cpu-tier, included); `make test` builds `runnable`, each tier the kernel tests run."""
+    monkeypatch.delenv("KVSERVE_CPU_TIER", raising=False)
+    cpu(ZEN4)
+    assert [t.name for t in kernels.named_tiers("auto")] == [cpu_tier.select()[0].name] == ["avx512bf16"]
+    assert [t.name for t in kernels.named_tiers("runnable")] == ["avx512bf16", "avx512", "avx2", "generic"]
+    cpu(ZEN4, capability="avx2")  # torch capped: so is the server, and so is what it waits for
+    assert [t.name for t in kernels.named_tiers("auto")] == ["avx2"]
+    cpu(ZEN4)
+    monkeypatch.setenv("KVSERVE_CPU_TIER", "avx2")
+    assert [t.name for t in kernels.named_tiers("auto")] == ["avx2"]
+    cpu(AVX2_ONLY, "avx2")
+    monkeypatch.setenv("KVSERVE_CPU_TIER", "avx512")
+    with pytest.raises(ValueError, match="lacks"):  # the start would refuse it too, saying the same
+        kernels.named_tiers("auto")
+    assert [t.name for t in kernels.named_tiers("avx2, generic")] == ["avx2", "generic"]
+    assert len(kernels.named_tiers("all")) == len(cpu_tier.platform_tiers())
+
+
 @pytest.fixture
 def installed_kernels() -> str | None:
     """Where this install's kernels are built as the suite found it: KVSERVE_KERNELS_DIR's folder (an install
@@ -129,7 +150,9 @@ def test_a_start_never_compiles_and_names_the_install_command(empty_install, mon
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_)
     monkeypatch.setattr(torch.utils.cpp_extension, "_write_ninja_file_and_build_library", compile_)
-    with pytest.raises(kernels.KernelsNotBuilt, match=r"not built for these sources.*scripts/install\.sh"):
+    with pytest.raises(
+        kernels.KernelsNotBuilt, match=r"not built for these sources.*model\.kernels build --tiers generic"
+    ):
         kernels.load("generic")
     out = subprocess.run(
         [
@@ -149,7 +172,8 @@ def test_a_start_never_compiles_and_names_the_install_command(empty_install, mon
         timeout=120,
         env={**os.environ, "KVSERVE_KERNELS_DIR": str(empty_install)},
     )
-    assert out.returncode == 1 and "scripts/install.sh" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "model.kernels build --tiers" in out.stderr  # the command that builds the missing tier
 
 
 @pytest.mark.timeout(30)
