@@ -173,13 +173,21 @@ def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_lla
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["rows"] for r in rows] == [1, 17]
+    from model.linear import OneDnnLinear
+
+    # oneDNN's bfloat16 GEMM where the CPU multiplies bfloat16 (an AVX2-only host has none to compare with)
+    onednn = OneDnnLinear.available(torch.bfloat16, torch.device("cpu"))
     for r in rows:
         calls = r["us_per_call"]
         assert list(calls) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128", "lm_head 300x64"]
-        assert all(t["kvserve"] > 0 and t["onednn_bf16"] > 0 for t in calls.values())
+        assert all(t["kvserve"] > 0 for t in calls.values())
         # a step's block GEMMs: each shape once per layer (the tiny llama has 2)
         block = sum(t["kvserve"] for name, t in calls.items() if not name.startswith("lm_head")) * 2 / 1e3
         assert r["kvserve_block_gemms_ms"] == pytest.approx(block, rel=0.01, abs=0.002)
+        if not onednn:
+            assert all(list(t) == ["kvserve"] for t in calls.values()) and "block_gemms_speedup" not in r
+            continue
+        assert all(t["onednn_bf16"] > 0 for t in calls.values())
         assert r["block_gemms_speedup"] == pytest.approx(
             r["onednn_bf16_block_gemms_ms"] / r["kvserve_block_gemms_ms"], rel=0.01
         )
