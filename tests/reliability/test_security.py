@@ -92,12 +92,18 @@ def test_no_request_can_name_a_file(spawn, tiny_llama_dir):
         # a schema given as a string is read as JSON, never as a file name
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_json": path})
         assert assert_openai_error(r, 400)["param"] == "structured_outputs" and "root:" not in r.text
+        # the chat template's variables are values its sandbox reads, never a template or a file to open
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+                "chat_template_kwargs": {"path": path, "template": path, "include": path}}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and "root:" not in r.text
     # no request field of the API takes a path or a template: the full list of what requests can carry
     fields = set()
     requests = (p.CompletionRequest, p.ChatCompletionRequest, own.TokenizeRequest, own.DetokenizeRequest)
     for model in (*requests, rp.ResponsesRequest, mp.MessagesRequest, mp.CountTokensRequest):
         fields |= set(model.model_fields)
-    assert not {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}
+    named = {f for f in fields if any(w in f for w in ("path", "file", "template", "dir", "url"))}
+    assert named == {"chat_template_kwargs"}  # the template's variables, checked above
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from model.kernels import cpu_kernels
+from model.kv_cache import KVCache
 from model.linear import PlainLinear
 from tests.helpers.gguf_writers import (
     TINY_FAMILIES,
@@ -85,11 +86,21 @@ def assert_same_model(model, out, family, prompt_ids):
     assert (got - expected).abs().max() < 1e-5
 
 
+# the architectures `kvserve convert-gguf` refuses (served in place only), each tested from a GGUF llama.cpp's own
+# converter writes, in its own module
+IN_PLACE_ONLY = {arch for arch, family in FAMILIES.items() if not family.convertible}
+CONVERTIBLE = sorted(set(FAMILIES) - IN_PLACE_ONLY)
+
+
 def test_every_gguf_architecture_has_a_tiny_family():
     """weights/gguf_arch.py's table read by the tests: a GGUF architecture added there without a tiny model
-    here would go untested."""
-    assert {family.arch for family in TINY_FAMILIES.values()} == set(FAMILIES)
-    assert all(TINY_FAMILIES[arch].arch == arch for arch in FAMILIES)  # each by its own name, as parametrized
+    here (or, served in place only, without its own test module) would go untested."""
+    from pathlib import Path
+
+    assert {family.arch for family in TINY_FAMILIES.values()} == set(CONVERTIBLE)
+    assert all(TINY_FAMILIES[arch].arch == arch for arch in CONVERTIBLE)  # each by its own name, as parametrized
+    here = Path(__file__).parent
+    assert all((here / f"test_gguf_{arch.replace('-', '_')}.py").exists() for arch in IN_PLACE_ONLY)
 
 
 @pytest.mark.timeout(120)
@@ -292,7 +303,7 @@ def test_granite_moe_kvserve_cannot_run_is_refused_by_name(tmp_path, byte_vocab,
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn'"),
+        ({"llama.rope.scaling.type": "longrope"}, "rope scaling 'longrope'"),  # longrope without its tensors
         ({"llama.rope.dimension_count": 8}, "partial rotary embedding \\(8 of 16\\)"),
         ({"llama.attention.value_length": 8}, "value heads of another size than the keys \\(16\\)"),
     ],
@@ -304,6 +315,37 @@ def test_metadata_the_converter_cannot_reproduce_is_refused(tmp_path, byte_vocab
     rewrite_with_keys(path, patched, keys)
     with pytest.raises(UnsupportedGGUFError, match=message):
         convert_gguf(patched, tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_yarn_is_served_as_transformers_runs_it(tmp_path, byte_vocab, cpu_path):
+    """llama.cpp's YaRN keys (as its converter writes them for Qwen3's or QwQ's long context) on a llama: the
+    converted folder spells YaRN as transformers does, and the file served in place gives transformers' logits on
+    that folder (YaRN's frequencies and attention factor change them at every position)."""
+    from transformers import AutoModelForCausalLM
+
+    from weights.gguf_source import GGUFSource
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab)
+    keys = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 64}  # fmt: skip (the file's context: 256)
+    rewrite_with_keys(tmp_path / "tiny.gguf", tmp_path / "yarn.gguf", keys)
+    convert_gguf(tmp_path / "yarn.gguf", tmp_path / "out", progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    scaling = reference.config.rope_parameters
+    assert (scaling["rope_type"], scaling["factor"], scaling["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    assert (scaling["beta_fast"], scaling["beta_slow"]) == (32.0, 1.0)  # llama.cpp's defaults
+    ids = prompt_ids(reference.config.vocab_size)
+    with torch.no_grad():
+        want = reference(ids).logits[0]
+
+    def served(path):
+        ours, config = cpu_path.load(GGUFSource(path))
+        cache = KVCache(config, 64, 4, torch.float32, "cpu")
+        return cpu_path.run(ours, cache, ids[0].tolist(), 0, list(range(16)))
+
+    assert (served(tmp_path / "yarn.gguf") - want).abs().max() < 1e-4
+    assert (served(tmp_path / "tiny.gguf") - want).abs().max() > 1e-2  # the keys changed the model
 
 
 def rewrite_with_keys(src, dst, keys: dict) -> None:
@@ -321,6 +363,8 @@ def rewrite_with_keys(src, dst, keys: dict) -> None:
     for name, value in keys.items():
         if isinstance(value, str):
             writer.add_string(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
         else:
             writer.add_uint32(name, value)
     for tensor in reader.tensors:
@@ -338,14 +382,13 @@ def test_partial_rotary_factor_gives_back_the_rotary_width():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", [*sorted(FAMILIES), "mixtral"])  # a tiny family per GGUF architecture
+@pytest.mark.parametrize("family", [*CONVERTIBLE, "mixtral"])  # a tiny family per GGUF architecture
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
 def test_kvserve_serves_every_family_from_gguf(tmp_path, byte_vocab, cpu_path, family, type_name):
     """kvserve's model on the converted folder against the original transformers model: float32 logits on a
     prompt longer than every window (F32), and with the GGUF's Q8_0 integers kept on kvserve's quantized GEMMs
     (their rounding of the activations apart) the same top token nearly everywhere."""
     from model.kernels import cpu_kernels
-    from model.kv_cache import KVCache
     from model.linear import PlainLinear
     from model.quant import QuantizedLinear
 

@@ -1,4 +1,4 @@
-"""A GGUF file served in place (weights/gguf_source.py): the same model, bit for bit, as the folder
+"""A GGUF file served in place (weights/gguf_source.py): the same model as the folder
 `kvserve convert-gguf` makes of it, with no file written anywhere."""
 
 import mmap
@@ -39,13 +39,19 @@ def logits(model, quantized: bool) -> tuple[torch.Tensor, list]:
 
 
 def assert_in_place_is_the_folder(gguf: Path, folder: Path) -> None:
-    """Quantized weights kept (where the GGUF has them) and dequantized: in place == the converted folder."""
+    """Quantized weights kept (where the GGUF has them): in place == the converted folder, bit for bit (kvserve's
+    kernels sum in a fixed order). Dequantized: the same weights, but torch's float32 GEMM (MKL) may sum in
+    another order for weights at another address (the folder's are mmapped at safetensors' 8-byte offsets, the
+    dequantized ones 64-byte aligned), so within float32 rounding."""
     convert_gguf(gguf, folder, progress=False)
     for quantized in (True, False):
         in_place, bits = logits(GGUFSource(gguf), quantized)
         converted, folder_bits = logits(folder, quantized)
         assert bits == folder_bits
-        assert torch.equal(in_place, converted), quantized
+        if quantized:
+            assert torch.equal(in_place, converted)
+        else:
+            torch.testing.assert_close(in_place, converted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.timeout(60)
@@ -185,7 +191,7 @@ def expert_matrices(source: GGUFSource) -> list[tuple[str, int | None]]:
 def test_moe_in_place_is_the_folder_and_each_expert_its_own_blocks(tmp_path, byte_vocab, family):
     """Q8_0: an expert's tensor is exactly the blocks quantize gives its Hugging Face matrix (its slice of the
     stacked tensor, no arithmetic; Granite MoE's gate | up made of two), a tensor stacking every expert's
-    is theirs stacked, and in place gives the converted folder's logits, bit for bit."""
+    is theirs stacked, and in place gives the converted folder's logits (bit for bit on the quantized kernels)."""
     gguf = write_moe_gguf(tmp_path, byte_vocab, family, "Q8_0")
     saved = load_file(tmp_path / "hf" / "model.safetensors")
     source = GGUFSource(gguf)
