@@ -1,0 +1,491 @@
+"""The GPU check (issue 48 item 5): what kvserve's GPU path does on the machine it runs on, in one command that fits
+the ~8 minutes a lent H200 gives. Each section prints one JSON line (also appended to OUT/gpu_check.jsonl); a section
+that fails records its error and the others still run, so one bad minute on the GPU still measures the rest.
+
+    bash scripts/gpu_check.sh run         # on the GPU machine (the carried wheels installed first)
+    python scripts/gpu_check.py --small   # anywhere, tiny shapes on the CPU: what the test suite runs
+
+Sections, in order:
+- environment: torch, CUDA, the device, triton, the commit.
+- copy_bandwidth: a device-to-device copy, bytes read + written per second (the H200's ~4.3 TB/s): the
+  bandwidth the decode floor below is held to.
+- cuda_tests: the `cuda`-marked tests (pytest -m cuda).
+- parity: every family's tiny random model in float32, kvserve's greedy tokens against transformers' generate
+  on the same device; and bfloat16 against float32 teacher-forced (top-1 agreement, mean KL).
+- shape:<name>: a random-weight model of the default model's shape and of a 1B Llama's, built on the device in
+  bfloat16: the batch-1 decode step against its floor (weight and KV bytes read / copy bandwidth), output tok/s
+  at batches 1, 32, 128, 256 against transformers' batched generate on the same prompts, the TTFT of a 2,000-token
+  prompt against its compute floor, the share of decode steps replayed from CUDA graphs.
+- http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
+
+Predicted on the H200 before any run (../shared/GPU.md, a reading of the code): decode launch-bound, 4-8 ms a
+step, ~150-250 tok/s at batch 1, against a floor of ~0.06 ms (default shape) and ~0.58 ms (1B)."""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+H200_BF16_FLOPS = 790e12  # measured there (../shared/GPU.md): the compute floor of a prefill
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's shape, built with random weights (a Llama block: what both shapes below are)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = True
+
+
+SHAPES = {
+    "default": Shape(576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M-Instruct, the embedded default model
+    "llama-1b": Shape(2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
+}
+SMALL_SHAPES = {"tiny": Shape(64, 2, 4, 2, 128, 300)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each section does: the full check on a GPU, or a small one (CPU, the test suite)."""
+
+    copy_bytes: int
+    shapes: dict
+    batches: tuple
+    input_len: int
+    output_len: int
+    ttft_prompt_len: int
+    parity_families: tuple | None  # None: every family
+    parity_tokens: int
+    http_concurrency: tuple
+    http_requests: int  # at least; twice the concurrency where that is more
+    kv_cache_memory: int  # the shapes' KV cache
+
+
+FULL = Plan(1 << 30, SHAPES, (1, 32, 128, 256), 128, 128, 2000, None, 24, (1, 64), 16, 8 << 30)
+SMALL = Plan(16 << 20, SMALL_SHAPES, (1, 4), 16, 8, 64, ("llama", "qwen3moe"), 8, (1, 4), 8, 256 << 20)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="tiny shapes and batches (CPU, the test suite)")
+    parser.add_argument("--device", default="auto", help="auto (cuda where there is one) | cuda | cpu")
+    parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_check-"))
+    parser.add_argument("--sections", default="all", help="comma-separated section names (prefixes), or all")
+    args = parser.parse_args()
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    plan = SMALL if args.small else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-models-"))
+    report = Report(out / "gpu_check.jsonl")
+    sections = [
+        ("environment", lambda: environment(device)),
+        ("copy_bandwidth", lambda: copy_bandwidth(device, plan.copy_bytes)),
+        ("cuda_tests", lambda: cuda_tests(device)),
+        ("parity", lambda: parity(device, plan, work)),
+        *(
+            (f"shape:{name}", lambda s=shape, n=name: shape_run(device, plan, work, n, s, report))
+            for name, shape in plan.shapes.items()
+        ),  # fmt: skip
+        ("http", lambda: http(device, plan, work)),
+    ]
+    wanted = None if args.sections == "all" else args.sections.split(",")
+    for name, run in sections:
+        if wanted is None or any(name.startswith(w) for w in wanted):
+            report.section(name, run)
+    report.summary()
+    return 0 if all(r.get("ok") for r in report.results) else 1
+
+
+class Report:
+    """The sections' results, one JSON line each, printed and written as they come."""
+
+    def __init__(self, path: Path):
+        self.path, self.results = path, []
+        path.write_text("")
+
+    def section(self, name: str, run) -> None:
+        start = time.monotonic()
+        try:
+            result = {"section": name, "ok": True, **run()}
+        except Exception as e:  # noqa: BLE001 (a failed section is reported, and the next one runs)
+            result = {"section": name, "ok": False, "error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+        result["seconds"] = round(time.monotonic() - start, 1)
+        self.results.append(result)
+        line = json.dumps(result)
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+    def get(self, name: str) -> dict:
+        return next((r for r in self.results if r["section"] == name), {})
+
+    def summary(self) -> None:
+        print("\nsection            ok     seconds")
+        for r in self.results:
+            print(f"{r['section']:<18} {'yes' if r['ok'] else 'NO':<6} {r['seconds']}")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None  # fmt: skip
+    except OSError:
+        return None
+
+
+def environment(device: str) -> dict:
+    result = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "commit": git_commit(),
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        result.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                      memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                      cudnn=torch.backends.cudnn.version())  # fmt: skip
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    return result
+
+
+def copy_bandwidth(device: str, num_bytes: int, reps: int = 20) -> dict:
+    """Median bytes read + written per second of a device-to-device copy of num_bytes."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[2:])
+    return {"bytes": num_bytes, "gb_per_s": round(2 * num_bytes / seconds / 1e9, 1)}
+
+
+def cuda_tests(device: str) -> dict:
+    """The tests marked `cuda`, in the files that have any: on the GPU they run, elsewhere they skip."""
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+                   if "mark.cuda" in p.read_text(encoding="utf-8"))  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", *files],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    counts = {
+        k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", run.stdout)
+    }
+    if run.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
+        raise RuntimeError(f"pytest -m cuda: {counts}\n{run.stdout[-3000:]}{run.stderr[-1000:]}")
+    if device == "cuda" and counts.get("skipped"):
+        raise RuntimeError(f"cuda tests skipped on a GPU: {counts}\n{run.stdout[-2000:]}")
+    return {"files": files, **counts}
+
+
+def engine_for(
+    path, device: str, dtype: str, max_num_seqs: int = 8, kv_cache_memory: int = 64 << 20, **config
+):
+    """An engine with a KV cache of a set size: the check builds many in one process, and on a GPU the default
+    (a share of the free memory) would give each later one what the earlier ones left."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+
+    cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                       speculative=None, **config)  # fmt: skip
+    return Engine(str(path), cfg)
+
+
+def release(device: str) -> None:
+    """Memory of engines and models dropped by the caller given back before the next is built."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from server.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, params)
+    tokens: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[f"p{i}"] for i in range(len(prompts))]
+
+
+# float32 logits two correct implementations may order differently (their sums in another order): a greedy
+# choice this close to the best is a tie, after which two runs may rightly diverge
+TIE = 1e-4
+
+
+def parity(device: str, plan: Plan, work: Path) -> dict:
+    """Every family's tiny model in float32: each token kvserve chooses greedily (several prompts batched) is
+    transformers' choice on the same text, or within TIE of it (after such a tie the two may rightly diverge);
+    how many answers are identical to transformers' own generate. And kvserve in bfloat16 against float32,
+    teacher-forced on a prompt and float32's answer."""
+    import transformers
+
+    from server.bench.offline import random_prompts
+    from tests.helpers.tiny_models import ARCHES, FAMILY_OVERRIDES, build_tiny_model
+
+    families = plan.parity_families or tuple(ARCHES)
+    gaps, identical, agreement = {}, 0, {}
+    for arch in families:
+        path = build_tiny_model(work / f"tiny-{arch}", arch, **FAMILY_OVERRIDES.get(arch, {}))
+        reference = (
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        )
+        prompts = random_prompts(4, 20, reference.config.vocab_size, seed=7)
+        float32 = engine_for(path, device, "float32", kv_cache_dtype="float32")
+        answers = greedy_tokens(float32, prompts, plan.parity_tokens)
+        gap = 0.0
+        with torch.no_grad():
+            for prompt, answer in zip(prompts, answers, strict=True):
+                ids = torch.tensor([prompt + answer], device=device)
+                logits = reference(ids).logits[0, len(prompt) - 1 : -1].float()
+                chosen = logits.gather(1, torch.tensor(answer, device=device)[:, None])[:, 0]
+                gap = max(gap, (logits.max(-1).values - chosen).max().item())
+                ids = torch.tensor([prompt], device=device)
+                want = reference.generate(ids, max_new_tokens=plan.parity_tokens, do_sample=False,
+                                          attention_mask=torch.ones_like(ids), pad_token_id=0)  # fmt: skip
+                identical += want[0, len(prompt) :].tolist() == answer
+        gaps[arch] = round(gap, 6)
+        agreement[arch] = teacher_forced(
+            float32, engine_for(path, device, "bfloat16"), prompts[0] + answers[0]
+        )
+        del reference, float32
+        release(device)
+    wrong = {arch: gap for arch, gap in gaps.items() if gap > TIE}
+    if wrong:
+        raise RuntimeError(f"float32 greedy tokens that are not transformers' choice (logit gap): {wrong}")
+    return {"families": len(families), "answers": 4 * len(families), "identical_to_generate": identical,
+            "max_greedy_gap": max(gaps.values()), "bf16_min_top1": min(a["top1"] for a in agreement.values()),
+            "bf16_max_mean_kl": max(a["mean_kl"] for a in agreement.values()), "bf16": agreement}  # fmt: skip
+
+
+def teacher_forced(reference, test, ids: list[int]) -> dict:
+    """The test engine's logits at every position of ids against the reference's: top-1 agreement, mean
+    KL(reference || test)."""
+    p = reference.score(ids).double().log_softmax(-1)
+    q = test.score(ids).double().log_softmax(-1)
+    return {"top1": round((p.argmax(-1) == q.argmax(-1)).double().mean().item(), 4),
+            "mean_kl": round((p.exp() * (p - q)).sum(-1).mean().item(), 6)}  # fmt: skip
+
+
+def build_shape(shape: Shape, path: Path, device: str) -> Path:
+    """A random-weight Llama of the shape, bfloat16, built on the device (fast there) and saved with a tiny
+    tokenizer (prompts are token ids)."""
+    import transformers
+
+    from tests.helpers.tiny_models import save_tiny_tokenizer
+
+    config = transformers.LlamaConfig(
+        hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied, max_position_embeddings=8192, rope_theta=500000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return path
+
+
+def shape_run(device: str, plan: Plan, work: Path, name: str, shape: Shape, report: Report) -> dict:
+    from server.bench.offline import active_weight_bytes, bench_model, random_prompts, run_requests
+
+    path = build_shape(shape, work / name, device)
+    engine = engine_for(path, device, "bfloat16", max_num_seqs=max(plan.batches), kv_cache_memory=plan.kv_cache_memory,
+                        max_num_batched_tokens=max(plan.ttft_prompt_len, 512))  # fmt: skip
+    model = engine.runner.model
+    params = sum(p.numel() for p in model.parameters())
+    result = {"params": params, "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+
+    # batch 1: the step, against the bytes it must read
+    single = bench_model(engine, plan.input_len, plan.output_len, runs=3)
+    step_ms = 1e3 / single["decode_tokens_per_s"]
+    context = plan.input_len + plan.output_len // 2
+    kv_bytes = 2 * shape.layers * shape.kv_heads * (shape.hidden // shape.heads) * 2 * context
+    floor_bytes = active_weight_bytes(model) + kv_bytes
+    bandwidth = report.get("copy_bandwidth").get("gb_per_s")
+    result.update(decode_step_ms=round(step_ms, 3), decode_tokens_per_s_b1=single["decode_tokens_per_s"],
+                  bytes_read_per_step=floor_bytes)  # fmt: skip
+    if bandwidth:
+        floor_ms = floor_bytes / (bandwidth * 1e9) * 1e3
+        result.update(floor_ms=round(floor_ms, 4), step_over_floor=round(step_ms / floor_ms, 2),
+                      bandwidth_utilisation=round(floor_ms / step_ms, 3))  # fmt: skip
+
+    # TTFT of a long prompt, against 2 x params x tokens at the H200's bfloat16 rate
+    long = bench_model(engine, plan.ttft_prompt_len, 2, runs=2)
+    ttft_s = plan.ttft_prompt_len / long["prefill_tokens_per_s"]
+    result.update(ttft_prompt_len=plan.ttft_prompt_len, ttft_s=round(ttft_s, 4))
+    if device == "cuda":
+        floor_s = 2 * params * plan.ttft_prompt_len / H200_BF16_FLOPS
+        result.update(ttft_floor_s=round(floor_s, 5), ttft_over_floor=round(ttft_s / floor_s, 2))
+
+    # batches: kvserve's engine against transformers' batched generate, the same prompts and lengths
+    throughput, baseline = {}, {}
+    for batch in plan.batches:
+        prompts = random_prompts(batch, plan.input_len, shape.vocab, seed=batch)
+        engine.reset(max_num_seqs=batch)
+        run = run_requests(engine, prompts, plan.output_len, f"b{batch}")
+        throughput[batch] = round(run["output_tokens"] / run["wall_s"], 1)
+        baseline[batch] = transformers_generate(path, device, prompts, plan.output_len)
+    result.update(output_tokens_per_s=throughput, transformers_tokens_per_s=baseline,
+                  speedup_over_transformers={b: round(throughput[b] / baseline[b], 2) for b in plan.batches})  # fmt: skip
+    result["graph_replay_share"] = graph_replay_share(engine)
+    del engine, model
+    _transformers_models.clear()
+    release(device)
+    return result
+
+
+def graph_replay_share(engine) -> float | None:
+    """The share of decode steps replayed from CUDA graphs: None while the runner captures none."""
+    stats = getattr(engine.runner, "graph_stats", None)
+    if stats is None:
+        return None
+    replayed, eager = stats()
+    return round(replayed / max(replayed + eager, 1), 3)
+
+
+_transformers_models: dict = {}
+
+
+def transformers_generate(path: Path, device: str, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens/s of transformers' batched generate (greedy, bfloat16, no compile), one warm-up first."""
+    import transformers
+
+    key = (str(path), device)
+    if key not in _transformers_models:
+        _transformers_models.clear()
+        _transformers_models[key] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16).to(device).eval()  # fmt: skip
+    model = _transformers_models[key]
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                  min_new_tokens=output_len, max_new_tokens=output_len)  # fmt: skip
+    with torch.no_grad():
+        model.generate(ids[:, :8], **{**kwargs, "min_new_tokens": 2, "max_new_tokens": 2})
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        sync(device)
+    return round((out.shape[1] - ids.shape[1]) * len(prompts) / (time.perf_counter() - start), 1)
+
+
+def http(device: str, plan: Plan, work: Path) -> dict:
+    """The largest shape served over HTTP; `kvserve bench` (random prompts) at each concurrency."""
+    name = list(plan.shapes)[-1]
+    path = work / name
+    if not (path / "config.json").exists():
+        build_shape(plan.shapes[name], path, device)
+    port = free_port()
+    args = [sys.executable, "-m", "server.cli", "serve", "--model", str(path), "--device", device,
+            "--dtype", "bfloat16", "--port", str(port), "--speculative-config", "off",
+            "--kv-cache-memory", str(plan.kv_cache_memory)]  # fmt: skip
+    log = (work / "serve.log").open("w")
+    server = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(port, server, work / "serve.log")
+        runs = {}
+        for concurrency in plan.http_concurrency:
+            bench = subprocess.run(
+                [sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                 "--concurrency", str(concurrency), "--num-requests", str(max(plan.http_requests, 2 * concurrency)),
+                 "--input-len", str(plan.input_len), "--output-len", str(plan.output_len)],
+                cwd=REPO, capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            if bench.returncode != 0:
+                raise RuntimeError(
+                    f"kvserve bench c{concurrency}: {bench.stdout[-1500:]}{bench.stderr[-1500:]}"
+                )
+            runs[f"c{concurrency}"] = last_json(bench.stdout)
+        return {"model": name, **runs}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, server: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode}): {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health in {timeout} s: {log.read_text()[-3000:]}")
+
+
+def last_json(text: str) -> dict:
+    """The last JSON object line of a command's output."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON line in: {text[-1500:]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
