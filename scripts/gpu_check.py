@@ -204,7 +204,8 @@ def cuda_tests(device: str) -> dict:
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                    if "mark.cuda" in p.read_text(encoding="utf-8"))  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", *files],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
+         f"--basetemp={tempfile.mkdtemp(prefix='gpu_check-pytest-')}", *files],  # apart from a calling pytest's
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     counts = {
