@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,9 +111,12 @@ def main() -> int:
         ("http", lambda: http(device, plan, work)),
     ]
     wanted = None if args.sections == "all" else args.sections.split(",")
-    for name, run in sections:
-        if wanted is None or any(name.startswith(w) for w in wanted):
-            report.section(name, run)
+    try:
+        for name, run in sections:
+            if wanted is None or any(name.startswith(w) for w in wanted):
+                report.section(name, run)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the models it built (2.5 GB for the 1B shape)
     report.summary()
     return 0 if all(r.get("ok") for r in report.results) else 1
 
