@@ -31,6 +31,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from server.api.app import create_app
 from server.api.config import ServerConfig
 from server.api.ui import ui_router
+from tests.api.conftest import make_engine
+from tests.helpers import thinking_models as tm
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -238,6 +240,54 @@ def test_streams_renders_and_keeps_the_conversation(browser, default_server):
     older.click()
     browser.switch_to.alert.accept()
     page.wait(lambda: [c["title"] for c in page.stored()] == ["Hi"], "the first chat to be deleted")
+
+
+def test_a_thinking_models_reasoning_is_shown_apart_and_never_sent_back(browser, start_server, tmp_path):
+    """A thinking model (tests/helpers/thinking_models.py: reasoning "Sum: 4", answer "OK"): the page shows the
+    reasoning folded above the answer, open while it streams, kept with the conversation, and sends only the
+    answer back on the next turn (the history the server renders holds no reasoning)."""
+    url, _ = start_server(make_engine(tm.think_model(tmp_path / "think")), served_model_name="think")
+    page = Page(browser, url).open(model="think")
+    page.set_settings(temperature=0, max_tokens=32)
+    page.js("""
+        window.reasoningOpen = [];
+        new MutationObserver(() => {
+          const r = document.querySelector('#messages .assistant .reasoning');
+          if (r && !r.hidden) window.reasoningOpen.push(r.open);
+        }).observe(document.getElementById('messages'),
+                   {subtree: true, childList: true, characterData: true, attributes: true});
+    """)
+    page.send("What is 2 + 2?")
+    page.wait_answers(1)
+    assert page.error() == "" and page.messages()[-1] == ("assistant", tm.THINK_ANSWER)
+    reasoning = browser.find_element(By.CSS_SELECTOR, "#messages .assistant .reasoning")
+    assert reasoning.get_attribute("open") is None  # folded once the answer came
+    assert True in page.js("return window.reasoningOpen")  # open while the model was thinking
+    reasoning.find_element(By.TAG_NAME, "summary").click()
+    assert reasoning.find_element(By.CSS_SELECTOR, ".thinking").text.strip() == tm.THINK_REASONING
+    answer = page.stored()[0]["messages"][1]
+    assert (answer["content"], answer["reasoning"].strip()) == (tm.THINK_ANSWER, tm.THINK_REASONING)
+    assert "tokens" in page.last_meta()  # the reasoning's tokens counted in the answer's
+
+    # kept: after a reload, folded above the answer
+    browser.refresh()
+    page.wait(lambda: page.messages() and page.messages()[-1][1] == tm.THINK_ANSWER, "the stored answer")
+    reasoning = browser.find_element(By.CSS_SELECTOR, "#messages .assistant .reasoning")
+    assert reasoning.get_attribute("open") is None and reasoning.is_displayed()
+    # a user's message has none, nor an answer without reasoning
+    assert not browser.find_elements(By.CSS_SELECTOR, "#messages .user .reasoning")
+
+    # the next turn's request carries the answer alone (the bodies the page sends, seen on their way)
+    page.js("""
+        const original = window.fetch;
+        window.sentBodies = [];
+        window.fetch = (url, init) => { if (init?.body) window.sentBodies.push(init.body); return original(url, init); };
+    """)
+    page.send("And 3 + 3?")
+    page.wait_answers(2)
+    history = json.loads(page.js("return window.sentBodies.at(-1)"))["messages"]
+    assert history[1] == {"role": "assistant", "content": tm.THINK_ANSWER}
+    assert page.console_errors() == []
 
 
 def test_stop_aborts_the_request_and_frees_its_cache(browser, default_server, scrape, wait_for):

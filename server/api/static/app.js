@@ -90,7 +90,8 @@ function save(key, value) {
 // Whatever another version of the page (or a hand edit) left in storage, keep only well-formed conversations.
 const wellFormed = (c) =>
   c && typeof c.id === "string" && Array.isArray(c.messages) &&
-  c.messages.every((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
+  c.messages.every((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string" &&
+    (m.reasoning === undefined || typeof m.reasoning === "string"));
 let conversations = load(STORE.conversations, []);
 conversations = Array.isArray(conversations) ? conversations.filter(wellFormed) : [];
 for (const c of conversations) {
@@ -217,12 +218,15 @@ async function streamChat(body, answer, update, signal) {
     if (event.usage) usage = event.usage;
     const choice = event.choices?.[0];
     if (!choice) return;
-    if (choice.delta?.content) {
+    // A thinking model's reasoning comes first, apart from the answer (kvserve sends it under both names)
+    const reasoning = choice.delta?.reasoning_content ?? choice.delta?.reasoning;
+    for (const [piece, field] of [[reasoning, "reasoning"], [choice.delta?.content, "content"]]) {
+      if (!piece) continue;
       const now = performance.now();
       first ??= now;
       last = now;
       pieces += 1;
-      answer.content += choice.delta.content;
+      answer[field] = (answer[field] ?? "") + piece;
     }
     if (choice.finish_reason) answer.finish = choice.finish_reason;
   };
@@ -305,8 +309,16 @@ async function send() {
   const content = element.querySelector(".content");
   const meta = element.querySelector(".meta");
   let shown = "";
+  let shownReasoning = "";
   const update = (s) => {
+    if ((answer.reasoning ?? "") !== shownReasoning) {
+      shownReasoning = answer.reasoning;
+      showReasoning(element, shownReasoning, !answer.content);
+      ui.messages.scrollTop = ui.messages.scrollHeight;
+    }
     if (answer.content !== shown) {
+      // the answer begins: the reasoning folds away (a click opens it again)
+      if (!shown && shownReasoning) showReasoning(element, shownReasoning, false);
       shown = answer.content;
       renderMarkdown(content, shown);
       ui.messages.scrollTop = ui.messages.scrollHeight;
@@ -399,9 +411,30 @@ function renderMessages() {
     meta.className = "meta";
     meta.textContent = describe(message.stats, message.finish);
     article.append(who, content, meta);
+    if (message.role === "assistant") {
+      // the model's reasoning, before its answer: folded, and never sent back (as OpenAI's clients do)
+      const reasoning = document.createElement("details");
+      reasoning.className = "reasoning";
+      reasoning.hidden = true;
+      const summary = document.createElement("summary");
+      const text = document.createElement("div");
+      text.className = "thinking";
+      reasoning.append(summary, text);
+      content.before(reasoning);
+      if (message.reasoning) showReasoning(article, message.reasoning, false);
+    }
     ui.messages.append(article);
   }
   ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+// An answer's reasoning as plain text, open while the model is still thinking.
+function showReasoning(article, text, thinking) {
+  const reasoning = article.querySelector(".reasoning");
+  reasoning.hidden = !text;
+  reasoning.querySelector(".thinking").textContent = text;
+  reasoning.querySelector("summary").textContent = thinking ? "Reasoning…" : "Reasoning";
+  reasoning.open = thinking;
 }
 
 function select(id) {
