@@ -332,6 +332,23 @@ def servers(args, gguf: Path, peer_dir: Path, logs: Path) -> list[tuple[Server, 
     return out
 
 
+def peer_version(server: Server) -> str | None:
+    """What a peer says it is (llama-server's version line: its build number and commit; vLLM's version), so a
+    ratio names the build it was measured against; None for kvserve (its commit is in the row)."""
+    if server.name == KVSERVE:
+        return None
+    if server.name.startswith("llama.cpp"):
+        command = [server.command[0], "--version"]
+    else:  # vLLM: its venv's python
+        command = [server.command[0], "-c", "import vllm; print('vllm', vllm.__version__)"]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=server.env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "version" in line or "vllm" in line]
+    return lines[0].strip() if lines else f"unknown (exit {run.returncode})"
+
+
 def host_cpu() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -381,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a job stopped from outside) unwinds like Ctrl-C, through each server's stop()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lineup = servers(args, gguf, peer_dir, logs)
+    versions = {server.name: peer_version(server) for server, _ in lineup if server.name != KVSERVE}
+    for name, version in versions.items():
+        print(f"{name}: {version}", file=sys.stderr)
     started = time.monotonic()
     runs = [
         run
@@ -396,7 +416,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['rss_mib']}x resident memory")  # fmt: skip
     print(
         json.dumps(
-            {"medians": medians, "ratios": table, "minutes": round((time.monotonic() - started) / 60, 1)}
+            {
+                "medians": medians,
+                "ratios": table,
+                "peers": versions,
+                "minutes": round((time.monotonic() - started) / 60, 1),
+            }  # fmt: skip
         )
     )
     print(readme_row(args, medians, table, argv))

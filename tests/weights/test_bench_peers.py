@@ -148,6 +148,33 @@ def test_llama_cpps_files_are_requantized_once_and_named_by_format(bench, tmp_pa
 
 
 @pytest.mark.timeout(30)
+def test_each_peer_names_the_build_it_is(bench, tmp_path):
+    """The summary names each peer's build: llama-server's version line (its build number and commit), vLLM's
+    version from its venv's python; a binary that cannot say is "unknown", never a crash."""
+    llama = tmp_path / "llama-server"  # says what llama.cpp's does, on stderr as it does
+    llama.write_text(
+        '#!/bin/sh\necho "version: 0.5.0-dev (build 11312, commit 0c1e57098)" >&2\necho "built with GNU"\n'
+    )
+    llama.chmod(0o755)
+    server = bench.Server(
+        "llama.cpp Q8_0", [str(llama), "-m", "x.gguf"], dict(os.environ), "http://x", tmp_path / "l"
+    )
+    assert bench.peer_version(server) == "version: 0.5.0-dev (build 11312, commit 0c1e57098)"
+    vllm = tmp_path / "python"  # the venv's python, whose vllm says its version
+    vllm.write_text("#!/bin/sh\necho vllm 0.32.0\n")
+    vllm.chmod(0o755)
+    server = bench.Server("vLLM CPU", [str(vllm), "-m", "vllm.entrypoints.openai.api_server"], dict(os.environ),
+                          "http://x", tmp_path / "v")  # fmt: skip
+    assert bench.peer_version(server) == "vllm 0.32.0"
+    gone = bench.Server(
+        "llama.cpp", [str(tmp_path / "missing")], dict(os.environ), "http://x", tmp_path / "m"
+    )
+    assert bench.peer_version(gone).startswith("unknown")
+    kvserve = bench.Server(bench.KVSERVE, [sys.executable], dict(os.environ), "http://x", tmp_path / "k")
+    assert bench.peer_version(kvserve) is None
+
+
+@pytest.mark.timeout(30)
 def test_a_server_without_usage_counts_its_text_events_as_tokens():
     """llama.cpp may stream no usage: each event that carries text is then one token (the load asks for
     ignore_eos and one token an event), so its tokens/s is not read as zero."""
