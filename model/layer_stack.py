@@ -6,7 +6,7 @@ kvserve's CPU kernels: the default model's path, and every GGUF file's of those 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
 have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the
 kernels take ~5 ms and the Python around their ~270 calls (module calls, argument conversion, views) took
-~0.9 ms more (README, Benchmarks); Gemma 3 270M's 18 blocks, with twice the norms, ~3 ms of a ~17 ms step.
+~0.9 ms more (docs/performance-history.md); Gemma 3 270M's 18 blocks, with twice the norms, ~3 ms of a ~17 ms step.
 A 512-token prefill step (~0.4 s) barely notices either way.
 """
 
