@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.families import FAMILIES, Family
+from model.families import FAMILIES, TEXT_MODEL_OF, Family
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class LayerSpec:
     window: int | None = None  # keys further back than this are not attended (sliding-window layers)
     rope: Rope | None = None  # None: no rotary positions (NoPE layers, learned positions)
     ffn: str = "dense"  # dense: the MLP | moe: sparse experts (ModelConfig.moe, model/moe.py)
+    # attention: over the paged KV cache | linear_attention: Gated DeltaNet, a recurrent state per sequence
+    # (ModelConfig.linear_attention, model/deltanet.py)
+    mixer: str = "attention"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,31 @@ class MoeSpec:
     renormalize: bool  # the top k weights divided by their sum
     shared_intermediate_size: int = 0  # a shared expert every token takes, behind a sigmoid gate (Qwen2-MoE)
     bias: bool = False  # the router and every expert's projections have biases (GPT-OSS)
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The Gated DeltaNet layers' shape (Qwen3.5, Qwen3-Next: ../shared/MODELS.md §5.3): per value head a
+    key_head_dim x value_head_dim float32 state; q and k heads shared by groups of value heads; a causal
+    depthwise convolution of conv_kernel taps over [q, k, v]."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # [q, k, v] as the convolution sees them
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -94,6 +122,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # union of config.json and generation_config.json
     torch_dtype: str = "float32"  # the checkpoint's dtype
     moe: MoeSpec | None = None  # the experts of the layers whose ffn is "moe"
+    linear_attention: LinearAttentionSpec | None = None  # the layers whose mixer is "linear_attention"
+    attn_output_gate: bool = (
+        False  # Qwen3.5: q_proj also gives a gate; attention's output times sigmoid(gate)
+    )
     # False: the checkpoint is a backbone alone, with no LM head though untied (Qwen3-Embedding-8B's): it embeds,
     # and the loader lets the embedding stand in for the head only so that the model is whole; it never generates
     has_lm_head: bool = True
@@ -104,7 +136,16 @@ class ModelConfig:
 
     @property
     def windows(self) -> set[int | None]:
-        return {layer.window for layer in self.layers}
+        return {layer.window for layer in self.layers if layer.mixer == "attention"}
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache (the others keep a state per sequence)."""
+        return [i for i, layer in enumerate(self.layers) if layer.mixer == "attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.mixer == "linear_attention"]
 
     @property
     def longrope_original_len(self) -> int | None:
@@ -125,6 +166,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, generation_config: dict | None = None) -> "ModelConfig":
+        cfg = text_model_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
@@ -174,11 +216,13 @@ class ModelConfig:
         nope = [i for i, uses_rope in enumerate(cfg.get("no_rope_layers") or [1] * n) if not uses_rope]
         window = cfg.get("sliding_window")
         moe, sparse = moe_spec(cfg, family), sparse_layers(cfg, family, n)
+        linear = "linear_attention"
         layers = tuple(
             LayerSpec(
                 window if kind == "sliding_attention" else None,
-                None if i in nope else ropes[kind],
+                None if i in nope or kind == linear else ropes[kind],
                 "moe" if i in sparse else "dense",
+                linear if kind == linear else "attention",
             )
             for i, kind in enumerate(kinds)
         )
@@ -214,7 +258,32 @@ class ModelConfig:
             final_softcap=cfg.get("final_logit_softcapping"),
             attn_sinks=family.attn_sinks,
             moe=moe,
+            linear_attention=linear_attention_spec(cfg) if linear in kinds else None,
+            attn_output_gate=family.attn_output_gate,
         )
+
+
+def linear_attention_spec(cfg: dict) -> LinearAttentionSpec:
+    return LinearAttentionSpec(
+        num_key_heads=cfg["linear_num_key_heads"],
+        num_value_heads=cfg["linear_num_value_heads"],
+        key_head_dim=cfg["linear_key_head_dim"],
+        value_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg["linear_conv_kernel_dim"],
+    )
+
+
+def text_model_config(cfg: dict) -> dict:
+    """A multimodal checkpoint's config as its text model's (TEXT_MODEL_OF): text_config's keys over the top
+    level's (which hold the ids of its special tokens), as that family's; but tie_word_embeddings the top level's
+    where it has one, as transformers ties the whole model's head by its own config."""
+    archs = cfg.get("architectures") or []
+    text = next((TEXT_MODEL_OF[a] for a in archs if a in TEXT_MODEL_OF), None)
+    if text is None or "text_config" not in cfg:
+        return cfg
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "audio_config")}
+    tied = {"tie_word_embeddings": top["tie_word_embeddings"]} if "tie_word_embeddings" in top else {}
+    return top | cfg["text_config"] | tied | {"architectures": [text]}
 
 
 def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
@@ -261,12 +330,15 @@ def mlp_kind(cfg: dict) -> str:
 
 
 def layer_types(cfg: dict, family: Family, n: int) -> list[str]:
-    """Each layer's attention: "full_attention" or "sliding_attention"."""
+    """Each layer's mixer: "full_attention", "sliding_attention", or (a hybrid family's) "linear_attention"."""
     full, sliding = "full_attention", "sliding_attention"
+    known = {full, sliding, "linear_attention"} if family.linear_attention else {full, sliding}
     if cfg.get("layer_types"):
         kinds = list(cfg["layer_types"])
-        if unknown := set(kinds) - {full, sliding}:
-            raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)} (only {full}, {sliding})")
+        if unknown := set(kinds) - known:
+            raise UnsupportedModelError(
+                f"unsupported layer types {sorted(unknown)} (only {', '.join(sorted(known))})"
+            )
     elif isinstance(family.window_layers, int):  # Gemma: every N-th layer full, the rest sliding
         every = cfg.get("sliding_window_pattern") or family.window_layers
         kinds = [full if (i + 1) % every == 0 else sliding for i in range(n)]
@@ -279,7 +351,7 @@ def layer_types(cfg: dict, family: Family, n: int) -> list[str]:
     if len(kinds) != n:
         raise UnsupportedModelError(f"layer_types lists {len(kinds)} layers, the model has {n}")
     if not cfg.get("sliding_window"):  # a sliding layer without a window attends to everything
-        kinds = [full] * n
+        kinds = [full if kind == sliding else kind for kind in kinds]
     return kinds
 
 

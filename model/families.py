@@ -127,6 +127,20 @@ GPT_OSS_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
     ],
 }
 
+# Qwen3.5: gated attention (q_proj gives each head's query and gate) on every fourth layer, Gated DeltaNet on the
+# others: its four input projections fused as [qkv; z; b; a], the depthwise convolution, the decay's A_log and
+# dt_bias, the gated norm's weight (a plain RMSNorm weight, unlike the blocks' 1 + w norms) and the output
+QWEN3_5_WEIGHTS = llama_weights(**LLAMA_NORMS, **QK_NORMS) | {
+    "layers.{i}.attn.in_proj.weight": (
+        [_layer(f"linear_attn.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")], "cat"
+    ),
+    "layers.{i}.attn.conv": ([_layer("linear_attn.conv1d.weight")], ""),
+    "layers.{i}.attn.A_log": ([_layer("linear_attn.A_log")], ""),
+    "layers.{i}.attn.dt_bias": ([_layer("linear_attn.dt_bias")], ""),
+    "layers.{i}.attn.gated_norm": ([_layer("linear_attn.norm.weight")], ""),
+    "layers.{i}.attn.out.weight": ([_layer("linear_attn.out_proj.weight")], ""),
+}
+
 GPT2_WEIGHTS: WeightNames = {
     "embed.weight": (["wte.weight"], ""),
     "pos_embed.weight": (["wpe.weight"], ""),
@@ -227,10 +241,19 @@ class Family:
     mlp: str = ""  # the MLP's kind where the family fixes it (GPT-OSS's clamped_swiglu); "": from hidden_act
     attn_sinks: bool = False  # GPT-OSS: a learned logit per head in every softmax (`sinks`)
     moe: Moe | None = None  # sparse experts in place of the MLP (model/moe.py), in the layers Moe.layers says
+    linear_attention: bool = False  # Gated DeltaNet layers where layer_types say linear_attention (Qwen3.5)
+    attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
     # config.json key -> transformers' default for it (see LLAMA_DEFAULTS above); tests/model/test_config_defaults.py
     # checks each against the class and that nothing else is read
     config_defaults: dict = field(default_factory=dict, compare=False)
 
+
+# A multimodal checkpoint's text model: the family it is, its config under text_config and its weights under
+# model.language_model (kvserve serves the text; the vision tower's weights are left unread)
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+}
 
 FAMILIES = {
     f.name: f
@@ -417,6 +440,30 @@ FAMILIES = {
                     original_max_position_embeddings=4096,
                     rope_theta=150000.0,
                 ),
+            ),
+        ),
+        Family(
+            "Qwen3_5ForCausalLM",  # the text model (Qwen3_5TextConfig)
+            QWEN3_5_WEIGHTS,
+            qk_norm="head",
+            norm_offset=1.0,  # zero-centred RMSNorm: x * (1 + w), the q/k norms too
+            linear_attention=True,
+            attn_output_gate=True,
+            config_defaults=dict(
+                tie_word_embeddings=False,
+                bos_token_id=None,
+                eos_token_id=None,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=32768,
+                num_key_value_heads=4,
+                head_dim=256,
+                hidden_act="silu",
+                linear_conv_kernel_dim=4,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
             ),
         ),
     )

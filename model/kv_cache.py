@@ -1,4 +1,5 @@
-"""The KV cache: one preallocated pool of slots per layer, addressed by slot = block * block_size + offset."""
+"""The KV cache: one preallocated pool of slots per attention layer, addressed by slot = block * block_size +
+offset; and for a hybrid model's Gated DeltaNet layers (model/deltanet.py), a pool of per-sequence state slots."""
 
 import torch
 
@@ -13,22 +14,53 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_state_slots: int = 1,
     ):
+        """num_state_slots: sequences a hybrid model's DeltaNet layers can hold state for at once (one each)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        # [layers, kv_heads, slots, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1.
+        attention = config.attention_layers
+        shape = (len(attention), config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        # [attention layers, kv_heads, slots, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1.
         # Heads outside the slots: one head's block is one contiguous row of block_size * head_dim, so a
         # single gather of rows yields [batch, kv_heads, keys, head_dim], which the attention matmuls take
         # as it is.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._layers = [(self.k[i], self.v[i]) for i in range(config.num_layers)]  # views made once
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            i: (self.k[j], self.v[j]) for j, i in enumerate(attention)
+        }
+        self.num_state_slots = 0
+        if config.linear_layers:
+            spec, n = config.linear_attention, len(config.linear_layers)
+            self.num_state_slots = num_state_slots
+            # the last conv_kernel - 1 convolution inputs and the delta rule's state, float32, per sequence
+            self.conv = torch.zeros(
+                (n, num_state_slots, spec.conv_kernel - 1, spec.conv_dim), dtype=torch.float32, device=device
+            )
+            self.recurrent = torch.zeros(
+                (n, num_state_slots, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim),
+                dtype=torch.float32,
+                device=device,
+            )
+            layers |= {i: (self.conv[j], self.recurrent[j]) for j, i in enumerate(config.linear_layers)}
+        self._layers = [layers[i] for i in range(config.num_layers)]  # views made once
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (K, V) pools, or a DeltaNet layer's (convolution, recurrent) state pools."""
         return self._layers[i]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+        layers = len(config.attention_layers)
+        return 2 * layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    @staticmethod
+    def bytes_per_state_slot(config: ModelConfig) -> int:
+        """A sequence's state in the DeltaNet layers (0 for a model without them), float32."""
+        spec = config.linear_attention
+        if spec is None:
+            return 0
+        per_layer = (spec.conv_kernel - 1) * spec.conv_dim + spec.num_value_heads * spec.key_head_dim * spec.value_head_dim
+        return 4 * len(config.linear_layers) * per_layer

@@ -58,11 +58,14 @@ CONFIG_FIELDS = {
     "bos_token_id": _any, "eos_token_ids": _any, "torch_dtype": _any,
     "has_lm_head": _any,  # the LM head runs after the stack
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
+    "linear_attention": _any,  # the shape of the layers whose mixer says linear_attention (LAYER_FIELDS)
+    "attn_output_gate": lambda c: not c.attn_output_gate,  # Qwen3.5's gated attention: the Python loop's
 }  # fmt: skip
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
     "rope": lambda spec, c: spec.rope is not None and spec.rope.dim == c.head_dim,  # full-width RoPE only
     "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
+    "mixer": lambda spec, c: spec.mixer == "attention",  # Gated DeltaNet: the Python loop's (model/deltanet.py)
 }
 
 

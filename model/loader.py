@@ -67,8 +67,20 @@ class Checkpoint:
 
     def resolve(self, name: str) -> str | None:
         """The stored name: GPT-2 checkpoints may or may not prefix names with `transformer.`; an embedder saved by
-        sentence-transformers (Qwen3-Embedding) stores the backbone alone, without the `model.` prefix."""
-        for candidate in (name, "transformer." + name, name.removeprefix("model.")):
+        sentence-transformers (Qwen3-Embedding) stores the backbone alone, without the `model.` prefix; a
+        multimodal checkpoint (model/families.py's TEXT_MODEL_OF) keeps its text model's under
+        `model.language_model.` (Qwen3.5's) or `language_model.` (Gemma 3's, its head too)."""
+        language_model = (
+            name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+        )
+        candidates = (
+            name,
+            "transformer." + name,
+            name.removeprefix("model."),
+            language_model,
+            "language_model." + name,
+        )
+        for candidate in candidates:
             if any(c in self.files for c in (candidate, candidate + ".q4", candidate + ".q8")):
                 return candidate
         return None

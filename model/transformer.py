@@ -22,6 +22,7 @@ from torch import nn
 
 from model.attention import apply_rope, paged_attention
 from model.config import LayerSpec, ModelConfig, Rope
+from model.deltanet import GatedDeltaNet, StepStates
 from model.kv_cache import KVCache
 from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
@@ -154,7 +155,10 @@ class Attention(nn.Module):
             config.head_dim,
         )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, ops.linear)
+        # Qwen3.5: each head's query rows followed by as many rows of its output gate
+        self.gated = config.attn_output_gate
+        q_rows = 2 * q_size if self.gated else q_size
+        self.qkv = Linear(config.hidden_size, q_rows + 2 * kv_size, config.qkv_bias, ops.linear)
         self.o = Linear(q_size, config.hidden_size, config.o_bias, ops.linear)
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.window, self.softcap = spec.window, config.attn_softcap
@@ -170,7 +174,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
+        gate = None
+        if self.gated:
+            q_gate, kv = self.qkv(x).split((2 * H * D, 2 * KVH * D), dim=1)
+            q, gate = q_gate.view(T, H, 2 * D).chunk(2, dim=-1)
+            k, v = kv.view(T, 2 * KVH, D).chunk(2, dim=1)
+        else:
+            q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "proj":
@@ -182,6 +192,8 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, k_cache, v_cache, meta, rope, self.scale, self.window, self.softcap, self.sinks
         )
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o(out.reshape(T, -1))
 
     __call__ = forward  # see Block
@@ -227,7 +239,9 @@ class Block(nn.Module):
         norm = functools.partial(Norm, config.hidden_size, config)
         pre, post = config.block in ("pre", "sandwich"), config.block in ("sandwich", "post")
         self.norm1 = norm(ops.rms_norm) if pre else NoNorm()
-        self.attn = Attention(config, spec, ops)
+        # the token mixer, of the layer's kind: attention over the paged KV cache, or Gated DeltaNet's state
+        self.linear = spec.mixer == "linear_attention"
+        self.attn = GatedDeltaNet(config, ops) if self.linear else Attention(config, spec, ops)
         self.post_attn_norm = norm(ops.rms_norm) if post else None
         self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
         # the FFN, of the layer's kind: dense, or sparse experts (model/moe.py)
@@ -298,6 +312,7 @@ class Transformer(nn.Module):
         meta,  # the step's attention metadata (model/attention.py)
         kv_cache: KVCache,
         long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
+        states: StepStates | None = None,  # the sequences' state slots, for Gated DeltaNet layers
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
         if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it
@@ -310,7 +325,8 @@ class Transformer(nn.Module):
         else:
             residual = None
             for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), meta)
+                step = states if layer.linear else meta
+                x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), step)
         return self.norm.add_forward(x, residual)[0]
 
     def rope(

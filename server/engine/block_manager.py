@@ -24,7 +24,11 @@ def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ):
+        """num_state_slots: a hybrid model's per-sequence state slots (model/kv_cache.py), one per running
+        request, taken with its first blocks and given back with them; 0: the model has none."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -39,6 +43,8 @@ class BlockManager:
         # in tokens; counted once per request, at its first admission (see allocate)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.free_state_slots: deque[int] = deque(range(num_state_slots))
+        self.uses_state_slots = num_state_slots > 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +89,10 @@ class BlockManager:
         num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
         if num_new > self.num_free_blocks - num_revived:
             return False
+        if self.uses_state_slots and request.state_slot is None:
+            if not self.free_state_slots:
+                return False
+            request.state_slot = self.free_state_slots.popleft()
 
         # Counted at the first admission only: a recompute after preemption also reuses the cache, but
         # counting it again would make the hit rate reflect memory pressure rather than client traffic.
@@ -160,6 +170,9 @@ class BlockManager:
                     self.cached_block_ids[block_id] = None  # most recently used
         request.block_table.clear()
         self.request_hashes.pop(request.request_id, None)
+        if request.state_slot is not None:
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = None
 
     def check_invariants(self) -> None:
         """Assert that every block is in exactly one state; O(num_blocks), for tests and debugging."""

@@ -13,7 +13,7 @@ import time
 import torch
 
 from model.tokenizer import Tokenizer
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.drafting import Drafter, StepCosts
 from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
@@ -36,10 +36,14 @@ class Engine:
         self.task = select_task(model, config.task, config.pooling)  # before loading: a bad one fails at once
         self.runner = build_runner(model, config)
         self.model_config = self.runner.model_config
+        if self.model_config.linear_layers:
+            self.config = config = hybrid_config(config)
         self.tokenizer = Tokenizer.load(model, chat_template)
         self.max_model_len = context_length(self.model_config, config, self.runner.num_blocks)
         self.kv_cache_dtype = str(self.runner.kv_cache.k.dtype).removeprefix("torch.")
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config, self.runner.num_blocks, self.max_model_len, self.runner.kv_cache.num_state_slots
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         # stop tokens: the union of config.json, generation_config.json and the tokenizer's EOS
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -151,7 +155,9 @@ class Engine:
         if self.has_work():
             raise RuntimeError("the engine still has requests")
         self.config = dataclasses.replace(self.config, **changes)
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.config, self.runner.num_blocks, self.max_model_len, self.runner.kv_cache.num_state_slots
+        )
         self.drafter = self._drafter()
 
     def _drafter(self) -> Drafter | None:
@@ -173,3 +179,14 @@ class Engine:
                 accepted_per_position=dict(d.accepted_per_position),
             )
         return stats
+
+
+def hybrid_config(config: EngineConfig) -> EngineConfig:
+    """A hybrid model (Gated DeltaNet layers: model/deltanet.py) without what its per-sequence state cannot yet
+    follow: prefix caching (a cached block holds K/V, not the state after it) and speculative drafts (a rejected
+    draft would stay in the state). Each said in the log where it was asked for."""
+    if config.enable_prefix_caching:
+        log.info("prefix caching: off (this hybrid model's DeltaNet state is not cached by prefix yet)")
+    if isinstance(config.speculative, SpeculativeConfig):
+        log.warning("speculative decoding: off (a rejected draft would stay in this hybrid model's state)")
+    return dataclasses.replace(config, enable_prefix_caching=False, speculative=None)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import ModelConfig
+from model.deltanet import StepStates
 from model.kv_cache import KVCache
 from model.sampling import TORCH_SAMPLER, SamplerKernels, SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
@@ -51,6 +52,7 @@ class ModelRunner:
         self.sampler = sampler
         self.batch_invariant = batch_invariant
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
+        self.hybrid = bool(model_config.linear_layers)  # Gated DeltaNet layers: a state slot per sequence
 
     @property
     def num_blocks(self) -> int:
@@ -72,7 +74,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
                                      for c in out.chunks])  # fmt: skip
-        hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope)
+        states = None
+        if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
+            states = StepStates(starts, [c.num_tokens for c in out.chunks],
+                                [c.request.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks])  # fmt: skip
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
         result = ModelOutput()
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
@@ -105,7 +111,9 @@ class ModelRunner:
             ids = token_ids[start : start + chunk]
             positions, meta = self.attention.build([len(ids)], [start + len(ids)], [table])
             long_rope = self._long_rope([(len(ids), len(token_ids))])
-            hidden = self.model(torch.tensor(ids).to(self.device), positions, meta, self.kv_cache, long_rope)
+            states = StepStates([0], [len(ids)], [0], [start == 0]) if self.hybrid else None  # slot 0: no one's
+            input_ids = torch.tensor(ids).to(self.device)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
             logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)
 

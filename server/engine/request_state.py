@@ -30,6 +30,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     block_table: list[int] = field(default_factory=list)
+    # a hybrid model's state slot (its Gated DeltaNet layers' recurrent state), held while it runs
+    state_slot: int | None = None
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # where its output is in params.grammar; dropped when it finishes
     # where its output is against its reasoning (params.reasoning), until that ends: then its grammar moves here

@@ -74,11 +74,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
         assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
         self.config = config
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots
+        )
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, by id

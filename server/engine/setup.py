@@ -75,8 +75,10 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
     kv_dtype = select_kv_cache_dtype(config.kv_cache_dtype, dtype, tier)
-    num_blocks = num_cache_blocks(model_config, config, kv_dtype, device)
-    kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
+    # a hybrid model's DeltaNet layers keep a state per running sequence, from the same budget
+    num_state_slots = config.max_num_seqs if model_config.linear_layers else 0
+    num_blocks = num_cache_blocks(model_config, config, kv_dtype, device, num_state_slots)
+    kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device, num_state_slots)
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size)
     else:
@@ -245,8 +247,12 @@ def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
     return module
 
 
-def num_cache_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device) -> int:
+def num_cache_blocks(
+    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device, num_state_slots: int = 0
+) -> int:
+    """The KV cache's blocks: what the budget holds after num_state_slots sequences' DeltaNet states."""
     per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
+    state_bytes = num_state_slots * KVCache.bytes_per_state_slot(model_config)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":  # after loading: what the weights left, minus 1 GiB for activations
@@ -254,9 +260,19 @@ def num_cache_blocks(model_config: ModelConfig, config: EngineConfig, dtype: tor
         budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
     else:
         budget = CPU_KV_CACHE_BYTES
-    num_blocks = budget // per_block
+    if state_bytes:
+        log.info(
+            "DeltaNet state: %d sequences of %.1f MiB (%.2f GiB, float32), from the KV cache's budget",
+            num_state_slots,
+            state_bytes / num_state_slots / 2**20,
+            state_bytes / 2**30,
+        )
+    num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 1:
-        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes"
+            + (f" after {state_bytes} bytes of DeltaNet state (fewer --max-num-seqs)" if state_bytes else "")
+        )
     log.info(
         "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
         num_blocks,

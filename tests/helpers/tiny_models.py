@@ -29,6 +29,7 @@ TINY_NAMES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 # short name -> architecture, for the families the table has (a name whose family left the table is dropped)
 ARCHITECTURES = {short: arch for arch, short in TINY_NAMES.items() if arch in FAMILIES}
@@ -84,6 +85,10 @@ FAMILY_OVERRIDES = {
                     rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 16,
                                      "rope_theta": 1e4}),
+    # Qwen3.5: three Gated DeltaNet layers (2 key heads shared by 4 value heads, a 4-tap convolution), then gated
+    # attention with partial rotary (a quarter of 32 dims) and zero-centred norms
+    "qwen3_5": dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }  # fmt: skip
 # Every family of the table, by its short name: a family added to model/families.py joins every test built on it.
 ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]
@@ -191,6 +196,7 @@ def forward_sequence(
     cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice)."""
     from model.attention import TorchAttention
     from model.attention_cpu import CpuKernelAttention
+    from model.deltanet import StepStates
     from model.kernels import cpu_kernels
 
     config = model.config
@@ -202,10 +208,11 @@ def forward_sequence(
         )
     new = token_ids[num_cached:]
     positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])
+    states = StepStates([0], [len(new)], [0], [num_cached == 0])  # a DeltaNet layer's: the cache's slot 0
     original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
     long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
     with torch.inference_mode():
-        hidden = model(torch.tensor(new), positions, meta, cache, long_rope)
+        hidden = model(torch.tensor(new), positions, meta, cache, long_rope, states)
         return model.compute_logits(hidden)
 
 

@@ -1,0 +1,124 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next: ../shared/MODELS.md §5.3): linear attention whose memory of a sequence is a
+fixed-size state, read and written at every token, instead of K/V that grow with it.
+
+Per value head, with S a key_head_dim x value_head_dim float32 matrix, for each token:
+    S <- S * exp(g);   S <- S + k (beta (v - S^T k))^T;   o = S^T q / sqrt(key_head_dim)
+where q, k, v come out of a causal depthwise convolution (conv_kernel taps, SiLU) over the input projection, q and k
+are L2-normalized (each key head serves a group of value heads), beta = sigmoid(b) and g = -exp(A_log) softplus(a +
+dt_bias). The output is RMS-normed per head, times silu(z), then projected back.
+
+Each sequence keeps its last conv_kernel - 1 convolution inputs and its S in a state slot of the cache
+(model/kv_cache.py); the step's `StepStates` says which tokens are whose and which slot each sequence has. The
+recurrence runs token by token (transformers' torch_recurrent_gated_delta_rule), and every op that is not a plain
+product or sum runs on one token's values at a time: torch's elementwise loops hand a tensor's last few elements
+to scalar code whose exp differs from the vector code's in the last bit, so which elements those are must not
+depend on the step. A prompt then gives the same bits prefilled in one step or in chunks of any size, and a
+sequence the same bits whatever shares its step. (Python ops per token: the C++ kernel, issue 46 item 3, is the
+fast path still to come.)
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.linear import Linear
+
+
+@dataclass
+class StepStates:
+    """The step's sequences as the DeltaNet layers see them, in the step's flat token order."""
+
+    starts: list[int]  # flat index of each sequence's first token this step
+    lengths: list[int]  # its tokens this step
+    slots: list[int]  # its state slot in the cache
+    fresh: list[bool]  # its first tokens: the state starts from zero
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    # this module's own parameters (convolution, decay, gated norm) stay float32, as the recurrence computes
+    stored_dtype = torch.float32
+
+    def __init__(self, config: ModelConfig, ops):
+        super().__init__()
+        spec = self.spec = config.linear_attention
+        self.eps = config.norm_eps
+        # [q, k, v] for the convolution, z (the output gate), b (beta) and a (the decay's step), fused
+        sizes = (spec.conv_dim, spec.value_dim, spec.num_value_heads, spec.num_value_heads)
+        self.sizes = sizes
+        self.in_proj = Linear(config.hidden_size, sum(sizes), False, ops.linear)
+        self.conv = nn.Parameter(torch.zeros(spec.conv_dim, 1, spec.conv_kernel))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_value_heads))
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads))
+        self.gated_norm = nn.Parameter(torch.ones(spec.value_head_dim))  # a plain weight: x * w, not 1 + w
+        self.out = Linear(spec.value_dim, config.hidden_size, False, ops.linear)
+
+    def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
+        [slots, value heads, key_head_dim, value_head_dim] (float32) are this layer's, updated in place. `rope` is
+        unused: DeltaNet has no positions."""
+        spec, T = self.spec, x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        decay_rate = -self.A_log.exp()
+        out = torch.empty(T, spec.value_dim, dtype=x.dtype, device=x.device)
+        for start, n, slot, fresh in zip(
+            states.starts, states.lengths, states.slots, states.fresh, strict=True
+        ):
+            rows = slice(start, start + n)
+            convolved = self._convolve(qkv[rows].float(), conv_state, slot, fresh)
+            state = torch.zeros_like(recurrent_state[slot]) if fresh else recurrent_state[slot].clone()
+            for t in range(n):  # every op on one token's values, in the same shapes whatever the step holds
+                row = start + t
+                beta = b[row].sigmoid().float()  # [Hv]
+                decay = (decay_rate * F.softplus(a[row].float() + self.dt_bias)).exp()
+                o = self._delta_rule(convolved[t], beta, decay, state)  # [Hv, dv] float32
+                out[row] = self._gated_norm(o.to(x.dtype), z[row]).reshape(-1)
+            recurrent_state[slot] = state
+        return self.out(out)
+
+    __call__ = forward  # see model/transformer.py's Block
+
+    def _convolve(self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
+        """One sequence's [n, conv_dim] inputs through the causal convolution (before its SiLU) after its kept
+        inputs (zeros when fresh), which then become its last conv_kernel - 1 inputs. Tap by tap in a fixed
+        order: products and sums only, each element's the same bits in any shape."""
+        spec, n = self.spec, qkv.shape[0]
+        past = torch.zeros_like(conv_state[slot]) if fresh else conv_state[slot]
+        window = torch.cat((past, qkv))  # [kernel - 1 + n, conv_dim]
+        conv_state[slot] = window[-(spec.conv_kernel - 1) :]
+        taps = self.conv[:, 0].T  # [kernel, conv_dim]
+        convolved = window[:n] * taps[0]
+        for j in range(1, spec.conv_kernel):
+            convolved = convolved + window[j : j + n] * taps[j]
+        return convolved
+
+    def _delta_rule(self, convolved: torch.Tensor, beta, decay, state: torch.Tensor) -> torch.Tensor:
+        """One token: its convolved [conv_dim] inputs as q, k, v (q and k L2-normed per key head and repeated for
+        their value heads, q scaled), the state [Hv, dk, dv] decayed and corrected toward v (in place); S^T q."""
+        spec = self.spec
+        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim))
+        group = spec.num_value_heads // spec.num_key_heads
+        q, k = (
+            l2_normalize(h.view(spec.num_key_heads, spec.key_head_dim)).repeat_interleave(group, 0)
+            for h in (q, k)
+        )
+        q = q * spec.key_head_dim**-0.5
+        state.mul_(decay[:, None, None])
+        remembered = (state * k[:, :, None]).sum(1)  # [Hv, dv]: what S recalls for this key
+        delta = (v.view(spec.num_value_heads, spec.value_head_dim) - remembered) * beta[:, None]
+        state.add_(k[:, :, None] * delta[:, None, :])
+        return (state * q[:, :, None]).sum(1)
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMS norm of each head's output [Hv, dv] in float32, its weight applied in the model's dtype, times
+        silu(z), as the reference rounds them."""
+        h = o.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        h = self.gated_norm.to(o.dtype) * h
+        return (h * F.silu(z.float().view_as(h))).to(o.dtype)

@@ -1,0 +1,214 @@
+"""Gated DeltaNet's state (model/deltanet.py) and the slots that hold it (model/kv_cache.py, the block manager): a
+prompt gives the same bits prefilled in one step or in chunks of any size, a sequence the same bits beside others
+in a step as alone, a slot taken over by a new sequence starts from zero, and the engine serves a hybrid model with
+its state slots given back, without prefix caching or drafts (which the state cannot follow yet). Logits against
+transformers for every family, Qwen3.5 included, are tests/model/test_families.py's."""
+
+import pytest
+import torch
+
+from model.attention_cpu import CpuKernelAttention
+from model.deltanet import StepStates
+from model.kernels import cpu_kernels
+from model.kv_cache import KVCache
+from model.linear import PlainLinear
+from model.quant import QuantizedLinear
+from tests.helpers.tiny_models import CpuPath, tiny_family
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_factory):
+    """The tiny Qwen3.5 on kvserve's quantized GEMMs and C++ attention (each row's bits its own in any batch), so
+    that what differs between two runs below can only be the DeltaNet layers' doing."""
+    path = tiny_family(tiny_model_factory, "qwen3_5")
+    model, config = CpuPath(True).load(path, linear=QuantizedLinear(cpu_kernels(), PlainLinear(), 8))
+    return model, config
+
+
+def step(model, cache, seqs) -> list[torch.Tensor]:
+    """One step of several sequences, each (token ids so far, how many are cached, state slot, block table): the
+    logits of each one's new tokens."""
+    attention = CpuKernelAttention(cpu_kernels(), BLOCK)
+    new = [ids[cached:] for ids, cached, _, _ in seqs]
+    positions, meta = attention.build(
+        [len(n) for n in new], [len(ids) for ids, *_ in seqs], [t for *_, t in seqs]
+    )
+    starts = [sum(len(n) for n in new[:i]) for i in range(len(new))]
+    states = StepStates(
+        starts, [len(n) for n in new], [s for _, _, s, _ in seqs], [c == 0 for _, c, _, _ in seqs]
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor([t for n in new for t in n]), positions, meta, cache, None, states)
+        logits = model.compute_logits(hidden)
+    return [logits[s : s + len(n)] for s, n in zip(starts, new, strict=True)]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_cache(config, slots: int = 4) -> KVCache:
+    return KVCache(config, 64, BLOCK, torch.float32, "cpu", num_state_slots=slots)
+
+
+def state_of(cache: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache.conv[:, slot].clone(), cache.recurrent[:, slot].clone()
+
+
+@pytest.mark.timeout(120)
+def test_chunks_of_any_size_give_one_steps_bits(hybrid):
+    model, config = hybrid
+    ids, table = prompt(37, 1), list(range(10))
+    whole_cache = fresh_cache(config)
+    whole = step(model, whole_cache, [(ids, 0, 2, table)])[0]
+    for sizes in ([1] * 37, [5, 1, 13, 18], [36, 1]):
+        cache, done, parts = fresh_cache(config), 0, []
+        for n in sizes:
+            parts += step(model, cache, [(ids[: done + n], done, 2, table)])
+            done += n
+        assert torch.equal(torch.cat(parts), whole), sizes
+        assert all(
+            torch.equal(a, b) for a, b in zip(state_of(cache, 2), state_of(whole_cache, 2), strict=True)
+        )
+
+
+@pytest.mark.timeout(120)
+def test_a_sequence_beside_others_is_the_same_bits_as_alone(hybrid):
+    model, config = hybrid
+    a, b, c = prompt(20, 2), prompt(9, 3), prompt(14, 4)
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    alone = [
+        step(model, fresh_cache(config), [(ids, 0, 0, t)])[0]
+        for ids, t in zip((a, b, c), tables, strict=True)
+    ]
+    cache = fresh_cache(config)
+    together = step(model, cache, [(a, 0, 3, tables[0]), (b, 0, 1, tables[1]), (c, 0, 0, tables[2])])
+    assert all(torch.equal(x, y) for x, y in zip(together, alone, strict=True))
+    # then each decodes a token, a prefill chunk beside them: still each one's own bits
+    nxt = [ids + [7] for ids in (a, b)]
+    together = step(model, cache, [(nxt[0], 20, 3, tables[0]), (nxt[1], 9, 1, tables[1])])
+    for ids, slot, t, got in zip(nxt, (3, 1), tables[:2], together, strict=True):
+        single = fresh_cache(config)
+        step(model, single, [(ids[:-1], 0, slot, t)])
+        assert torch.equal(step(model, single, [(ids, len(ids) - 1, slot, t)])[0], got)
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_taken_over_starts_from_zero(hybrid):
+    """A slot's last sequence left its state behind (a finished or preempted request): the next one's first chunk
+    ignores it."""
+    model, config = hybrid
+    b, table = prompt(11, 6), list(range(8))
+    used = fresh_cache(config)
+    step(model, used, [(prompt(30, 5), 0, 1, table)])
+    assert used.recurrent[:, 1].abs().sum() > 0
+    assert torch.equal(
+        step(model, used, [(b, 0, 1, table)])[0], step(model, fresh_cache(config), [(b, 0, 1, table)])[0]
+    )
+
+
+def test_the_cache_holds_kv_for_attention_layers_and_a_state_per_slot(hybrid):
+    _, config = hybrid
+    spec = config.linear_attention
+    assert config.attention_layers == [3] and config.linear_layers == [0, 1, 2]
+    cache = fresh_cache(config, slots=5)
+    assert cache.k.shape == (1, config.num_kv_heads, 64 * BLOCK, config.head_dim)  # one attention layer's
+    assert cache.conv.shape == (3, 5, spec.conv_kernel - 1, spec.conv_dim)
+    assert cache.recurrent.shape == (3, 5, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim)
+    assert (
+        cache.layer(3)[0].data_ptr() == cache.k[0].data_ptr()
+        and cache.layer(1)[1].shape == cache.recurrent[1].shape
+    )
+    per_block = 2 * 1 * BLOCK * config.num_kv_heads * config.head_dim * 4
+    assert KVCache.bytes_per_block(config, BLOCK, torch.float32) == per_block
+    assert (
+        KVCache.bytes_per_state_slot(config) == (cache.conv[:, 0].numel() + cache.recurrent[:, 0].numel()) * 4
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_serves_a_hybrid_with_its_slots_given_back(tiny_model_factory, caplog):
+    """More requests than state slots (max_num_seqs 2): each gets its own tokens alone, every slot comes back, an
+    aborted request's too; prefix caching and drafts are off, said in the log, even where asked for."""
+    import logging
+
+    from server.engine.config import EngineConfig, SpeculativeConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=2,
+                          dtype="float32", speculative=SpeculativeConfig())  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        engine = Engine(str(tiny_family(tiny_model_factory, "qwen3_5")), config)
+    assert not engine.config.enable_prefix_caching and engine.drafter is None
+    assert "prefix caching: off" in caplog.text and "speculative decoding: off" in caplog.text
+    assert engine.runner.kv_cache.num_state_slots == 2
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{i}": prompt(5 + 7 * i, 10 + i) for i in range(5)}
+
+    def run(batch, abort=None):
+        tokens = {rid: [] for rid in batch}
+        for rid, ids in batch.items():
+            engine.add_request(rid, ids, params)
+        steps = 0
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            steps += 1
+            if abort and steps == 3:
+                engine.abort(abort)
+        return tokens
+
+    together = run(prompts)
+    assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+    run(prompts, abort="r1")
+    manager = engine.scheduler.block_manager
+    assert sorted(manager.free_state_slots) == [0, 1]
+    assert all(r.state_slot is None for r in engine.scheduler.requests.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path, family):
+    """Qwen3.5 and Gemma 3 ship as image-text checkpoints (…ForConditionalGeneration: the text model's config under
+    text_config, its weights under model.language_model, a vision tower beside): kvserve serves the text model
+    with the logits transformers' whole model gives a text prompt."""
+    import transformers
+
+    from model.config import ModelConfig
+    from tests.helpers.tiny_models import FAMILY_OVERRIDES, save_tiny_tokenizer, tiny_config
+
+    torch.manual_seed(0)
+    text = tiny_config(family, **FAMILY_OVERRIDES[family]).to_dict()
+    if family == "qwen3_5":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
+        # the text config says untied, the whole model's tied: transformers ties by the latter
+        text["tie_word_embeddings"] = False
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    else:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=16, patch_size=4)  # fmt: skip
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.eval().save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    saved = ModelConfig.from_dir(tmp_path)  # tied as the whole model is, whatever text_config says
+    assert saved.tie_word_embeddings == model.config.tie_word_embeddings
+    assert (
+        ModelConfig.from_dir(tmp_path).architecture
+        == {"qwen3_5": "Qwen3_5ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    )
+    ids = prompt(30, 7)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids])).logits[0]
+    path = CpuPath(False)
+    ours, config = path.load(tmp_path)
+    got = path.run(ours, KVCache(config, 64, BLOCK, torch.float32, "cpu"), ids, 0, list(range(16)))
+    assert (got - want).abs().max() < 1e-4
