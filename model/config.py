@@ -235,7 +235,8 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"],
+            # an all-sparse family's configs may have no dense size (Qwen3.5-MoE's): the experts' then, unused
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             max_position_embeddings=cfg["max_position_embeddings"],
             norm_eps=cfg["rms_norm_eps"],
             layers=layers,

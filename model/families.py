@@ -141,6 +141,19 @@ QWEN3_5_WEIGHTS = llama_weights(**LLAMA_NORMS, **QK_NORMS) | {
     "layers.{i}.attn.out.weight": ([_layer("linear_attn.out_proj.weight")], ""),
 }
 
+# Qwen3.5-MoE: Qwen3.5's mixers, every layer's FFN sparse with a shared expert behind a sigmoid gate; the experts
+# per expert as the hub's files hold them, or stacked ([experts, 2 x size, hidden] gate | up) as transformers holds
+# them in memory
+_QWEN3_5_MOE = moe_weights(QWEN3_5_WEIGHTS, shared=True)
+QWEN3_5_MOE_WEIGHTS = _QWEN3_5_MOE | {
+    "layers.{i}.mlp.experts.{e}.up.weight": [
+        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.up.weight"], ([_layer("mlp.experts.gate_up_proj")], "expert"),
+    ],
+    "layers.{i}.mlp.experts.{e}.down.weight": [
+        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.down.weight"], ([_layer("mlp.experts.down_proj")], "expert"),
+    ],
+}
+
 GPT2_WEIGHTS: WeightNames = {
     "embed.weight": (["wte.weight"], ""),
     "pos_embed.weight": (["wpe.weight"], ""),
@@ -253,6 +266,7 @@ class Family:
 TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
 FAMILIES = {
@@ -463,6 +477,35 @@ FAMILIES = {
                 linear_value_head_dim=128,
                 linear_num_key_heads=16,
                 linear_num_value_heads=32,
+                rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
+            ),
+        ),
+        Family(
+            "Qwen3_5MoeForCausalLM",  # the text model (Qwen3_5MoeTextConfig): Qwen3.5/3.6-35B-A3B, 122B-A10B
+            QWEN3_5_MOE_WEIGHTS,
+            qk_norm="head",
+            norm_offset=1.0,
+            linear_attention=True,
+            attn_output_gate=True,
+            moe=Moe(renormalize=True, shared_expert=True),  # softmax, top k renormalized, on every layer
+            config_defaults=dict(
+                tie_word_embeddings=False,
+                bos_token_id=None,
+                eos_token_id=None,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=32768,
+                num_key_value_heads=2,
+                head_dim=256,
+                hidden_act="silu",
+                linear_conv_kernel_dim=4,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                num_experts=256,
+                num_experts_per_tok=8,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
                 rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
             ),
         ),

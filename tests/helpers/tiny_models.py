@@ -30,6 +30,7 @@ TINY_NAMES = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 # short name -> architecture, for the families the table has (a name whose family left the table is dropped)
 ARCHITECTURES = {short: arch for arch, short in TINY_NAMES.items() if arch in FAMILIES}
@@ -89,6 +90,11 @@ FAMILY_OVERRIDES = {
     # attention with partial rotary (a quarter of 32 dims) and zero-centred norms
     "qwen3_5": dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
+    # Qwen3.5-MoE: Qwen3.5's mixers, 8 experts (2 a token, renormalized) and a shared one on every layer; two
+    # layers, one of each mixer
+    "qwen3_5_moe": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=64),
 }  # fmt: skip
 # Every family of the table, by its short name: a family added to model/families.py joins every test built on it.
 ARCHES = [TINY_NAMES.get(architecture, architecture) for architecture in FAMILIES]
