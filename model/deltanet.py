@@ -13,8 +13,8 @@ recurrence runs token by token (transformers' torch_recurrent_gated_delta_rule),
 product or sum runs on one token's values at a time: torch's elementwise loops hand a tensor's last few elements
 to scalar code whose exp differs from the vector code's in the last bit, so which elements those are must not
 depend on the step. A prompt then gives the same bits prefilled in one step or in chunks of any size, and a
-sequence the same bits whatever shares its step. (Python ops per token: the C++ kernel, issue 46 item 3, is the
-fast path still to come.)
+sequence the same bits whatever shares its step. Where kvserve's C++ kernels run, model/csrc/deltanet.cpp does the
+same between the two projections (each sequence and value head in parallel, token by token).
 """
 
 from dataclasses import dataclass
@@ -58,13 +58,26 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads))
         self.gated_norm = nn.Parameter(torch.ones(spec.value_head_dim))  # a plain weight: x * w, not 1 + w
         self.out = Linear(spec.value_dim, config.hidden_size, False, ops.linear)
+        self.kernel = (
+            ops.gated_delta_net
+        )  # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
         [slots, value heads, key_head_dim, value_head_dim] (float32) are this layer's, updated in place. `rope` is
         unused: DeltaNet has no positions."""
         spec, T = self.spec, x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        proj = self.in_proj(x)
+        if self.kernel is not None:
+            seqs = torch.tensor(
+                list(zip(states.starts, states.lengths, states.slots, states.fresh, strict=True))
+            )
+            conv = self.conv.view(spec.conv_dim, spec.conv_kernel)
+            o = self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
+                            recurrent_state, seqs, spec.num_key_heads, spec.key_head_dim, spec.value_head_dim,
+                            self.eps)  # fmt: skip
+            return self.out(o)
+        qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=x.dtype, device=x.device)
         for start, n, slot, fresh in zip(

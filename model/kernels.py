@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
 COMPILED = ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp",
             "quant_gemm_bf16.cpp", "quant_gemm_amx.cpp", "quant_gemm_f32.cpp", "quant_gemm_i16.cpp",
-            "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp")  # fmt: skip
+            "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp", "deltanet.cpp")  # fmt: skip
 FAILED = "FAILED"  # a build folder holding this file records why the build failed
 TREE = "TREE"  # and this one, which source tree built it (a hash of its path)
 

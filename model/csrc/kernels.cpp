@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("group"), no_gil());
   m.def("uniform_noise", &uniform_noise, "the sampler's noise, bit for bit (noise.cpp; model/sampling.py)",
         py::arg("seeds"), py::arg("positions"), py::arg("vocab_size"), no_gil());
+  m.def("gated_delta_net", &gated_delta_net, "a Gated DeltaNet layer's recurrence for a step (deltanet.cpp)",
+        py::arg("proj"), py::arg("conv_w"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_w"),
+        py::arg("conv_state"), py::arg("recurrent_state"), py::arg("seqs"), py::arg("num_key_heads"),
+        py::arg("key_head_dim"), py::arg("value_head_dim"), py::arg("eps"), no_gil());
   m.def("argmax_rows", &argmax_rows, "torch.argmax of each row of [B, V] float32 (argmax.cpp; model/sampling.py)",
         py::arg("x"), no_gil());
   py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "one format's run of a weight's rows, packed")

@@ -22,3 +22,6 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);
 at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group);
 at::Tensor uniform_noise(at::Tensor seeds, at::Tensor positions, int64_t vocab_size);
 at::Tensor argmax_rows(at::Tensor x);
+at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
+                           at::Tensor norm_w, at::Tensor conv_state, at::Tensor recurrent_state, at::Tensor seqs,
+                           int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps);

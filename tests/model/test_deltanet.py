@@ -18,13 +18,25 @@ from tests.helpers.tiny_models import CpuPath, tiny_family
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def hybrid(tiny_model_factory):
+def load_hybrid(path, deltanet: str, dtype=torch.float32, quantized: bool = True):
     """The tiny Qwen3.5 on kvserve's quantized GEMMs and C++ attention (each row's bits its own in any batch), so
-    that what differs between two runs below can only be the DeltaNet layers' doing."""
-    path = tiny_family(tiny_model_factory, "qwen3_5")
-    model, config = CpuPath(True).load(path, linear=QuantizedLinear(cpu_kernels(), PlainLinear(), 8))
-    return model, config
+    that what differs between two runs can only be the DeltaNet layers' doing; their recurrence in C++ ("cpp",
+    model/csrc/deltanet.cpp) or in PyTorch ops ("python")."""
+    import dataclasses
+
+    from model.loader import load_model
+    from model.transformer import Ops
+
+    linear = QuantizedLinear(cpu_kernels(), PlainLinear(), 8) if quantized else PlainLinear()
+    ops = Ops.with_kernels(linear, cpu_kernels())
+    if deltanet == "python":
+        ops = dataclasses.replace(ops, gated_delta_net=None)
+    return load_model(path, dtype, "cpu", ops)
+
+
+@pytest.fixture(scope="module", params=["cpp", "python"])
+def hybrid(tiny_model_factory, request):
+    return load_hybrid(tiny_family(tiny_model_factory, "qwen3_5"), request.param)
 
 
 def step(model, cache, seqs) -> list[torch.Tensor]:
@@ -107,6 +119,27 @@ def test_a_slot_taken_over_starts_from_zero(hybrid):
     assert torch.equal(
         step(model, used, [(b, 0, 1, table)])[0], step(model, fresh_cache(config), [(b, 0, 1, table)])[0]
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_recurrence_is_the_python_ones(tiny_model_factory, dtype):
+    """model/csrc/deltanet.cpp against model/deltanet.py's loop, on a step of a prefill beside a decode, then the
+    next step from the states each left, dense GEMMs around them: within float32's rounding (their exp functions
+    differ in the last bit), or for bfloat16 within a rounding of its own here and there."""
+    path = tiny_family(tiny_model_factory, "qwen3_5")
+    runs = []
+    for deltanet in ("cpp", "python"):
+        model, config = load_hybrid(path, deltanet, dtype, quantized=False)
+        cache = KVCache(config, 64, BLOCK, dtype, "cpu", num_state_slots=4)
+        a, b = prompt(23, 8), prompt(6, 9)
+        first = step(model, cache, [(a, 0, 3, list(range(8))), (b, 0, 0, list(range(8, 16)))])
+        second = step(
+            model, cache, [(a + [5], 23, 3, list(range(8))), (b + [6, 7], 6, 0, list(range(8, 16)))]
+        )
+        runs.append(torch.cat([*first, *second]).float())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    assert (runs[0] - runs[1]).abs().max() < tolerance and runs[0].abs().mean() > 0.1
 
 
 def test_the_cache_holds_kv_for_attention_layers_and_a_state_per_slot(hybrid):
