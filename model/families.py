@@ -132,7 +132,8 @@ GPT_OSS_WEIGHTS = llama_weights(**LLAMA_NORMS) | {
 # dt_bias, the gated norm's weight (a plain RMSNorm weight, unlike the blocks' 1 + w norms) and the output
 QWEN3_5_WEIGHTS = llama_weights(**LLAMA_NORMS, **QK_NORMS) | {
     "layers.{i}.attn.in_proj.weight": (
-        [_layer(f"linear_attn.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")], "cat"
+        [_layer(f"linear_attn.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")],
+        "cat",
     ),
     "layers.{i}.attn.conv": ([_layer("linear_attn.conv1d.weight")], ""),
     "layers.{i}.attn.A_log": ([_layer("linear_attn.A_log")], ""),
@@ -147,10 +148,12 @@ QWEN3_5_WEIGHTS = llama_weights(**LLAMA_NORMS, **QK_NORMS) | {
 _QWEN3_5_MOE = moe_weights(QWEN3_5_WEIGHTS, shared=True)
 QWEN3_5_MOE_WEIGHTS = _QWEN3_5_MOE | {
     "layers.{i}.mlp.experts.{e}.up.weight": [
-        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.up.weight"], ([_layer("mlp.experts.gate_up_proj")], "expert"),
+        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.up.weight"],
+        ([_layer("mlp.experts.gate_up_proj")], "expert"),
     ],
     "layers.{i}.mlp.experts.{e}.down.weight": [
-        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.down.weight"], ([_layer("mlp.experts.down_proj")], "expert"),
+        _QWEN3_5_MOE["layers.{i}.mlp.experts.{e}.down.weight"],
+        ([_layer("mlp.experts.down_proj")], "expert"),
     ],
 }
 
@@ -219,6 +222,23 @@ GEMMA_DEFAULTS = dict(
     num_key_value_heads=4,
     sliding_window=4096,
     query_pre_attn_scalar=256,
+)
+
+
+QWEN3_5_DEFAULTS = dict(  # Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's alike
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    head_dim=256,
+    hidden_act="silu",
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
 )
 
 
@@ -463,22 +483,7 @@ FAMILIES = {
             norm_offset=1.0,  # zero-centred RMSNorm: x * (1 + w), the q/k norms too
             linear_attention=True,
             attn_output_gate=True,
-            config_defaults=dict(
-                tie_word_embeddings=False,
-                bos_token_id=None,
-                eos_token_id=None,
-                rms_norm_eps=1e-6,
-                max_position_embeddings=32768,
-                num_key_value_heads=4,
-                head_dim=256,
-                hidden_act="silu",
-                linear_conv_kernel_dim=4,
-                linear_key_head_dim=128,
-                linear_value_head_dim=128,
-                linear_num_key_heads=16,
-                linear_num_value_heads=32,
-                rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
-            ),
+            config_defaults=QWEN3_5_DEFAULTS | dict(num_key_value_heads=4),
         ),
         Family(
             "Qwen3_5MoeForCausalLM",  # the text model (Qwen3_5MoeTextConfig): Qwen3.5/3.6-35B-A3B, 122B-A10B
@@ -488,25 +493,13 @@ FAMILIES = {
             linear_attention=True,
             attn_output_gate=True,
             moe=Moe(renormalize=True, shared_expert=True),  # softmax, top k renormalized, on every layer
-            config_defaults=dict(
-                tie_word_embeddings=False,
-                bos_token_id=None,
-                eos_token_id=None,
-                rms_norm_eps=1e-6,
-                max_position_embeddings=32768,
+            config_defaults=QWEN3_5_DEFAULTS
+            | dict(
                 num_key_value_heads=2,
-                head_dim=256,
-                hidden_act="silu",
-                linear_conv_kernel_dim=4,
-                linear_key_head_dim=128,
-                linear_value_head_dim=128,
-                linear_num_key_heads=16,
-                linear_num_value_heads=32,
                 num_experts=256,
                 num_experts_per_tok=8,
                 moe_intermediate_size=512,
                 shared_expert_intermediate_size=512,
-                rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default"),
             ),
         ),
     )

@@ -62,5 +62,6 @@ class KVCache:
         spec = config.linear_attention
         if spec is None:
             return 0
-        per_layer = (spec.conv_kernel - 1) * spec.conv_dim + spec.num_value_heads * spec.key_head_dim * spec.value_head_dim
-        return 4 * len(config.linear_layers) * per_layer
+        conv = (spec.conv_kernel - 1) * spec.conv_dim
+        recurrent = spec.num_value_heads * spec.key_head_dim * spec.value_head_dim
+        return 4 * len(config.linear_layers) * (conv + recurrent)

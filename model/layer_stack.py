@@ -65,7 +65,7 @@ LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
     "rope": lambda spec, c: spec.rope is not None and spec.rope.dim == c.head_dim,  # full-width RoPE only
     "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
-    "mixer": lambda spec, c: spec.mixer == "attention",  # Gated DeltaNet: the Python loop's (model/deltanet.py)
+    "mixer": lambda spec, c: spec.mixer == "attention",  # Gated DeltaNet runs in the Python loop
 }
 
 

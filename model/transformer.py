@@ -41,7 +41,7 @@ class Ops:
     # (loaded model) -> its blocks as one call with the same bits (model/layer_stack.py), or None; None = a loop
     layer_stack: Callable | None = None
     moe: Callable | None = None  # the C++ MoE FFN's constructor (model/moe.py); None = PyTorch ops
-    gated_delta_net: Callable | None = None  # a DeltaNet layer's recurrence (model/deltanet.py); None = PyTorch ops
+    gated_delta_net: Callable | None = None  # a DeltaNet layer's recurrence (model/deltanet.py): likewise
 
     @classmethod
     def with_kernels(cls, linear, kernels) -> "Ops":

@@ -111,7 +111,8 @@ class ModelRunner:
             ids = token_ids[start : start + chunk]
             positions, meta = self.attention.build([len(ids)], [start + len(ids)], [table])
             long_rope = self._long_rope([(len(ids), len(token_ids))])
-            states = StepStates([0], [len(ids)], [0], [start == 0]) if self.hybrid else None  # slot 0: no one's
+            # a DeltaNet layer's state in slot 0, which no request holds now
+            states = StepStates([0], [len(ids)], [0], [start == 0]) if self.hybrid else None
             input_ids = torch.tensor(ids).to(self.device)
             hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
             logits.append(self.model.compute_logits(hidden))

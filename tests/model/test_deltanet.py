@@ -172,7 +172,7 @@ def test_the_engine_serves_a_hybrid_with_its_slots_given_back(tiny_model_factory
     from server.engine.request import SamplingParams
 
     config = EngineConfig(kv_cache_memory=4 << 20, block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=2,
-                          dtype="float32", speculative=SpeculativeConfig())  # fmt: skip
+                          dtype="float32", batch_invariant=True, speculative=SpeculativeConfig())  # fmt: skip
     with caplog.at_level(logging.INFO):
         engine = Engine(str(tiny_family(tiny_model_factory, "qwen3_5")), config)
     assert not engine.config.enable_prefix_caching and engine.drafter is None
@@ -200,6 +200,9 @@ def test_the_engine_serves_a_hybrid_with_its_slots_given_back(tiny_model_factory
     manager = engine.scheduler.block_manager
     assert sorted(manager.free_state_slots) == [0, 1]
     assert all(r.state_slot is None for r in engine.scheduler.requests.values())
+    # scoring a text (bench-quality's teacher forcing) fed in chunks of any size: the same logits
+    text = prompt(30, 20)
+    assert torch.equal(engine.score(text, chunk=7), engine.score(text, chunk=64))
 
 
 @pytest.mark.timeout(120)
