@@ -17,6 +17,7 @@ sequence the same bits whatever shares its step. Where kvserve's C++ kernels run
 same between the two projections (each sequence and value head in parallel, token by token).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,11 @@ class StepStates:
     lengths: list[int]  # its tokens this step
     slots: list[int]  # its state slot in the cache
     fresh: list[bool]  # its first tokens: the state starts from zero
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """[N, 4] int64 (start, length, slot, fresh) for the C++ kernel: made once a step, read by every layer."""
+        return torch.tensor(list(zip(self.starts, self.lengths, self.slots, self.fresh, strict=True)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -69,12 +75,9 @@ class GatedDeltaNet(nn.Module):
         spec, T = self.spec, x.shape[0]
         proj = self.in_proj(x)
         if self.kernel is not None:
-            seqs = torch.tensor(
-                list(zip(states.starts, states.lengths, states.slots, states.fresh, strict=True))
-            )
             conv = self.conv.view(spec.conv_dim, spec.conv_kernel)
             o = self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
-                            recurrent_state, seqs, spec.num_key_heads, spec.key_head_dim, spec.value_head_dim,
+                            recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim, spec.value_head_dim,
                             self.eps)  # fmt: skip
             return self.out(o)
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
