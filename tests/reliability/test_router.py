@@ -63,11 +63,18 @@ class Router:
             time.sleep(0.2)
 
     def metrics(self) -> list:
-        try:
-            text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
-        except httpx.TransportError:
-            return []
-        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+        """The router's samples. A scrape that fails (the router not up yet, or slow on a loaded machine) is
+        tried again, never read as "no worker healthy": a test waiting for a replica to leave the healthy set
+        would otherwise stop waiting before the router has seen anything."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+                return [s for f in text_string_to_metric_families(text) for s in f.samples]
+            except httpx.TransportError:
+                assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the router's /metrics never answered"
+                time.sleep(0.2)
 
     def healthy(self) -> set[str]:
         return {s.labels["worker"] for s in self.metrics() if s.name == "smg_worker_health" and s.value == 1}
