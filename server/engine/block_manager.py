@@ -4,10 +4,18 @@ Pure bookkeeping: it never touches tensors. A block is in exactly one of three s
   free    ref 0, no hash            in `free_block_ids`, handed out first
   cached  ref 0, hash registered    in `cached_block_ids` (LRU order), reusable by a prefix hit or evictable
   live    ref > 0                   in the block tables of one or more requests (more than one only via a hit)
+
+A hybrid model (Gated DeltaNet layers, model/deltanet.py) also needs, to resume after cached blocks, the layers'
+state as it was after them: K/V alone cannot rebuild it. Its state slots are of two kinds: one per running
+request (handed out with its first blocks), and snapshots, copies of a state at a block boundary keyed by that
+block's chained hash, like the blocks. A snapshot is free, cached (LRU, evictable) or taken: chosen at schedule
+time as the destination of a copy the step makes, and cached by update() once the step has made it. A prefix hit
+of a hybrid ends at the deepest block whose snapshot is cached; the request's state starts as a copy of it.
 """
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from server.engine.request_state import Request
 
@@ -23,12 +31,29 @@ def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+@dataclass(slots=True)
+class PrefixHit:
+    """What the prefix cache holds of a request's tokens (BlockManager.find_cached_prefix)."""
+
+    block_ids: list[int] = field(default_factory=list)  # full blocks to start from, shared
+    snapshot: int | None = None  # a hybrid's: the state slot holding its DeltaNet state after those blocks
+    # full blocks of its tokens cached in all, past block_ids too: for a hybrid, blocks other requests share
+    # whose state nobody kept, so a state worth keeping at their end
+    num_cached_blocks: int = 0
+
+
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_snapshots: int = 0,
     ):
         """num_state_slots: a hybrid model's per-sequence state slots (model/kv_cache.py), one per running
-        request, taken with its first blocks and given back with them; 0: the model has none."""
+        request, taken with its first blocks and given back with them; 0: the model has none. num_snapshots:
+        the slots after those that hold state snapshots for the prefix cache."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,6 +70,11 @@ class BlockManager:
         self.prefix_cache_hits = 0
         self.free_state_slots: deque[int] = deque(range(num_state_slots))
         self.uses_state_slots = num_state_slots > 0
+        self.free_snapshots: deque[int] = deque(range(num_state_slots, num_state_slots + num_snapshots))
+        self.cached_snapshots: OrderedDict[int, int] = OrderedDict()  # slot -> its block's hash, LRU first
+        self.hash_to_snapshot: dict[int, int] = {}
+        # request id -> (slot, hash) of the snapshot its decoding last took, dropped when it takes the next
+        self.decode_snapshots: dict[str, tuple[int, int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,17 +86,19 @@ class BlockManager:
         """Fraction of blocks held by live requests; cached idle blocks count as free, so idle = 0."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached full-block prefix of the request's tokens. No side effects.
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The longest cached full-block prefix of the request's tokens (for a hybrid, the longest with a state
+        snapshot at its end). No side effects.
 
         The hit stops one token short of the whole sequence: the model must compute at least one token
         to produce the logits of the next one.
         """
         if not self.enable_prefix_caching:
-            return []
+            return PrefixHit()
         token_ids = request.all_token_ids
         bs = self.block_size
         block_ids = []
+        snapshot, num_hit = None, 0
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -74,7 +106,11 @@ class BlockManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids
+            if self.uses_state_slots and parent in self.hash_to_snapshot:
+                snapshot, num_hit = self.hash_to_snapshot[parent], i + 1
+        if not self.uses_state_slots:
+            num_hit = len(block_ids)
+        return PrefixHit(block_ids[:num_hit], snapshot, len(block_ids))
 
     def allocate(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
         """Grow the request's block table until it has slots for its first `num_tokens` tokens.
@@ -147,6 +183,45 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
             hashes.append(h)
 
+    def take_snapshot(self, request: Request, decoding: bool) -> int | None:
+        """A snapshot slot for a copy of the request's state the coming step makes. A decoding request keeps only
+        its latest snapshot (a reply's last block boundary is where its chat's next turn resumes; the earlier ones
+        would crowd out other requests'): it gets its previous one back, if still cached. Otherwise a free one,
+        else the least recently used cached one (evicted now: a step reads the states it restores before it
+        writes the ones it takes). None when the model keeps no snapshots."""
+        previous = self.decode_snapshots.pop(request.request_id, None) if decoding else None
+        if previous is not None and self.cached_snapshots.get(previous[0]) == previous[1]:
+            del self.cached_snapshots[previous[0]]
+            del self.hash_to_snapshot[previous[1]]
+            return previous[0]
+        if self.free_snapshots:
+            return self.free_snapshots.popleft()
+        if not self.cached_snapshots:
+            return None
+        slot, h = self.cached_snapshots.popitem(last=False)
+        del self.hash_to_snapshot[h]
+        return slot
+
+    def cache_snapshot(self, request: Request, slot: int, num_tokens: int, decoding: bool) -> None:
+        """Cache the taken `slot`, now holding the request's state after its first num_tokens tokens (a block
+        boundary whose blocks cache_full_blocks indexed)."""
+        h = self.request_hashes[request.request_id][num_tokens // self.block_size - 1]
+        if h in self.hash_to_snapshot:  # the same state kept already (two requests computed it in one step)
+            self.free_snapshots.append(slot)
+            return
+        self.hash_to_snapshot[h] = slot
+        self.cached_snapshots[slot] = h
+        if decoding:
+            self.decode_snapshots[request.request_id] = (slot, h)
+
+    def release_snapshot(self, slot: int) -> None:
+        """Give back a taken snapshot slot whose copy will not be cached (its request ended first)."""
+        self.free_snapshots.append(slot)
+
+    def touch_snapshot(self, slot: int) -> None:
+        """A prefix hit used the snapshot: it becomes the most recently used."""
+        self.cached_snapshots.move_to_end(slot)
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Release the blocks past the request's first num_tokens tokens (held for drafts it did not keep:
         never hashed, never shared)."""
@@ -170,6 +245,7 @@ class BlockManager:
                     self.cached_block_ids[block_id] = None  # most recently used
         request.block_table.clear()
         self.request_hashes.pop(request.request_id, None)
+        self.decode_snapshots.pop(request.request_id, None)
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
@@ -186,3 +262,5 @@ class BlockManager:
             assert block_id not in self.cached_block_ids or h is not None
             assert h is None or self.hash_to_block[h] == block_id
         assert len(self.hash_to_block) == sum(h is not None for h in self.block_hashes)
+        assert not set(self.free_snapshots) & set(self.cached_snapshots), "a snapshot both free and cached"
+        assert {self.hash_to_snapshot[h]: h for h in self.hash_to_snapshot} == dict(self.cached_snapshots)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from model.kv_cache import KVCache
 from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.drafting import Drafter, StepCosts
@@ -37,13 +38,11 @@ class Engine:
         self.runner = build_runner(model, config)
         self.model_config = self.runner.model_config
         if self.model_config.linear_layers:
-            self.config = config = hybrid_config(config)
+            self.config = config = hybrid_config(config, self.runner.kv_cache)
         self.tokenizer = Tokenizer.load(model, chat_template)
         self.max_model_len = context_length(self.model_config, config, self.runner.num_blocks)
         self.kv_cache_dtype = str(self.runner.kv_cache.k.dtype).removeprefix("torch.")
-        self.scheduler = Scheduler(
-            config, self.runner.num_blocks, self.max_model_len, self.runner.kv_cache.num_state_slots
-        )
+        self.scheduler = self._scheduler()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         # stop tokens: the union of config.json, generation_config.json and the tokenizer's EOS
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -155,10 +154,14 @@ class Engine:
         if self.has_work():
             raise RuntimeError("the engine still has requests")
         self.config = dataclasses.replace(self.config, **changes)
-        self.scheduler = Scheduler(
-            self.config, self.runner.num_blocks, self.max_model_len, self.runner.kv_cache.num_state_slots
-        )
+        self.scheduler = self._scheduler()
         self.drafter = self._drafter()
+
+    def _scheduler(self) -> Scheduler:
+        cache = self.runner.kv_cache
+        return Scheduler(
+            self.config, cache.num_blocks, self.max_model_len, cache.num_state_slots, cache.num_snapshot_slots
+        )
 
     def _drafter(self) -> Drafter | None:
         """The drafter config.speculative asks for, "auto" resolved against this runner (and kept resolved)."""
@@ -181,12 +184,19 @@ class Engine:
         return stats
 
 
-def hybrid_config(config: EngineConfig) -> EngineConfig:
-    """A hybrid model (Gated DeltaNet layers: model/deltanet.py) without what its per-sequence state cannot yet
-    follow: prefix caching (a cached block holds K/V, not the state after it) and speculative drafts (a rejected
-    draft would stay in the state). Each said in the log where it was asked for."""
-    if config.enable_prefix_caching:
-        log.info("prefix caching: off (this hybrid model's DeltaNet state is not cached by prefix yet)")
+def hybrid_config(config: EngineConfig, cache: KVCache) -> EngineConfig:
+    """A hybrid model (Gated DeltaNet layers: model/deltanet.py) runs as many sequences as its cache has state
+    slots, caches prefixes only where it keeps state snapshots, and drafts nothing (a rejected draft would stay in
+    the state). Each said in the log where it changes what was asked for."""
+    if cache.num_state_slots < config.max_num_seqs:
+        log.warning("max_num_seqs: %d (the DeltaNet states the cache holds)", cache.num_state_slots)
+    if config.enable_prefix_caching and not cache.num_snapshot_slots:
+        log.warning("prefix caching: off (the cache holds no DeltaNet state snapshot)")
     if isinstance(config.speculative, SpeculativeConfig):
         log.warning("speculative decoding: off (a rejected draft would stay in this hybrid model's state)")
-    return dataclasses.replace(config, enable_prefix_caching=False, speculative=None)
+    return dataclasses.replace(
+        config,
+        max_num_seqs=min(config.max_num_seqs, cache.num_state_slots),
+        enable_prefix_caching=config.enable_prefix_caching and cache.num_snapshot_slots > 0,
+        speculative=None,
+    )

@@ -78,7 +78,16 @@ class ModelRunner:
         if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
             states = StepStates(starts, [c.num_tokens for c in out.chunks],
                                 [c.request.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks])  # fmt: skip
+            # a prefix hit resumes from the state kept after its blocks
+            restores = [
+                (c.restore_state, c.request.state_slot) for c in out.chunks if c.restore_state is not None
+            ]
+            self._copy_states(restores)
         hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
+        if self.hybrid:  # states kept at the block boundaries where chunks ended, for later prefix hits
+            self._copy_states(
+                [(c.request.state_slot, c.snapshot_to) for c in out.chunks if c.snapshot_to is not None]
+            )
         result = ModelOutput()
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
@@ -97,6 +106,11 @@ class ModelRunner:
                 hidden[torch.tensor(rows, device=self.device)], [c for c, _ in sampled]
             )
         return result
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = zip(*pairs, strict=True)
+            self.kv_cache.copy_states(list(src), list(dst))
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk: int) -> torch.Tensor:

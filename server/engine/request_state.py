@@ -32,6 +32,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     # a hybrid model's state slot (its Gated DeltaNet layers' recurrent state), held while it runs
     state_slot: int | None = None
+    # a hybrid's: its first tokens whose K/V the prefix cache held at admission past the state it resumed from,
+    # a prefix other requests share: its state is kept (snapshot) when its prefill gets there
+    num_shared_prefix_tokens: int = 0
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # where its output is in params.grammar; dropped when it finishes
     # where its output is against its reasoning (params.reasoning), until that ends: then its grammar moves here

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import BlockManager, PrefixHit
 from server.engine.config import EngineConfig
 from server.engine.request import FinishReason
 from server.engine.request_state import Request, RequestStatus
@@ -35,6 +35,10 @@ class ScheduledChunk:
     # a decode's drafts (drafting.py): the step also draws a token after each of them, to verify them
     drafts: list[int] = field(default_factory=list)
     pool: bool = False  # a prefill-only request's chunk: the step returns what its pooling reads
+    # a hybrid's state (model/deltanet.py): the snapshot slot it starts from (a prefix hit), and the one the step
+    # copies it to after the chunk, which ends at a block boundary (block_manager.py)
+    restore_state: int | None = None
+    snapshot_to: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -74,13 +78,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
+        num_snapshots: int = 0,
+    ):
         assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
         self.config = config
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots
+            num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, num_snapshots
         )
+        # a hybrid with prefix caching: its chunks end at the block boundaries where its state is worth keeping
+        self.snapshots = num_snapshots > 0 and config.enable_prefix_caching
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -170,12 +183,13 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n, keep_state = self._state_boundary(request, request.num_computed_tokens, n)
             drafts = self._fit_drafts(request, n, budget)
             if drafts:
                 out.chunks.append(chunk(request, n, drafts))
                 out.num_batched_tokens += n + len(drafts)
             elif self._allocate_or_preempt(request, n, out):
-                out.chunks.append(chunk(request, n))
+                out.chunks.append(self._with_snapshot(chunk(request, n), None, keep_state))
                 out.num_batched_tokens += n
 
         # Admit waiting requests in order. Not in a step that preempted: the blocks just freed belong to
@@ -186,10 +200,16 @@ class Scheduler:
             if budget == 0:
                 break
             request = self.waiting[0]
-            cached = [] if request.reads_every_position else self.block_manager.find_cached_prefix(request)
-            num_cached = len(cached) * self.config.block_size
+            hit = (
+                PrefixHit()
+                if request.reads_every_position
+                else self.block_manager.find_cached_prefix(request)
+            )
+            num_cached = len(hit.block_ids) * self.config.block_size
+            request.num_shared_prefix_tokens = hit.num_cached_blocks * self.config.block_size
             n = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request, num_cached + n, cached):
+            n, keep_state = self._state_boundary(request, num_cached, n)
+            if not self.block_manager.allocate(request, num_cached + n, hit.block_ids):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resume after preemption
@@ -199,12 +219,39 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(chunk(request, n))
+            out.chunks.append(self._with_snapshot(chunk(request, n), hit.snapshot, keep_state))
             out.num_batched_tokens += n
 
         if out.chunks:
             self.num_steps += 1
         return out
+
+    def _state_boundary(self, request: Request, start: int, n: int) -> tuple[int, bool]:
+        """A hybrid's chunk of n tokens from `start`, cut to end at the first block boundary in it where its state
+        is worth keeping, and whether the chunk ends at one. Those are where a later request resumes: the end of
+        a prefix other requests share (num_shared_prefix_tokens), the last boundary of what it has to prefill
+        (a prompt, or a preempted request's tokens so far), and while it decodes, each boundary it reaches (only
+        the latest is kept: where a reply ended, its chat's next turn starts). Cut chunks cost a step more."""
+        if not self.snapshots:
+            return n, False
+        bs, end = self.config.block_size, start + n
+        if start == request.num_tokens - 1 and request.output_token_ids:  # a decode
+            return n, end % bs == 0
+        boundaries = (request.num_shared_prefix_tokens, request.num_tokens // bs * bs)
+        for boundary in sorted(boundaries):
+            if start < boundary <= end:
+                return boundary - start, True
+        return n, False
+
+    def _with_snapshot(
+        self, c: ScheduledChunk, restore_state: int | None, keep_state: bool
+    ) -> ScheduledChunk:
+        if restore_state is not None:
+            c.restore_state = restore_state
+            self.block_manager.touch_snapshot(restore_state)
+        if keep_state:
+            c.snapshot_to = self.block_manager.take_snapshot(c.request, c.is_decode)
+        return c
 
     def _fit_drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode can verify this step: what the token budget and the free blocks allow (drafts
@@ -246,12 +293,16 @@ class Scheduler:
         for c in out.chunks:
             request = c.request
             if request.is_finished:  # aborted since schedule() (the engine applies aborts between steps)
+                if c.snapshot_to is not None:
+                    self.block_manager.release_snapshot(c.snapshot_to)
                 continue
             kept = token_ids.get(request.request_id, [])
             # the chunk's known tokens, then the drafts the kept tokens confirmed (all but the last kept)
             request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
             request.output_token_ids.extend(kept)
             self.block_manager.cache_full_blocks(request)
+            if c.snapshot_to is not None:  # the step copied the state there
+                self.block_manager.cache_snapshot(request, c.snapshot_to, c.start + c.num_tokens, c.is_decode)
             if c.drafts:
                 self.block_manager.trim(request, request.num_tokens)
             if kept:

@@ -8,6 +8,7 @@ switched later.
 import enum
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -75,10 +76,17 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
     kv_dtype = select_kv_cache_dtype(config.kv_cache_dtype, dtype, tier)
-    # a hybrid model's DeltaNet layers keep a state per running sequence, from the same budget
-    num_state_slots = config.max_num_seqs if model_config.linear_layers else 0
-    num_blocks = num_cache_blocks(model_config, config, kv_dtype, device, num_state_slots)
-    kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device, num_state_slots)
+    layout = cache_layout(model_config, config, kv_dtype, device)
+    num_blocks = layout.num_blocks
+    kv_cache = KVCache(
+        model_config,
+        num_blocks,
+        config.block_size,
+        kv_dtype,
+        device,
+        layout.num_state_slots,
+        layout.num_snapshots,
+    )
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size)
     else:
@@ -247,12 +255,20 @@ def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
     return module
 
 
-def num_cache_blocks(
-    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device, num_state_slots: int = 0
-) -> int:
-    """The KV cache's blocks: what the budget holds after num_state_slots sequences' DeltaNet states."""
+@dataclass(frozen=True)
+class CacheLayout:
+    """The KV cache's budget shared out: K/V blocks and, for a hybrid model's DeltaNet layers, state slots."""
+
+    num_blocks: int
+    num_state_slots: int = 0  # one per running sequence: the most sequences a hybrid runs at once
+    num_snapshots: int = 0  # states kept at block boundaries, for its prefix cache
+
+
+def cache_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device) -> CacheLayout:
+    """What the budget holds. A hybrid's running states take at most 40% of it (fewer sequences than
+    --max-num-seqs where they would take more: a 35B-A3B's state is 61 MiB a sequence) and its snapshots at most a
+    quarter, four per running sequence at most (a prompt's, a reply's, a shared prefix's); K/V the rest."""
     per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
-    state_bytes = num_state_slots * KVCache.bytes_per_state_slot(model_config)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":  # after loading: what the weights left, minus 1 GiB for activations
@@ -260,18 +276,29 @@ def num_cache_blocks(
         budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
     else:
         budget = CPU_KV_CACHE_BYTES
-    if state_bytes:
+    per_state = KVCache.bytes_per_state_slot(model_config)
+    num_state_slots = num_snapshots = 0
+    if per_state:
+        num_state_slots = min(config.max_num_seqs, max(1, budget * 2 // 5 // per_state))
+        if config.enable_prefix_caching:
+            num_snapshots = min(4 * num_state_slots, budget // 4 // per_state)
         log.info(
-            "DeltaNet state: %d sequences of %.1f MiB (%.2f GiB, float32), from the KV cache's budget",
+            "DeltaNet state (%.1f MiB a sequence, float32): %d running sequences%s, %d snapshots for the prefix "
+            "cache; %.2f GiB of the KV cache's budget",
+            per_state / 2**20,
             num_state_slots,
-            state_bytes / num_state_slots / 2**20,
-            state_bytes / 2**30,
+            f" (not --max-num-seqs {config.max_num_seqs}: 40% of the budget)"
+            if num_state_slots < config.max_num_seqs
+            else "",
+            num_snapshots,
+            (num_state_slots + num_snapshots) * per_state / 2**30,
         )
+    state_bytes = (num_state_slots + num_snapshots) * per_state
     num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes"
-            + (f" after {state_bytes} bytes of DeltaNet state (fewer --max-num-seqs)" if state_bytes else "")
+            + (f" after {state_bytes} bytes of DeltaNet state" if state_bytes else "")
         )
     log.info(
         "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
@@ -280,7 +307,7 @@ def num_cache_blocks(
         num_blocks * per_block / 2**30,
         str(dtype).removeprefix("torch."),
     )
-    return num_blocks
+    return CacheLayout(num_blocks, num_state_slots, num_snapshots)
 
 
 def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:

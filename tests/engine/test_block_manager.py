@@ -17,7 +17,7 @@ def compute(bm: BlockManager, request: Request, num_tokens: int | None = None) -
 
 def admit(bm: BlockManager, request: Request) -> int:
     """Allocate the whole sequence with its prefix hit; returns the number of hit tokens."""
-    cached = bm.find_cached_prefix(request)
+    cached = bm.find_cached_prefix(request).block_ids
     assert bm.allocate(request, request.num_tokens, cached)
     return len(cached) * bm.block_size
 
@@ -169,8 +169,8 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
     d = make_request("d", [1, 2, 50, 51, 52, 53, 54])
     assert admit(bm, d) == 2
     assert d.block_table[0] == a_full[0]
-    assert bm.find_cached_prefix(make_request("probe-a", [1, 2, 3, 4, 5])) == [a_full[0]]
-    assert bm.find_cached_prefix(make_request("probe-b", [6, 7, 8])) == []
+    assert bm.find_cached_prefix(make_request("probe-a", [1, 2, 3, 4, 5])).block_ids == [a_full[0]]
+    assert bm.find_cached_prefix(make_request("probe-b", [6, 7, 8])).block_ids == []
     assert len(bm.hash_to_block) == 1  # evicted blocks dropped their hash entries
     bm.free(d)
     bm.check_invariants()

@@ -1,0 +1,190 @@
+"""The prefix cache of a hybrid model (Gated DeltaNet layers: model/deltanet.py), whose cached blocks are of use only
+with the layers' state after them: snapshots of it taken at block boundaries (server/engine/block_manager.py). A
+chat's next turn resumes where the reply ended, a prefix that requests share keeps its state from the second one on,
+and a request served from the cache gets the very bits it gets computed from scratch, under eviction and
+preemption too."""
+
+import pytest
+
+from server.engine.block_manager import BlockManager
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import SamplingParams
+from server.engine.request_state import Request
+from tests.helpers.tiny_models import tiny_family
+
+BLOCK = 4
+
+
+def make_engine(path, **changes) -> Engine:
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=4,
+                          dtype="float32", batch_invariant=True)  # fmt: skip
+    return Engine(str(path), EngineConfig(**{**config.__dict__, **changes}))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_factory):
+    return tiny_family(tiny_model_factory, "qwen3_5")
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PARAMS = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams = PARAMS) -> dict[str, dict]:
+    """Serve the prompts together: each one's tokens, their logprobs (the bits) and its cached prompt tokens."""
+    results = {rid: {"ids": [], "logprobs": [], "cached": None} for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    while engine.has_work():
+        for out in engine.step():
+            r = results[out.request_id]
+            r["ids"] += out.new_token_ids
+            r["logprobs"] += [(lp.logprob, lp.top) for lp in out.logprobs or []]
+            if r["cached"] is None:
+                r["cached"] = out.num_cached_tokens
+    engine.scheduler.block_manager.check_invariants()
+    return results
+
+
+def computed(reference: Engine, prompt: list[int]) -> dict:
+    """What the prompt gives computed from its first token (an engine without a prefix cache)."""
+    return run(reference, {"alone": prompt})["alone"]
+
+
+@pytest.mark.timeout(300)
+def test_a_chats_next_turn_resumes_where_the_reply_ended(hybrid):
+    """Turn 2 (turn 1's prompt and reply, then new tokens) recomputes at most its new tokens and one block, and
+    gets the bits it gets from scratch; so does turn 3, past turn 2's reply."""
+    engine, reference = make_engine(hybrid), make_engine(hybrid, enable_prefix_caching=False)
+    assert engine.config.enable_prefix_caching and engine.runner.kv_cache.num_snapshot_slots > 0
+    history = tokens(37, 1)
+    previous_turn = 0  # tokens of the previous turn's prompt and reply: all computed but the last
+    for turn in range(3):
+        result = run(engine, {f"turn{turn}": history})[f"turn{turn}"]
+        alone = computed(reference, history)
+        assert result["ids"] == alone["ids"] and result["logprobs"] == alone["logprobs"], turn
+        assert result["cached"] >= previous_turn - BLOCK, (turn, result["cached"], previous_turn)
+        previous_turn = len(history) + len(result["ids"])
+        history = history + result["ids"] + tokens(9, 10 + turn)
+
+
+@pytest.mark.timeout(300)
+def test_a_shared_prefix_keeps_its_state_from_the_second_request_on(hybrid):
+    """Three requests sharing a system prompt: the first keeps the state only at its own prompt's end, the second
+    finds the shared blocks without a state, computes them, and keeps the state at their end; the third resumes
+    there. Each with the bits computed from scratch."""
+    engine, reference = make_engine(hybrid), make_engine(hybrid, enable_prefix_caching=False)
+    system = tokens(30, 2)
+    shared = len(system) // BLOCK * BLOCK
+    cached = []
+    for i in range(3):
+        prompt = system + tokens(11, 20 + i)
+        result = run(engine, {f"user{i}": prompt})[f"user{i}"]
+        alone = computed(reference, prompt)
+        assert result["ids"] == alone["ids"] and result["logprobs"] == alone["logprobs"], i
+        cached.append(result["cached"])
+    assert cached == [0, 0, shared]
+    assert engine.stats().prefix_cache_hits == shared
+
+
+def serve_with_a_small_cache(path, num_blocks: int, num_snapshots: int, max_tokens: int):
+    """Nine requests over three shared prefixes, three at a time, on a cache of num_blocks blocks and num_snapshots
+    snapshots, served twice (the second time after what the first left in the cache): each time every request's
+    tokens and logprobs are those it gets alone from scratch, and every block and snapshot is accounted for after.
+    Returns the engine and each round's cached prompt tokens."""
+    engine = make_engine(path, max_num_seqs=3, max_num_batched_tokens=24)
+    reference = make_engine(path, enable_prefix_caching=False)
+    engine.scheduler.block_manager = manager = BlockManager(num_blocks, BLOCK, True, 3, num_snapshots)
+    prefixes = [tokens(23, 30 + i) for i in range(3)]
+    prompts = {f"r{i}": prefixes[i % 3] + tokens(5 + i, 40 + i) for i in range(9)}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = {rid: run(reference, {rid: prompt}, params)[rid] for rid, prompt in prompts.items()}
+    cached = []
+    for _ in range(2):
+        together = run(engine, prompts, params)
+        for rid in prompts:
+            assert together[rid]["ids"] == alone[rid]["ids"], rid
+            assert together[rid]["logprobs"] == alone[rid]["logprobs"], rid
+        assert sorted(manager.free_state_slots) == [0, 1, 2]
+        assert len(manager.free_snapshots) + len(manager.cached_snapshots) == num_snapshots
+        cached.append([r["cached"] for r in together.values()])
+    return engine, cached
+
+
+@pytest.mark.timeout(600)
+def test_cached_states_give_the_same_bits_under_eviction(hybrid):
+    """Room for ten snapshots, fewer than the requests' prompts and replies take: some are evicted, the hits that
+    remain give the bits computed from scratch."""
+    _, cached = serve_with_a_small_cache(hybrid, num_blocks=64, num_snapshots=10, max_tokens=30)
+    assert sum(map(sum, cached)) > 0, cached
+
+
+@pytest.mark.timeout(600)
+def test_cached_states_give_the_same_bits_under_preemption(hybrid):
+    """Blocks for fewer than three replies at once: requests are preempted and recomputed (from a snapshot where
+    one is left), with the bits computed from scratch."""
+    engine, _ = serve_with_a_small_cache(hybrid, num_blocks=30, num_snapshots=6, max_tokens=30)
+    assert engine.scheduler.num_preemptions > 0
+
+
+def request(rid: str, ids: list[int]) -> Request:
+    return Request(rid, ids, SamplingParams())
+
+
+@pytest.mark.timeout(30)
+def test_a_hit_ends_at_the_deepest_block_with_a_snapshot_and_snapshots_are_evicted_lru():
+    bm = BlockManager(
+        num_blocks=16, block_size=4, enable_prefix_caching=True, num_state_slots=2, num_snapshots=2
+    )
+    a = request("a", list(range(14)))
+    assert bm.allocate(a, 14) and a.state_slot == 0
+    a.num_computed_tokens = 12
+    bm.cache_full_blocks(a)
+    # blocks cached but no state kept: no hit, though three blocks are shared
+    hit = bm.find_cached_prefix(request("probe", list(range(20))))
+    assert hit.block_ids == [] and hit.snapshot is None and hit.num_cached_blocks == 3
+    first = bm.take_snapshot(a, decoding=False)
+    assert first == 2  # the slots after the running sequences'
+    bm.cache_snapshot(a, first, 8, decoding=False)
+    hit = bm.find_cached_prefix(request("probe", list(range(20))))
+    assert hit.block_ids == a.block_table[:2] and hit.snapshot == first and hit.num_cached_blocks == 3
+    second = bm.take_snapshot(a, decoding=False)
+    bm.cache_snapshot(a, second, 12, decoding=False)
+    assert bm.find_cached_prefix(request("probe", list(range(20)))).snapshot == second
+    # a hit leaves the last token to compute: a 12-token prompt resumes after 8
+    assert bm.find_cached_prefix(request("probe", list(range(12)))).snapshot == first
+    bm.touch_snapshot(first)  # now `second` is the least recently used: the next taken
+    assert bm.take_snapshot(a, decoding=False) == second
+    assert bm.find_cached_prefix(request("probe", list(range(20)))).snapshot == first
+    bm.release_snapshot(second)
+    bm.check_invariants()
+
+
+@pytest.mark.timeout(30)
+def test_a_decoding_request_keeps_only_its_latest_snapshot():
+    bm = BlockManager(
+        num_blocks=16, block_size=4, enable_prefix_caching=True, num_state_slots=1, num_snapshots=4
+    )
+    a = request("a", list(range(9)))
+    assert bm.allocate(a, 16)
+    at_prompt = bm.take_snapshot(a, decoding=False)
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    bm.cache_snapshot(a, at_prompt, 8, decoding=False)
+    for boundary in (12, 16):
+        a.output_token_ids += list(range(100 + boundary - 4, 100 + boundary))
+        a.num_computed_tokens = boundary
+        bm.cache_full_blocks(a)
+        bm.cache_snapshot(a, bm.take_snapshot(a, decoding=True), boundary, decoding=True)
+    kept = sorted(bm.hash_to_snapshot.values())
+    assert len(kept) == 2 and at_prompt in kept  # the prompt's and the reply's latest
+    assert len(bm.free_snapshots) == 2
+    bm.free(a)
+    assert len(bm.cached_snapshots) == 2  # they outlive the request
+    bm.check_invariants()
