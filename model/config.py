@@ -340,6 +340,10 @@ def layer_types(cfg: dict, family: Family, n: int) -> list[str]:
             raise UnsupportedModelError(
                 f"unsupported layer types {sorted(unknown)} (only {', '.join(sorted(known))})"
             )
+    elif family.linear_attention:  # every full_attention_interval-th layer attention, the rest DeltaNet
+        # (4: transformers' default, Qwen3NextConfig's and Qwen3_5TextConfig's)
+        every = cfg.get("full_attention_interval") or 4
+        kinds = [full if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     elif isinstance(family.window_layers, int):  # Gemma: every N-th layer full, the rest sliding
         every = cfg.get("sliding_window_pattern") or family.window_layers
         kinds = [full if (i + 1) % every == 0 else sliding for i in range(n)]

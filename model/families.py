@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 # q/k/v and gate/up), "t" transposes GPT-2's Conv1D weights, "expert" takes expert {e}'s slice of a tensor that
 # stacks every expert's (Granite MoE's [experts, out, in]), "expert_t" transposes that slice (GPT-OSS's
 # [experts, in, out]), "expert_pairs" / "expert_t_pairs" also put its interleaved gate/up rows (gate, up, gate,
-# ...) as [gate; up] (GPT-OSS's gate_up_proj and its bias), "" copies. `{i}` is the layer index, `{e}` the
+# ...) as [gate; up] (GPT-OSS's gate_up_proj and its bias), "ungroup_qkvz_ba" regroups Qwen3-Next's two
+# DeltaNet input projections as one (model/loader.py's ungroup_qkvz_ba), "" copies. `{i}` is the layer index, `{e}` the
 # expert's. A parameter stored two ways has a list of such pairs, the first whose tensors the checkpoint holds
 # taken (GPT-OSS's experts: Hugging Face's stacked tensors, or a GGUF's per expert).
 Names = tuple[list[str], str]
@@ -157,6 +158,16 @@ QWEN3_5_MOE_WEIGHTS = _QWEN3_5_MOE | {
     ],
 }
 
+# Qwen3-Next: Qwen3.5-MoE's tensors but for DeltaNet's input projections, two whose rows are grouped by key head
+# (in_proj_qkvz: each group's q, k, v, z; in_proj_ba: each group's b, a), which the loader regroups as kvserve's
+# [q | k | v | z | b | a] ("ungroup_qkvz_ba": model/loader.py); dense MLPs on the layers the config says
+QWEN3_NEXT_WEIGHTS = QWEN3_5_MOE_WEIGHTS | {
+    "layers.{i}.attn.in_proj.weight": (
+        [_layer("linear_attn.in_proj_qkvz.weight"), _layer("linear_attn.in_proj_ba.weight")],
+        "ungroup_qkvz_ba",
+    ),
+}
+
 GPT2_WEIGHTS: WeightNames = {
     "embed.weight": (["wte.weight"], ""),
     "pos_embed.weight": (["wpe.weight"], ""),
@@ -225,7 +236,7 @@ GEMMA_DEFAULTS = dict(
 )
 
 
-QWEN3_5_DEFAULTS = dict(  # Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's alike
+QWEN3_5_DEFAULTS = dict(  # Qwen3_5TextConfig's, Qwen3_5MoeTextConfig's and Qwen3NextConfig's alike
     tie_word_embeddings=False,
     bos_token_id=None,
     eos_token_id=None,
@@ -500,6 +511,27 @@ FAMILIES = {
                 num_experts_per_tok=8,
                 moe_intermediate_size=512,
                 shared_expert_intermediate_size=512,
+            ),
+        ),
+        Family(
+            "Qwen3NextForCausalLM",  # Qwen3-Next-80B-A3B: Qwen3.5-MoE's blocks, a release earlier
+            QWEN3_NEXT_WEIGHTS,
+            qk_norm="head",
+            norm_offset=1.0,
+            linear_attention=True,
+            attn_output_gate=True,
+            # softmax, top k renormalized as norm_topk_prob says; dense where mlp_only_layers and
+            # decoder_sparse_step say
+            moe=Moe(layers="qwen", shared_expert=True),
+            config_defaults=QWEN3_5_DEFAULTS
+            | dict(
+                num_key_value_heads=2,
+                num_experts=512,
+                num_experts_per_tok=10,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
             ),
         ),
     )

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from model.config import ModelConfig
+from model.config import LinearAttentionSpec, ModelConfig
 from model.gguf_blocks import gguf_weight
 from model.linear import Linear
 from model.quant import QUANTIZED_FILE, QuantizedTensor
@@ -205,6 +205,7 @@ def load_model(
             layer is not None
             and layer.method.keeps_quantized
             and all(isinstance(t, QuantizedTensor) for t in parts)
+            and transform != "ungroup_qkvz_ba"  # rows regrouped: dequantized below
         ):
             # one tensor, or one per format where a fused layer's parts differ (Q4_K q/k, Q6_K v)
             segments = QuantizedTensor.segments(parts)
@@ -218,6 +219,8 @@ def load_model(
             parts = [t.t() if transform in ("t", "expert_t", "expert_t_pairs") else t for t in parts]
             if transform.endswith("_pairs"):  # interleaved gate and up rows (GPT-OSS) as [gate; up]
                 parts = [torch.cat((t[0::2], t[1::2])) for t in parts]
+            if transform == "ungroup_qkvz_ba":  # Qwen3-Next's rows grouped by key head, as DeltaNet's in_proj
+                parts = [ungroup_qkvz_ba(*parts, config.linear_attention)]
             tensor = torch.cat(parts) if transform == "cat" else parts[0]
             if config.norm_offset and isinstance(module, Norm):
                 # Gemma's norms multiply by 1 + w, computed in float32 as the reference does
@@ -273,6 +276,21 @@ def return_freed_memory() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def ungroup_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, spec: LinearAttentionSpec) -> torch.Tensor:
+    """Qwen3-Next's DeltaNet input projections as the one in_proj of model/deltanet.py, [q | k | v | z | b | a],
+    each part's heads in order. The checkpoint groups its rows by key head (transformers'
+    fix_query_key_value_ordering): in_proj_qkvz holds, for each of the num_key_heads groups, that key head's q
+    (key_head_dim rows), k (key_head_dim), then the v and z of the group's value heads (g x value_head_dim each,
+    g = value heads per key head); in_proj_ba, for each group, its g b rows then its g a rows. Value head j of
+    group h is head h * g + j, as the key head's q and k are repeated for it."""
+    g = spec.num_value_heads // spec.num_key_heads
+    groups = qkvz.reshape(spec.num_key_heads, -1, *qkvz.shape[1:])  # [key heads, 2 dk + 2 g dv, ...]
+    kd, vd = spec.key_head_dim, g * spec.value_head_dim
+    q, k, v, z = groups.split((kd, kd, vd, vd), dim=1)
+    b, a = ba.reshape(spec.num_key_heads, 2 * g, *ba.shape[1:]).split((g, g), dim=1)
+    return torch.cat([part.reshape(-1, *qkvz.shape[1:]) for part in (q, k, v, z, b, a)])
 
 
 def _read(

@@ -248,3 +248,30 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path, family):
     ours, config = path.load(tmp_path)
     got = path.run(ours, KVCache(config, 64, BLOCK, torch.float32, "cpu"), ids, 0, list(range(16)))
     assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_qwen3_nexts_grouped_projections_regroup_as_transformers_splits_them():
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba (rows grouped by key head) regrouped as kvserve's one in_proj
+    (model/loader.py's ungroup_qkvz_ba) give exactly the q, k, v, z, b, a transformers' layer splits them into.
+    Integer weights and inputs: every product and sum exact, so any row out of place shows."""
+    import transformers
+
+    from model.config import ModelConfig
+    from model.loader import ungroup_qkvz_ba
+    from tests.helpers.tiny_models import FAMILY_OVERRIDES, tiny_config
+
+    cfg = tiny_config("qwen3_next", **FAMILY_OVERRIDES["qwen3_next"] | dict(linear_num_value_heads=6))
+    layer = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet(cfg, 0)
+    g = torch.Generator().manual_seed(0)
+    for linear in (layer.in_proj_qkvz, layer.in_proj_ba):
+        linear.weight.data = torch.randint(-3, 4, linear.weight.shape, generator=g).float()
+    x = torch.randint(-3, 4, (1, 5, cfg.hidden_size), generator=g).float()
+    with torch.no_grad():
+        theirs = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
+    spec = ModelConfig.from_dict(cfg.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]}).linear_attention
+    in_proj = ungroup_qkvz_ba(layer.in_proj_qkvz.weight, layer.in_proj_ba.weight, spec)
+    sizes = (spec.key_dim,) * 2 + (spec.value_dim,) * 2 + (spec.num_value_heads,) * 2
+    ours = (x[0] @ in_proj.T).split(sizes, dim=-1)
+    for name, a, b in zip("qkvzba", ours, theirs, strict=True):
+        assert torch.equal(a, b.reshape(a.shape)), name

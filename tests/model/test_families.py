@@ -271,3 +271,30 @@ def test_unsupported_features_are_refused_by_name():
         ModelConfig.from_dict({**base, "hidden_act": "relu"})
     with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):  # the list of what is supported
         ModelConfig.from_dict({**base, "architectures": ["Phi3SmallForCausalLM"]})
+
+
+@pytest.mark.timeout(30)
+def test_qwen3_next_config_reads_the_same_in_both_dialects():
+    """Qwen3-Next-80B-A3B's config.json (transformers 4.57's keys: full_attention_interval and no layer_types,
+    rope_theta and partial_rotary_factor at the top) and 5.x's spelling of the same model (layer_types,
+    rope_parameters): DeltaNet on three layers of four, a quarter of each head rotated, every FFN sparse."""
+    base = {
+        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "max_position_embeddings": 262144, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": 512, "norm_topk_prob": True, "num_experts": 512, "num_experts_per_tok": 10,
+        "shared_expert_intermediate_size": 512, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    }  # fmt: skip
+    rope = {"rope_theta": 10000000, "partial_rotary_factor": 0.25}
+    v4 = ModelConfig.from_dict(base | rope | {"full_attention_interval": 4, "rope_scaling": None})
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    v5 = ModelConfig.from_dict(
+        base | {"layer_types": layer_types, "rope_parameters": rope | {"rope_type": "default"}}
+    )
+    assert v4 == v5
+    assert v4.attention_layers == list(range(3, 48, 4)) and len(v4.linear_layers) == 36
+    assert {layer.rope.dim for layer in v4.layers if layer.rope} == {64}
+    assert all(layer.ffn == "moe" for layer in v4.layers)
+    assert v4.moe.renormalize and v4.moe.shared_intermediate_size == 512 and v4.moe.top_k == 10
+    assert v4.norm_offset == 1.0 and v4.attn_output_gate and v4.linear_attention.num_value_heads == 32
