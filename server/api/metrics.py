@@ -84,6 +84,19 @@ class _EngineCollector:
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0-1).", s.kv_cache_usage),
         ]
+        if s.num_state_slots:  # a hybrid model's other pools
+            gauges += [
+                (
+                    "state_slots_usage_perc",
+                    "Share of the running sequences' DeltaNet state slots held (0-1).",
+                    s.num_state_slots_used / s.num_state_slots,
+                ),
+                (
+                    "state_snapshots_usage_perc",
+                    "Share of the DeltaNet state snapshot slots the prefix cache holds (0-1).",
+                    s.num_snapshots_cached / s.num_snapshots if s.num_snapshots else 0.0,
+                ),
+            ]
         counters = [
             ("prompt_tokens", "Prompt tokens of admitted requests.", s.num_prompt_tokens),
             ("generation_tokens", "Generated tokens.", s.num_generation_tokens),

@@ -68,6 +68,7 @@ class BlockManager:
         # in tokens; counted once per request, at its first admission (see allocate)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_state_slots, self.num_snapshots = num_state_slots, num_snapshots
         self.free_state_slots: deque[int] = deque(range(num_state_slots))
         self.uses_state_slots = num_state_slots > 0
         self.free_snapshots: deque[int] = deque(range(num_state_slots, num_state_slots + num_snapshots))

@@ -334,4 +334,8 @@ class Scheduler:
             num_pooled_requests=self.num_pooled_requests,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            num_state_slots=bm.num_state_slots,
+            num_state_slots_used=bm.num_state_slots - len(bm.free_state_slots),
+            num_snapshots=bm.num_snapshots,
+            num_snapshots_cached=len(bm.cached_snapshots),
         )

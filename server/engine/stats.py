@@ -21,6 +21,12 @@ class EngineStats:
     num_pooled_requests: int = 0  # prefill-only requests (embeddings, scores) finished with their vector
     num_preemptions: int = 0
     num_steps: int = 0
+    # a hybrid model's DeltaNet states (0 for other models): running sequences' slots, and snapshots for the
+    # prefix cache, each pool's size and what is held
+    num_state_slots: int = 0
+    num_state_slots_used: int = 0
+    num_snapshots: int = 0
+    num_snapshots_cached: int = 0
     # speculative decoding: decodes verified with drafts, their drafts, the drafts kept, kept by draft position
     num_drafts: int = 0
     num_draft_tokens: int = 0

@@ -201,3 +201,27 @@ def test_speculative_decoding_is_counted_in_vllms_names(tiny_llama_dir, new_engi
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     # kept drafts are generated tokens like any other: 40 for each request
     assert samples["vllm:generation_tokens_total{0}"] - quiet["vllm:generation_tokens_total{0}"] == 80
+
+
+@pytest.mark.timeout(180)
+def test_a_hybrid_models_state_pools_and_its_prefix_hits(
+    tiny_model_factory, new_engine, start_server, scrape
+):
+    """A hybrid model (DeltaNet states beside the KV cache) shows its two other pools, and a prompt that extends
+    an earlier one is served from the prefix cache as a client sees it: usage's cached_tokens is the earlier
+    prompt's full blocks (its state was kept at their end)."""
+    from tests.helpers.tiny_models import tiny_family
+
+    url, _ = start_server(new_engine(tiny_family(tiny_model_factory, "qwen3_5"), max_num_seqs=4))
+    idle = scrape(url, idle=True)
+    assert idle["kvserve:state_slots_usage_perc"] == 0 and idle["kvserve:state_snapshots_usage_perc"] == 0
+    body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    earlier = list(range(40, 90))  # 50 tokens: 3 full blocks of 16
+    first = httpx.post(f"{url}/v1/completions", json={**body, "prompt": earlier}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = httpx.post(f"{url}/v1/completions", json={**body, "prompt": earlier + [7, 8, 9]}).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    samples = scrape(url, idle=True)
+    assert samples["kvserve:state_slots_usage_perc"] == 0  # every running state given back
+    assert 0 < samples["kvserve:state_snapshots_usage_perc"] <= 1
+    assert samples["kvserve:prefix_cache_hits_total"] == 48
