@@ -36,11 +36,20 @@ class StepStates:
     lengths: list[int]  # its tokens this step
     slots: list[int]  # its state slot in the cache
     fresh: list[bool]  # its first tokens: the state starts from zero
+    # -1, or the first of length - 1 slots that get its state after each of its tokens but the last (a decode
+    # verifying drafts: the engine goes back to the state after the last token it keeps)
+    keep_each: list[int] | None = None
+
+    def __post_init__(self):
+        if self.keep_each is None:
+            self.keep_each = [-1] * len(self.starts)
 
     @functools.cached_property
     def table(self) -> torch.Tensor:
-        """[N, 4] int64 (start, length, slot, fresh) for the C++ kernel: made once a step, read by every layer."""
-        return torch.tensor(list(zip(self.starts, self.lengths, self.slots, self.fresh, strict=True)))
+        """[N, 5] int64 (start, length, slot, fresh, keep_each) for the C++ kernel: made once a step, read by
+        every layer."""
+        columns = (self.starts, self.lengths, self.slots, self.fresh, self.keep_each)
+        return torch.tensor(list(zip(*columns, strict=True)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -83,11 +92,12 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=x.dtype, device=x.device)
-        for start, n, slot, fresh in zip(
-            states.starts, states.lengths, states.slots, states.fresh, strict=True
-        ):
+        sequences = zip(
+            states.starts, states.lengths, states.slots, states.fresh, states.keep_each, strict=True
+        )
+        for start, n, slot, fresh, keep_each in sequences:
             rows = slice(start, start + n)
-            convolved = self._convolve(qkv[rows].float(), conv_state, slot, fresh)
+            convolved = self._convolve(qkv[rows].float(), conv_state, slot, fresh, keep_each)
             state = torch.zeros_like(recurrent_state[slot]) if fresh else recurrent_state[slot].clone()
             for t in range(n):  # every op on one token's values, in the same shapes whatever the step holds
                 row = start + t
@@ -95,19 +105,27 @@ class GatedDeltaNet(nn.Module):
                 decay = (decay_rate * F.softplus(a[row].float() + self.dt_bias)).exp()
                 o = self._delta_rule(convolved[t], beta, decay, state)  # [Hv, dv] float32
                 out[row] = self._gated_norm(o.to(x.dtype), z[row]).reshape(-1)
+                if keep_each >= 0 and t + 1 < n:
+                    recurrent_state[keep_each + t] = state
             recurrent_state[slot] = state
         return self.out(out)
 
     __call__ = forward  # see model/transformer.py's Block
 
-    def _convolve(self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
+    def _convolve(
+        self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool, keep_each: int = -1
+    ) -> torch.Tensor:
         """One sequence's [n, conv_dim] inputs through the causal convolution (before its SiLU) after its kept
-        inputs (zeros when fresh), which then become its last conv_kernel - 1 inputs. Tap by tap in a fixed
-        order: products and sums only, each element's the same bits in any shape."""
+        inputs (zeros when fresh), which then become its last conv_kernel - 1 inputs (and, from slot keep_each
+        on, those after each token but the last). Tap by tap in a fixed order: products and sums only, each
+        element's the same bits in any shape."""
         spec, n = self.spec, qkv.shape[0]
         past = torch.zeros_like(conv_state[slot]) if fresh else conv_state[slot]
         window = torch.cat((past, qkv))  # [kernel - 1 + n, conv_dim]
         conv_state[slot] = window[-(spec.conv_kernel - 1) :]
+        if keep_each >= 0:
+            for t in range(n - 1):
+                conv_state[keep_each + t] = window[t + 1 : t + spec.conv_kernel]
         taps = self.conv[:, 0].T  # [kernel, conv_dim]
         convolved = window[:n] * taps[0]
         for j in range(1, spec.conv_kernel):

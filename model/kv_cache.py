@@ -16,10 +16,12 @@ class KVCache:
         device: torch.device | str,
         num_state_slots: int = 1,
         num_snapshot_slots: int = 0,
+        num_draft_slots: int = 0,
     ):
         """num_state_slots: sequences a hybrid model's DeltaNet layers can hold state for at once (one each), in
         slots 0 .. num_state_slots - 1; num_snapshot_slots more after them hold copies of states at block
-        boundaries, for the prefix cache (server/engine/block_manager.py)."""
+        boundaries, for the prefix cache (server/engine/block_manager.py); num_draft_slots after those, a step's
+        states after each token of the decodes that verify drafts (the engine goes back to the last one kept)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         attention = config.attention_layers
@@ -33,11 +35,12 @@ class KVCache:
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             i: (self.k[j], self.v[j]) for j, i in enumerate(attention)
         }
-        self.num_state_slots = self.num_snapshot_slots = 0
+        self.num_state_slots = self.num_snapshot_slots = self.num_draft_slots = 0
         if config.linear_layers:
             spec, n = config.linear_attention, len(config.linear_layers)
             self.num_state_slots, self.num_snapshot_slots = num_state_slots, num_snapshot_slots
-            num_state_slots += num_snapshot_slots
+            self.num_draft_slots = num_draft_slots
+            num_state_slots += num_snapshot_slots + num_draft_slots
             # the last conv_kernel - 1 convolution inputs and the delta rule's state, float32, per sequence
             self.conv = torch.zeros(
                 (n, num_state_slots, spec.conv_kernel - 1, spec.conv_dim), dtype=torch.float32, device=device
@@ -53,6 +56,10 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (K, V) pools, or a DeltaNet layer's (convolution, recurrent) state pools."""
         return self._layers[i]
+
+    @property
+    def first_draft_slot(self) -> int:
+        return self.num_state_slots + self.num_snapshot_slots
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """State slot src[i] -> dst[i] in every DeltaNet layer: a snapshot taken, or one restored."""

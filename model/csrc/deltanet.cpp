@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -27,8 +28,10 @@ inline float rounded(float x) {  // x as the model's dtype holds it
 
 // proj [T, conv_dim + value_dim + 2 Hv]: the input projection's [q k v | z | b | a] rows; conv_w [conv_dim, kernel];
 // A_log, dt_bias [Hv]; norm_w [dv] (float32); conv_state [slots, kernel - 1, conv_dim] and recurrent_state [slots,
-// Hv, dk, dv] (float32, this layer's, updated in place); seqs [N, 4] int64: each sequence's first flat token, its
-// tokens this step, its slot, and 1 where its state starts from zero. Returns [T, value_dim] in proj's dtype.
+// Hv, dk, dv] (float32, this layer's, updated in place); seqs [N, 5] int64: each sequence's first flat token, its
+// tokens this step, its slot, 1 where its state starts from zero, and -1 or the first of n - 1 slots that get its
+// state after each of its tokens but the last (a decode verifying drafts: the engine goes back to the state after
+// the last one it keeps). Returns [T, value_dim] in proj's dtype.
 at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
                            at::Tensor norm_w, at::Tensor conv_state, at::Tensor recurrent_state, at::Tensor seqs,
                            int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps) {
@@ -41,7 +44,7 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
   TORCH_CHECK(conv_state.size(1) == K - 1 && conv_state.size(2) == C, "conv_state shape");
   TORCH_CHECK(recurrent_state.size(1) == Hv && recurrent_state.size(2) == dk && recurrent_state.size(3) == dv,
               "recurrent_state shape");
-  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 2 && seqs.size(1) == 4, "seqs [N, 4] int64");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 2 && seqs.size(1) == 5, "seqs [N, 5] int64");
   seqs = seqs.contiguous();
   const int64_t T = proj.size(0), W = proj.size(1), N = seqs.size(0), group = Hv / Hk;
   const int64_t* sq = seqs.data_ptr<int64_t>();
@@ -54,8 +57,9 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
     const scalar_t* P = proj.data_ptr<scalar_t>();
     // the convolution and its SiLU, per sequence and channel; its last kernel - 1 inputs kept
     for (int64_t s = 0; s < N; ++s) {
-      const int64_t start = sq[4 * s], n = sq[4 * s + 1], slot = sq[4 * s + 2];
-      const bool fresh = sq[4 * s + 3] != 0;
+      const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2];
+      const bool fresh = sq[5 * s + 3] != 0;
+      const int64_t keep_each = sq[5 * s + 4];
       float* cs = cs_all + slot * (K - 1) * C;
       at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
         std::vector<float> window(K - 1 + n);
@@ -68,6 +72,9 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
             mixed[(start + t) * C + c] = silu(y);
           }
           for (int64_t j = 0; j < K - 1; ++j) cs[j * C + c] = window[n + j];
+          if (keep_each >= 0)  // the last kernel - 1 inputs after each token but the last
+            for (int64_t t = 0; t + 1 < n; ++t)
+              for (int64_t j = 0; j < K - 1; ++j) cs_all[((keep_each + t) * (K - 1) + j) * C + c] = window[t + 1 + j];
         }
       });
     }
@@ -89,9 +96,9 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
       std::vector<float> remembered(dv);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / Hv, h = task % Hv, kh = h / group;
-        const int64_t start = sq[4 * s], n = sq[4 * s + 1], slot = sq[4 * s + 2];
+        const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2], keep_each = sq[5 * s + 4];
         float* S = rs_all + (slot * Hv + h) * dk * dv;  // [dk, dv]
-        if (sq[4 * s + 3] != 0) std::fill(S, S + dk * dv, 0.0f);
+        if (sq[5 * s + 3] != 0) std::fill(S, S + dk * dv, 0.0f);
         const float rate = -std::exp(A_log.data_ptr<float>()[h]), bias = dt_bias.data_ptr<float>()[h];
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = start + t;
@@ -114,6 +121,7 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
               S[i * dv + j] += k[i] * remembered[j];
               o_t[j] += S[i * dv + j] * q[i];
             }
+          if (keep_each >= 0 && t + 1 < n) std::copy(S, S + dk * dv, rs_all + ((keep_each + t) * Hv + h) * dk * dv);
         }
       }
     });

@@ -132,6 +132,8 @@ class Engine:
         computed = self.runner.execute(scheduled)
         outputs, finished = self.outputs.process(scheduled, computed)
         kept = {o.request_id: o.new_token_ids for o in outputs}
+        if computed.draft_states:  # a hybrid's state back to its last kept token
+            self.runner.roll_back_states(scheduled, computed, kept)
         self.scheduler.update(scheduled, kept, finished)
         if self.drafter is not None:
             # what this step cost: the drafter sizes the next ones by it
@@ -168,6 +170,8 @@ class Engine:
         if self.config.speculative == "auto":
             self.config = dataclasses.replace(self.config, speculative=select_speculation(self.runner))
         spec = self.config.speculative
+        if spec is not None and self.model_config.linear_layers:
+            spec = fit_drafts_to_states(spec, self.runner.kv_cache)
         return Drafter(spec, self.step_costs) if spec is not None else None
 
     def stats(self) -> EngineStats:
@@ -186,17 +190,27 @@ class Engine:
 
 def hybrid_config(config: EngineConfig, cache: KVCache) -> EngineConfig:
     """A hybrid model (Gated DeltaNet layers: model/deltanet.py) runs as many sequences as its cache has state
-    slots, caches prefixes only where it keeps state snapshots, and drafts nothing (a rejected draft would stay in
-    the state). Each said in the log where it changes what was asked for."""
+    slots and caches prefixes only where it keeps state snapshots. Each said in the log where it changes what was
+    asked for."""
     if cache.num_state_slots < config.max_num_seqs:
         log.warning("max_num_seqs: %d (the DeltaNet states the cache holds)", cache.num_state_slots)
     if config.enable_prefix_caching and not cache.num_snapshot_slots:
         log.warning("prefix caching: off (the cache holds no DeltaNet state snapshot)")
-    if isinstance(config.speculative, SpeculativeConfig):
-        log.warning("speculative decoding: off (a rejected draft would stay in this hybrid model's state)")
     return dataclasses.replace(
         config,
         max_num_seqs=min(config.max_num_seqs, cache.num_state_slots),
         enable_prefix_caching=config.enable_prefix_caching and cache.num_snapshot_slots > 0,
-        speculative=None,
     )
+
+
+def fit_drafts_to_states(spec: SpeculativeConfig, cache: KVCache) -> SpeculativeConfig | None:
+    """A hybrid verifies a step's drafts keeping its state after each (to go back to the last one kept): no more
+    drafts a step than the cache has slots for, none without (logged)."""
+    if not cache.num_draft_slots:
+        log.warning("speculative decoding: off (the cache holds no DeltaNet state for drafts)")
+        return None
+    if cache.num_draft_slots + 1 < spec.max_step_rows:
+        log.warning("speculative decoding: %d drafts a step at most (the DeltaNet states the cache holds)",
+                    cache.num_draft_slots)  # fmt: skip
+        spec = dataclasses.replace(spec, max_step_rows=cache.num_draft_slots + 1)
+    return spec

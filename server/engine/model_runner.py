@@ -33,6 +33,8 @@ class ModelOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # what a prefill-only request's chunk gave its pooling (pooled()): the output stage makes the vector of them
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a hybrid's decode with drafts: the first of the slots holding its state after each token but the last
+    draft_states: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -75,9 +77,12 @@ class ModelRunner:
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
                                      for c in out.chunks])  # fmt: skip
         states = None
+        result = ModelOutput()
         if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
+            keep_each = self._draft_state_slots(out.chunks, result)
             states = StepStates(starts, [c.num_tokens for c in out.chunks],
-                                [c.request.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks])  # fmt: skip
+                                [c.request.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks],
+                                keep_each)  # fmt: skip
             # a prefix hit resumes from the state kept after its blocks
             restores = [
                 (c.restore_state, c.request.state_slot) for c in out.chunks if c.restore_state is not None
@@ -88,7 +93,6 @@ class ModelRunner:
             self._copy_states(
                 [(c.request.state_slot, c.snapshot_to) for c in out.chunks if c.snapshot_to is not None]
             )
-        result = ModelOutput()
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
                 result.prompt_logprobs[c.request.request_id] = self._prompt_logprobs(hidden, c, start)
@@ -106,6 +110,32 @@ class ModelRunner:
                 hidden[torch.tensor(rows, device=self.device)], [c for c, _ in sampled]
             )
         return result
+
+    def _draft_state_slots(self, chunks: list[ScheduledChunk], result: ModelOutput) -> list[int]:
+        """Each chunk's first slot for its state after each token but the last (-1: a chunk without drafts),
+        recorded in result.draft_states. The drafter gives a step no more drafts than the cache has slots for."""
+        keep_each, free = [], self.kv_cache.first_draft_slot
+        for c in chunks:
+            keep_each.append(free if c.drafts else -1)
+            if c.drafts:
+                result.draft_states[c.request.request_id] = free
+                free += len(c.drafts)
+        assert free <= self.kv_cache.first_draft_slot + self.kv_cache.num_draft_slots, (
+            "more drafts than slots"
+        )
+        return keep_each
+
+    def roll_back_states(self, out: SchedulerOutput, result: ModelOutput, kept: dict[str, list[int]]) -> None:
+        """A hybrid's state after a decode with drafts is the state after its last draft. Where the step kept fewer
+        (n tokens: its decode's and n - 1 drafts were right), back to the state after the chunk's token n - 1.
+        Before the scheduler's update, which gives the slots of finished requests back."""
+        pairs = []
+        for c in out.chunks:
+            first = result.draft_states.get(c.request.request_id)
+            num_kept = len(kept.get(c.request.request_id, []))
+            if first is not None and 0 < num_kept <= len(c.drafts):
+                pairs.append((first + num_kept - 1, c.request.state_slot))
+        self._copy_states(pairs)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

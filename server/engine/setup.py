@@ -75,8 +75,14 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
+    # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
+    # by the kernel or padded. On GPUs kvserve does not make them so.
+    gemms_invariant = invariant or all(
+        getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear)
+    )
+    batch_invariant = device.type == "cpu" and gemms_invariant and (cpu_kernels is not None or invariant)
     kv_dtype = select_kv_cache_dtype(config.kv_cache_dtype, dtype, tier)
-    layout = cache_layout(model_config, config, kv_dtype, device)
+    layout = cache_layout(model_config, config, kv_dtype, device, max_step_drafts(config, batch_invariant))
     num_blocks = layout.num_blocks
     kv_cache = KVCache(
         model_config,
@@ -86,6 +92,7 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         device,
         layout.num_state_slots,
         layout.num_snapshots,
+        layout.num_draft_slots,
     )
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size)
@@ -104,13 +111,15 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     sampler = TORCH_SAMPLER
     if cpu_kernels is not None:
         sampler = SamplerKernels(cpu_kernels.uniform_noise, cpu_kernels.argmax_rows)
-    # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
-    # by the kernel or padded. On GPUs kvserve does not make them so.
-    gemms_invariant = invariant or all(
-        getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear)
-    )
-    batch_invariant = device.type == "cpu" and gemms_invariant and (cpu_kernels is not None or invariant)
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
+
+
+def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:
+    """The most drafts one step may verify under config.speculative ("auto" as select_speculation resolves it)."""
+    spec = config.speculative
+    if spec == "auto":
+        spec = SpeculativeConfig() if batch_invariant else None
+    return spec.max_step_rows - 1 if isinstance(spec, SpeculativeConfig) else 0
 
 
 def select_speculation(runner: ModelRunner) -> SpeculativeConfig | None:
@@ -262,12 +271,18 @@ class CacheLayout:
     num_blocks: int
     num_state_slots: int = 0  # one per running sequence: the most sequences a hybrid runs at once
     num_snapshots: int = 0  # states kept at block boundaries, for its prefix cache
+    num_draft_slots: int = (
+        0  # a step's states after each token of its decodes' drafts: the most drafts a step has
+    )
 
 
-def cache_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device) -> CacheLayout:
+def cache_layout(
+    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device, max_drafts: int = 0
+) -> CacheLayout:
     """What the budget holds. A hybrid's running states take at most 40% of it (fewer sequences than
-    --max-num-seqs where they would take more: a 35B-A3B's state is 61 MiB a sequence) and its snapshots at most a
-    quarter, four per running sequence at most (a prompt's, a reply's, a shared prefix's); K/V the rest."""
+    --max-num-seqs where they would take more: a 35B-A3B's state is 61 MiB a sequence), its snapshots at most a
+    quarter, four per running sequence at most (a prompt's, a reply's, a shared prefix's), and the states of a
+    step's drafts (max_drafts, where it drafts) at most a tenth; K/V the rest."""
     per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
@@ -277,23 +292,25 @@ def cache_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.d
     else:
         budget = CPU_KV_CACHE_BYTES
     per_state = KVCache.bytes_per_state_slot(model_config)
-    num_state_slots = num_snapshots = 0
+    num_state_slots = num_snapshots = num_draft_slots = 0
     if per_state:
         num_state_slots = min(config.max_num_seqs, max(1, budget * 2 // 5 // per_state))
         if config.enable_prefix_caching:
             num_snapshots = min(4 * num_state_slots, budget // 4 // per_state)
+        num_draft_slots = min(max_drafts, budget // 10 // per_state)
         log.info(
             "DeltaNet state (%.1f MiB a sequence, float32): %d running sequences%s, %d snapshots for the prefix "
-            "cache; %.2f GiB of the KV cache's budget",
+            "cache, %d for a step's drafts; %.2f GiB of the KV cache's budget",
             per_state / 2**20,
             num_state_slots,
             f" (not --max-num-seqs {config.max_num_seqs}: 40% of the budget)"
             if num_state_slots < config.max_num_seqs
             else "",
             num_snapshots,
-            (num_state_slots + num_snapshots) * per_state / 2**30,
+            num_draft_slots,
+            (num_state_slots + num_snapshots + num_draft_slots) * per_state / 2**30,
         )
-    state_bytes = (num_state_slots + num_snapshots) * per_state
+    state_bytes = (num_state_slots + num_snapshots + num_draft_slots) * per_state
     num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 1:
         raise ValueError(
@@ -307,7 +324,7 @@ def cache_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.d
         num_blocks * per_block / 2**30,
         str(dtype).removeprefix("torch."),
     )
-    return CacheLayout(num_blocks, num_state_slots, num_snapshots)
+    return CacheLayout(num_blocks, num_state_slots, num_snapshots, num_draft_slots)
 
 
 def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:

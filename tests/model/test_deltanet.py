@@ -1,8 +1,7 @@
 """Gated DeltaNet's state (model/deltanet.py) and the slots that hold it (model/kv_cache.py, the block manager): a
 prompt gives the same bits prefilled in one step or in chunks of any size, a sequence the same bits beside others
 in a step as alone, a slot taken over by a new sequence starts from zero, and the engine serves a hybrid model with
-its state slots given back, without drafts (which the state cannot follow yet); tests/engine/test_hybrid_prefix_cache.py
-has its prefix cache. Logits against
+its state slots given back; tests/engine/test_hybrid_state.py has its prefix cache and its drafts. Logits against
 transformers for every family, Qwen3.5 included, are tests/model/test_families.py's."""
 
 import pytest
@@ -109,6 +108,30 @@ def test_a_sequence_beside_others_is_the_same_bits_as_alone(hybrid):
 
 
 @pytest.mark.timeout(120)
+def test_a_step_keeps_the_state_after_each_token_where_asked(hybrid):
+    """A decode verifying drafts asks for its state after each of its tokens but the last (StepStates.keep_each):
+    slot keep_each + t holds the state the sequence has with only its first t + 1 tokens of the step computed,
+    bit for bit, a sequence beside it untouched."""
+    model, config = hybrid
+    ids, table, other = prompt(21, 12), list(range(8)), prompt(9, 13)
+    cache = fresh_cache(config, slots=8)
+    step(model, cache, [(ids[:17], 0, 0, table)])  # the sequence so far; then 4 tokens at once, keeping each
+    attention = CpuKernelAttention(cpu_kernels(), BLOCK)
+    positions, meta = attention.build([4, 9], [21, 9], [table, list(range(8, 16))])
+    states = StepStates([0, 4], [4, 9], [0, 1], [False, True], keep_each=[4, -1])
+    with torch.inference_mode():
+        model(torch.tensor(ids[17:] + other), positions, meta, cache, None, states)
+    for t in range(3):
+        alone = fresh_cache(config, slots=8)
+        step(model, alone, [(ids[:17], 0, 0, table)])
+        step(model, alone, [(ids[: 18 + t], 17, 0, table)])
+        assert all(
+            torch.equal(a, b) for a, b in zip(state_of(cache, 4 + t), state_of(alone, 0), strict=True)
+        ), t
+    assert state_of(cache, 7)[1].abs().sum() == 0  # no more than asked
+
+
+@pytest.mark.timeout(120)
 def test_a_slot_taken_over_starts_from_zero(hybrid):
     """A slot's last sequence left its state behind (a finished or preempted request): the next one's first chunk
     ignores it."""
@@ -163,20 +186,17 @@ def test_the_cache_holds_kv_for_attention_layers_and_a_state_per_slot(hybrid):
 
 
 @pytest.mark.timeout(300)
-def test_the_engine_serves_a_hybrid_with_its_slots_given_back(tiny_model_factory, caplog):
-    """More requests than state slots (max_num_seqs 2): each gets its own tokens alone, every slot comes back, an
-    aborted request's too; drafts are off, said in the log, even where asked for."""
-    import logging
-
+def test_the_engine_serves_a_hybrid_with_its_slots_given_back(tiny_model_factory):
+    """More requests than state slots (max_num_seqs 2): each gets its own tokens alone (with n-gram drafts and
+    the prefix cache on), every slot comes back, an aborted request's too."""
     from server.engine.config import EngineConfig, SpeculativeConfig
     from server.engine.engine import Engine
     from server.engine.request import SamplingParams
 
     config = EngineConfig(kv_cache_memory=4 << 20, block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=2,
-                          dtype="float32", batch_invariant=True, speculative=SpeculativeConfig())  # fmt: skip
-    with caplog.at_level(logging.INFO):
-        engine = Engine(str(tiny_family(tiny_model_factory, "qwen3_5")), config)
-    assert engine.drafter is None and "speculative decoding: off" in caplog.text
+                          dtype="float32", batch_invariant=True, speculative=SpeculativeConfig(prompt_lookup_min=1))  # fmt: skip
+    engine = Engine(str(tiny_family(tiny_model_factory, "qwen3_5")), config)
+    assert engine.drafter is not None and engine.config.enable_prefix_caching
     assert engine.runner.kv_cache.num_state_slots == 2
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {f"r{i}": prompt(5 + 7 * i, 10 + i) for i in range(5)}

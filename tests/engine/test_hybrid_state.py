@@ -1,13 +1,18 @@
-"""The prefix cache of a hybrid model (Gated DeltaNet layers: model/deltanet.py), whose cached blocks are of use only
-with the layers' state after them: snapshots of it taken at block boundaries (server/engine/block_manager.py). A
-chat's next turn resumes where the reply ended, a prefix that requests share keeps its state from the second one on,
-and a request served from the cache gets the very bits it gets computed from scratch, under eviction and
-preemption too."""
+"""A hybrid model's state (Gated DeltaNet layers: model/deltanet.py) where the engine goes back or ahead in a sequence.
+
+The prefix cache, whose cached blocks are of use only with the layers' state after them: snapshots of it taken at
+block boundaries (server/engine/block_manager.py). A chat's next turn resumes where the reply ended, a prefix that
+requests share keeps its state from the second one on, and a request served from the cache gets the very bits it
+gets computed from scratch, under eviction and preemption too.
+
+Speculative decoding: a decode verifying drafts keeps its state after each of them, and goes back to the one after
+the last draft kept; the output is plain decoding's, bit for bit.
+"""
 
 import pytest
 
 from server.engine.block_manager import BlockManager
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
 from server.engine.request_state import Request
@@ -131,6 +136,57 @@ def test_cached_states_give_the_same_bits_under_preemption(hybrid):
     one is left), with the bits computed from scratch."""
     engine, _ = serve_with_a_small_cache(hybrid, num_blocks=30, num_snapshots=6, max_tokens=30)
     assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_drafts_kept_or_rejected_leave_plain_decodings_state(hybrid, kernels):
+    """Three requests decoding at once, each verifying one to three drafts a step, of which the first 0, 1 or 2
+    are right (plain decoding's next tokens) and the last wrong (six a step: the cache's seven slots hold them): the state goes back to the last kept draft, and every
+    request's tokens and logprobs are plain decoding's, bit for bit. (The drafts are set by hand: a tiny random
+    model never repeats itself, so n-gram drafts would all be rejected.)"""
+    spec = SpeculativeConfig(num_speculative_tokens=2)
+    drafting = make_engine(hybrid, speculative=spec, cpu_kernels=kernels)
+    plain = make_engine(hybrid, cpu_kernels=kernels)
+    assert drafting.runner.kv_cache.num_draft_slots == spec.max_step_rows - 1
+    prompts = {f"r{i}": tokens(20 + 3 * i, 50 + i) for i in range(3)}
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = run(plain, prompts, params)
+    got = {rid: {"ids": [], "logprobs": []} for rid in prompts}
+    for rid, ids in prompts.items():
+        drafting.add_request(rid, ids, params)
+    step = 0
+    while drafting.has_work():
+        for out in drafting.step():
+            got[out.request_id]["ids"] += out.new_token_ids
+            got[out.request_id]["logprobs"] += [(lp.logprob, lp.top) for lp in out.logprobs]
+        for n, request in enumerate(drafting.scheduler.running):  # the next step's drafts
+            right = alone[request.request_id]["ids"][len(request.output_token_ids) :]
+            num_right = min((step + n) % 3, len(right) - 1)
+            request.draft_token_ids = right[:num_right] + [(right[num_right] + 1) % 300] if right else []
+        step += 1
+    for rid in prompts:
+        assert got[rid]["ids"] == alone[rid]["ids"] and got[rid]["logprobs"] == alone[rid]["logprobs"], rid
+    stats = drafting.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert stats.accepted_per_position.get(1, 0) > 0  # both drafts kept, some steps
+    drafting.scheduler.block_manager.check_invariants()
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_drafts_no_more_a_step_than_it_keeps_states_for(hybrid, caplog):
+    """The budget's tenth holds the drafts' states: a step's drafts are capped to what it holds, said in the log."""
+    import logging
+
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+
+    per_state = KVCache.bytes_per_state_slot(ModelConfig.from_dir(hybrid))
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(hybrid, speculative=spec, kv_cache_memory=30 * per_state)
+    assert engine.runner.kv_cache.num_draft_slots == 3
+    assert engine.drafter.config.max_step_rows == 4 and "3 drafts a step at most" in caplog.text
 
 
 def request(rid: str, ids: list[int]) -> Request:
