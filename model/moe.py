@@ -13,12 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.invariance import rows_for_invariance
+from model.linear import padded
 
 
 class Gate(nn.Module):
     """[T, hidden] -> [T, n] float32 scores, whatever the model's dtype: the router (n = experts) and the shared
     expert's gate (n = 1). llama.cpp keeps both float32 in every quantized file; a near-tie between two experts
-    is then settled by the scores, not by rounding."""
+    is then settled by the scores, not by rounding. On CPU a small batch is padded to the rows that give each
+    token its bits in any batch (measured once loaded, as model/linear.py does for the other GEMMs): a token's
+    experts and their weights never depend on what shares its step."""
 
     stored_dtype = torch.float32  # the loader keeps this module's weight so (model/loader.py)
 
@@ -26,11 +30,31 @@ class Gate(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, hidden))
         self.bias = nn.Parameter(torch.empty(n)) if bias else None  # GPT-OSS's router
+        self.min_rows = 1
+
+    def weights_ready(self) -> None:
+        if self.weight.device.type == "cpu" and len(self.weight) > 1:
+            x = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+            with torch.inference_mode():
+                self.min_rows = rows_for_invariance(self._scores, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias)
+        return padded(x.float(), self.min_rows, self._scores)
+
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.weight) == 1:  # a GEMV's sums may depend on the rows it is given; a row's own sum cannot
+            return (x * self.weight[0]).sum(-1, keepdim=True)
+        return F.linear(x, self.weight, self.bias)
 
     __call__ = forward  # see model/transformer.py's Block
+
+
+def token_sigmoid(scores: torch.Tensor) -> torch.Tensor:
+    """sigmoid of each token's one score [T, 1], the same bits whatever T. torch's elementwise loops hand a
+    tensor's last few elements to scalar code whose exp differs from the vector code's in the last bit, so which
+    tokens those are would depend on the step; spread over 64 columns (a multiple of every CPU tier's loop step),
+    every token's score runs in the vector code."""
+    return torch.sigmoid(scores.expand(-1, 64).contiguous())[:, :1]
 
 
 class MoE(nn.Module):
@@ -62,6 +86,9 @@ class MoE(nn.Module):
     def weights_ready(self) -> None:
         """Once loaded: the whole FFN as one C++ call (model/csrc/moe.cpp: the same routing and sums, the step's
         tokens grouped by expert in C++) where the kernels run and every expert's weights are quantized."""
+        for gate in (self.router, self.shared_gate):
+            if gate is not None:
+                gate.weights_ready()
         mlps = [*self.experts, *([self.shared] if self.shared is not None else [])]
         linears = [linear for mlp in mlps for linear in (mlp.up, mlp.down)]
         if self.fused_ffn is None or any(getattr(linear, "bits", None) is None for linear in linears):
@@ -90,7 +117,7 @@ class MoE(nn.Module):
             # under torch's deterministic mode)
             start += count
         if self.shared is not None:
-            out += torch.sigmoid(self.shared_gate(x)) * self.shared(x).float()
+            out += token_sigmoid(self.shared_gate(x)) * self.shared(x).float()
         return out.to(x.dtype)
 
     __call__ = forward

@@ -63,10 +63,12 @@ def computed(reference: Engine, prompt: list[int]) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_a_chats_next_turn_resumes_where_the_reply_ended(hybrid):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_a_chats_next_turn_resumes_where_the_reply_ended(tiny_model_factory, family):
     """Turn 2 (turn 1's prompt and reply, then new tokens) recomputes at most its new tokens and one block, and
-    gets the bits it gets from scratch; so does turn 3, past turn 2's reply."""
-    engine, reference = make_engine(hybrid), make_engine(hybrid, enable_prefix_caching=False)
+    gets the bits it gets from scratch; so does turn 3, past turn 2's reply. Every hybrid family."""
+    path = tiny_family(tiny_model_factory, family)
+    engine, reference = make_engine(path), make_engine(path, enable_prefix_caching=False)
     assert engine.config.enable_prefix_caching and engine.runner.kv_cache.num_snapshot_slots > 0
     history = tokens(37, 1)
     previous_turn = 0  # tokens of the previous turn's prompt and reply: all computed but the last

@@ -76,6 +76,32 @@ def test_each_token_takes_the_references_experts(tiny_model_factory, arch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHES if FAMILIES[ARCHITECTURES[arch]].moe])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sparse_layers_tokens_do_not_depend_on_their_batch(tiny_model_factory, arch, dtype):
+    """On dense weights (model/moe.py's PyTorch loop), each token's output of every sparse layer is the same bits
+    alone, in any slice of the step, as in the whole step: its router's and its shared expert's gate's scores
+    too (a GEMM of a few rows, or a GEMV, may sum in another order than a bigger one)."""
+    from model.linear import PlainLinear
+    from model.loader import load_model
+    from model.moe import MoE
+    from model.transformer import Ops
+
+    model, _ = load_model(tiny_family(tiny_model_factory, arch), dtype, "cpu",
+                          Ops.with_kernels(PlainLinear(batch_invariant=True), None))  # fmt: skip
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    x = torch.randn(37, sparse[0].router.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )
+    with torch.inference_mode():
+        for ffn in sparse:
+            whole = ffn(x)
+            for size in (1, 2, 3, 5, 8, 13):
+                parts = torch.cat([ffn(x[i : i + size]) for i in range(0, len(x), size)])
+                assert torch.equal(parts, whole), size
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ARCHES)
 def test_32_greedy_tokens_match_transformers(tiny_model_factory, cpu_path, arch):
     path = tiny_family(tiny_model_factory, arch)
