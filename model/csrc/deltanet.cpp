@@ -55,14 +55,17 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
   auto out = at::empty({T, value_dim}, proj.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, proj.scalar_type(), "gated_delta_net", [&] {
     const scalar_t* P = proj.data_ptr<scalar_t>();
-    // the convolution and its SiLU, per sequence and channel; its last kernel - 1 inputs kept
-    for (int64_t s = 0; s < N; ++s) {
-      const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2];
-      const bool fresh = sq[5 * s + 3] != 0;
-      const int64_t keep_each = sq[5 * s + 4];
-      float* cs = cs_all + slot * (K - 1) * C;
-      at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
-        std::vector<float> window(K - 1 + n);
+    // the convolution and its SiLU, per sequence and channel; its last kernel - 1 inputs kept. One parallel
+    // region over the channels for every sequence (a step of many decodes would pay a region each otherwise)
+    int64_t longest = 0;
+    for (int64_t s = 0; s < N; ++s) longest = std::max(longest, sq[5 * s + 1]);
+    at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
+      std::vector<float> window(K - 1 + longest);
+      for (int64_t s = 0; s < N; ++s) {
+        const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2];
+        const bool fresh = sq[5 * s + 3] != 0;
+        const int64_t keep_each = sq[5 * s + 4];
+        float* cs = cs_all + slot * (K - 1) * C;
         for (int64_t c = c0; c < c1; ++c) {
           for (int64_t j = 0; j < K - 1; ++j) window[j] = fresh ? 0.0f : cs[j * C + c];
           for (int64_t t = 0; t < n; ++t) window[K - 1 + t] = to_float(P[(start + t) * W + c]);
@@ -76,8 +79,8 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
             for (int64_t t = 0; t + 1 < n; ++t)
               for (int64_t j = 0; j < K - 1; ++j) cs_all[((keep_each + t) * (K - 1) + j) * C + c] = window[t + 1 + j];
         }
-      });
-    }
+      }
+    });
     // q and k L2-normed per key head, q scaled
     const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
