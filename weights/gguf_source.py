@@ -450,7 +450,7 @@ def tensor_pieces(
     layer, _, short = base.removeprefix("blk.").partition(".")
     per_layer = tensor_shapes(family, config)
     known = base.startswith("blk.") and layer.isdigit() and int(layer) < config["num_hidden_layers"]
-    suffixed = kind in ("weight", "bias") if short not in family.bare else True
+    suffixed = short in family.bare or kind in ("weight", "bias")
     if not known or not suffixed or short not in per_layer:
         raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
     if short in DENSE_FFN and "ffn_gate_inp" in family.layer_tensors:

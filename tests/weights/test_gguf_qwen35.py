@@ -218,6 +218,33 @@ def test_multi_token_prediction_layers_are_skipped(qwen35_gguf, llama_cpp_tree, 
     assert (ours - want).abs().max() < 1e-4, (ours - want).abs().max()
 
 
+@pytest.mark.timeout(300)
+def test_the_engine_serves_the_file_as_it_serves_the_folder(qwen35_gguf, tmp_path):
+    """Through the engine, from the file in place as `kvserve serve --model FILE.gguf` opens it: the Q8_0 file's
+    two prompts batched give each its tokens alone (its weights quantized on the kernels, its DeltaNet states in
+    slots), and the F32 file gives the folder's greedy tokens."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from tests.helpers.engine_runs import alone, assert_all_blocks_free, run
+    from tests.helpers.tiny_models import save_tiny_tokenizer
+
+    model, folder, f32, q8_0 = qwen35_gguf
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=16, max_num_seqs=2,
+                          dtype="float32", batch_invariant=True)  # fmt: skip
+    prompts = {"a": prompt_ids(model.config.vocab_size)[0, :23].tolist(), "b": list(range(5, 40))}
+    engine = Engine(GGUFSource(q8_0), config)
+    assert run(engine, prompts) == alone(engine, prompts)
+    assert_all_blocks_free(engine)
+    hf = tmp_path / "hf"  # the folder with a tokenizer the engine reads (the ids are the prompts' either way)
+    hf.mkdir()
+    for file in ("config.json", "generation_config.json", "model.safetensors"):
+        (hf / file).write_bytes((folder / file).read_bytes())
+    save_tiny_tokenizer(hf)
+    from_file, from_folder = (run(Engine(m, config), prompts) for m in (GGUFSource(f32), str(hf)))
+    # token ids (the texts are each tokenizer's)
+    assert {r: out[0] for r, out in from_file.items()} == {r: out[0] for r, out in from_folder.items()}
+
+
 @pytest.mark.timeout(120)
 def test_convert_gguf_refuses_qwen35_by_name(qwen35_gguf, tmp_path):
     from weights.gguf_convert import UnsupportedGGUFError, convert_gguf
