@@ -103,6 +103,33 @@ GPT_OSS_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in (*DENSE_FFN, "
     "ffn_up_exps": "mlp.experts.{e}.up_proj",
     "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
+# Qwen3.5/3.6 (llama.cpp's qwen35, qwen35moe; conversion/qwen.py): gated attention (q_proj's rows each head's query
+# then its gate, as Hugging Face's) on every full_attention_interval-th layer, Gated DeltaNet on the others. Its
+# in_proj_qkv is llama.cpp's attn_qkv (the DeltaNet's [q; k; v], not a fused attention), in_proj_z its attn_gate,
+# in_proj_b / in_proj_a ssm_beta / ssm_alpha; dt_bias is written as ssm_dt.bias and A_log as ssm_a, no suffix.
+QWEN35_ATTENTION = {
+    k: v for k, v in (LLAMA_LAYER | QK_NORMS).items() if k.startswith("attn_") and k != "attn_norm"
+}
+QWEN35_DELTANET = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# llama.cpp's converters store a state-space decay's A_log as ssm_a = -exp(A_log) (Mamba, Qwen3-Next, Qwen3.5)
+NEGATED_EXP = ("ssm_a",)
+# each mixer's tensors, in the layers of its type only (Family.mixer_tensors)
+QWEN35_MIXERS = {"full_attention": tuple(QWEN35_ATTENTION), "linear_attention": tuple(QWEN35_DELTANET)}
+QWEN35_LAYER = (
+    {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+    | QWEN35_ATTENTION
+    | QWEN35_DELTANET
+)
 # Qwen2-MoE's shared expert, which every token takes, scaled by sigmoid(ffn_gate_inp_shexp . x)
 SHARED_EXPERT = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -153,9 +180,26 @@ class Family:
     # GGUF tensors whose Hugging Face counterpart is a bare parameter, `<module>`, not `<module>.weight` (sinks)
     bare: tuple[str, ...] = ()
     yarn_truncate: bool | None = None  # YaRN's `truncate` where the release's config sets it (GPT-OSS: false)
-    # False: its Hugging Face layout cannot be written from the GGUF's tensors row by row (GPT-OSS's experts):
-    # served in place only
-    convertible: bool = True
+    # why its Hugging Face folder cannot be written from the GGUF's tensors as they are (GPT-OSS's experts): served
+    # in place only; "": convertible
+    in_place_only: str = ""
+    # layer type -> the tensors only layers of that type hold (a hybrid's mixers); the rest are in every layer
+    mixer_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unshifted: tuple[str, ...] = ()  # norms the converter left without norm_shift (Qwen3.5's gated ssm_norm)
+    # Gated DeltaNet's value heads stored tiled by llama.cpp's converter (value_head_order)
+    tiled_value_heads: bool = False
+
+    @property
+    def convertible(self) -> bool:
+        return not self.in_place_only
+
+    def layer_tensors_of(self, config: dict[str, Any], layer: int) -> dict[str, str]:
+        """The GGUF tensors layer `layer` holds (a hybrid's: its mixer's), by name inside blk.N."""
+        if not self.mixer_tensors:
+            return self.layer_tensors
+        kind = config["layer_types"][layer]
+        others = {name for mixer, names in self.mixer_tensors.items() if mixer != kind for name in names}
+        return {k: v for k, v in self.layer_tensors.items() if k not in others}
 
 
 REQUIRED = object()  # a key without a default
@@ -346,6 +390,90 @@ def gpt_oss_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, An
     }
 
 
+def qwen35_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's qwen35/qwen35moe (src/models/qwen35.cpp's load_arch_hparams): block_count counts the
+    multi-token-prediction layers (nextn_predict_layers, dense attention blocks after the model's, which kvserve
+    does not run and skips); attention.recurrent_layers flags each DeltaNet layer, else a layer is one unless
+    (i + 1) % full_attention_interval == 0. A DeltaNet value head is ssm.inner_size / ssm.time_step_rank wide.
+    rope.dimension_sections (Qwen3.5's interleaved mRoPE) rotate as plain RoPE with text-only positions."""
+    mtp = arch_key(meta, "nextn_predict_layers", 0)
+    layers = config["num_hidden_layers"] - mtp
+    recurrent = arch_key(meta, "attention.recurrent_layers")
+    if recurrent is None:
+        every = arch_key(meta, "full_attention_interval", 4)
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    inner, value_heads = arch_key(meta, "ssm.inner_size"), config["linear_num_value_heads"]
+    if inner is None or inner % value_heads or value_heads % config["linear_num_key_heads"]:
+        raise UnsupportedGGUFError(
+            f"ssm.inner_size {inner} is no whole number of value heads ({value_heads}), or the value heads no "
+            f"whole number per key head ({config['linear_num_key_heads']})"
+        )
+    fields = {
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "linear_value_head_dim": inner // value_heads,
+    }
+    if mtp:
+        fields["mtp_num_hidden_layers"] = mtp
+    return fields
+
+
+def qwen35moe_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's qwen35moe build: softmax over every expert, the top k always renormalized
+    return moe_config(meta, config) | qwen35_config(meta, config)
+
+
+@dataclass(frozen=True)
+class Untile:
+    """llama.cpp's order of a Gated DeltaNet's value heads undone (conversion/qwen.py,
+    _LinearAttentionVReorderBase._reorder_v_heads). Hugging Face groups the value heads by the key head they
+    share, [k0: v0 .. v(g-1), k1: ...]; the converter stores them tiled for ggml's broadcast, [v0 of k0, v0 of
+    k1, ..., v1 of k0, ...], where there are fewer key heads than value heads. Along `axis` (0: rows, 1: columns),
+    from `start` on, heads of `size` values."""
+
+    start: int
+    key_heads: int
+    group: int  # value heads per key head
+    size: int
+    axis: int = 0
+
+    def index(self, n: int) -> np.ndarray:
+        """Hugging Face's [n] positions along the axis, as indices into the stored ones."""
+        heads = self.key_heads * self.group * self.size
+        if self.start + heads != n:
+            raise UnsupportedGGUFError(
+                f"{n} values along an axis, expected {self.start} + {heads} value heads'"
+            )
+        tiled = np.arange(heads).reshape(self.group, self.key_heads, self.size).transpose(1, 0, 2)
+        return np.concatenate([np.arange(self.start), self.start + tiled.reshape(-1)])
+
+    def in_blocks(self, block: int) -> "Untile | None":
+        """The same order over blocks of `block` values along the axis, or None where a head splits a block."""
+        if self.size % block or self.start % block:
+            return None
+        return Untile(self.start // block, self.key_heads, self.group, self.size // block, self.axis)
+
+
+def value_head_order(config: dict[str, Any], name: str) -> Untile | None:
+    """How a DeltaNet tensor's value heads are stored (None: as Hugging Face's): in_proj_qkv's v rows and the
+    convolution's v channels after q and k, in_proj_z's rows, in_proj_b's and in_proj_a's, A_log and dt_bias (a
+    value each), out_proj's columns. The converter reorders only where key heads are fewer than value heads."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if key_heads == value_heads:
+        return None
+    group, size = value_heads // key_heads, config["linear_value_head_dim"]
+    after_qk = 2 * key_heads * config["linear_key_head_dim"]
+    orders = {
+        "attn_qkv": Untile(after_qk, key_heads, group, size),
+        "ssm_conv1d": Untile(after_qk, key_heads, group, size),
+        "attn_gate": Untile(0, key_heads, group, size),
+        "ssm_out": Untile(0, key_heads, group, size, axis=1),
+    }
+    for name_per_head in ("ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt"):
+        orders[name_per_head] = Untile(0, key_heads, group, 1)
+    return orders.get(name)
+
+
 SILU = {"hidden_act": "silu"}
 GELU_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
 LLAMA3_ROPE = ("rope_freqs",)
@@ -363,6 +491,16 @@ LOCAL_EXPERT_KEYS = {
     "num_experts_per_tok": ("expert_used_count", REQUIRED),
 }
 QWEN_MOE_KEYS = EXPERT_KEYS | {"moe_intermediate_size": ("expert_feed_forward_length", REQUIRED)}
+QWEN35_KEYS = {
+    "linear_conv_kernel_dim": ("ssm.conv_kernel", REQUIRED),
+    "linear_key_head_dim": ("ssm.state_size", REQUIRED),
+    "linear_num_key_heads": ("ssm.group_count", REQUIRED),
+    "linear_num_value_heads": ("ssm.time_step_rank", REQUIRED),
+}
+QWEN35_IN_PLACE = (
+    "ssm_a holds -exp(A_log), which no float32 log gives back bit for bit, and ssm_out's columns are in llama.cpp's "
+    "order of value heads, which a K-quant's 256-value blocks cannot be reordered in"
+)
 # every layer sparse, as config.json spells it for Qwen's MoE classes
 QWEN_ALL_SPARSE = {"use_sliding_window": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
 
@@ -500,7 +638,46 @@ FAMILIES: dict[str, Family] = {
         extra=gpt_oss_config,
         bare=("attn_sinks",),
         yarn_truncate=False,
-        convertible=False,
+        in_place_only="Hugging Face's GptOssForCausalLM stacks every expert's weights by column, which a GGUF's "
+        "blocks cannot be written as",
+    ),
+    # Qwen3.5/3.6 dense (0.8B-27B): +1 baked into every norm but DeltaNet's gated one (Qwen3NextModel.
+    # modify_tensors), value heads tiled, the MTP layers after the model's
+    "qwen35": Family(
+        "Qwen3_5ForCausalLM",
+        "qwen3_5_text",
+        QWEN35_LAYER | {name: LLAMA_LAYER[name] for name in DENSE_FFN},
+        keys=QWEN35_KEYS,
+        constants=SILU,
+        norm_shift=1.0,
+        partial_rotary=True,
+        extra=qwen35_config,
+        bare=("ssm_a", "ssm_dt"),
+        in_place_only=QWEN35_IN_PLACE,
+        mixer_tensors=QWEN35_MIXERS,
+        unshifted=("ssm_norm",),
+        tiled_value_heads=True,
+    ),
+    # Qwen3.5/3.6-MoE (35B-A3B, 122B-A10B): every FFN sparse with a shared expert; no dense feed_forward_length
+    "qwen35moe": Family(
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe_text",
+        QWEN35_LAYER | moe_layer() | SHARED_EXPERT,
+        keys=QWEN35_KEYS
+        | QWEN_MOE_KEYS
+        | {
+            "intermediate_size": ("feed_forward_length", None),
+            "shared_expert_intermediate_size": ("expert_shared_feed_forward_length", REQUIRED),
+        },
+        constants=SILU,
+        norm_shift=1.0,
+        partial_rotary=True,
+        extra=qwen35moe_config,
+        bare=("ssm_a", "ssm_dt"),
+        in_place_only=QWEN35_IN_PLACE,
+        mixer_tensors=QWEN35_MIXERS,
+        unshifted=("ssm_norm",),
+        tiled_value_heads=True,
     ),
     "granitemoe": Family(
         "GraniteMoeForCausalLM",
@@ -542,7 +719,7 @@ def family_for(meta: dict[str, Any]) -> Family:
 
 def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape of every GGUF tensor inside blk.N (numpy order: rows first) for this family and config."""
-    hidden, ffn, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    hidden, ffn, head_dim = config["hidden_size"], config.get("intermediate_size", 0), config["head_dim"]
     q_rows = config["num_attention_heads"] * head_dim
     kv_rows = config["num_key_value_heads"] * head_dim
     shapes = {
@@ -573,10 +750,30 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
             "ffn_down_shexp": (hidden, shared),
             "ffn_gate_inp_shexp": (1, hidden),
         }
+    if family.tiled_value_heads:  # Qwen3.5: gated attention, Gated DeltaNet
+        shapes |= {"attn_q": (2 * q_rows, hidden)} | deltanet_shapes(config)
     for name in family.layer_tensors:
         if name.endswith("norm") and name not in shapes:
             shapes[name] = (hidden,)
     return shapes
+
+
+def deltanet_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet's tensors in Hugging Face's shapes (the GGUF's conv1d is [channels, taps], squeezed)."""
+    hidden, value_heads = config["hidden_size"], config["linear_num_value_heads"]
+    value_dim = value_heads * config["linear_value_head_dim"]
+    conv_dim = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + value_dim
+    return {
+        "attn_qkv": (conv_dim, hidden),
+        "attn_gate": (value_dim, hidden),
+        "ssm_beta": (value_heads, hidden),
+        "ssm_alpha": (value_heads, hidden),
+        "ssm_conv1d": (conv_dim, 1, config["linear_conv_kernel_dim"]),
+        "ssm_a": (value_heads,),
+        "ssm_dt": (value_heads,),
+        "ssm_norm": (config["linear_value_head_dim"],),
+        "ssm_out": (hidden, value_dim),
+    }
 
 
 def expert_count(config: dict[str, Any]) -> int:

@@ -3,7 +3,7 @@ what `kvserve convert-gguf` does. (kvserve serves a GGUF file in place, without 
 
 Every architecture in weights/gguf_arch.py's FAMILIES (Llama 2/3.x and Mistral, Qwen 2/3, Gemma 2/3, Phi-3, OLMo 2,
 Granite, SmolLM3; the MoE Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral, one tensor per expert, and Granite MoE, every
-expert's in one tensor), but GPT-OSS (served in place only: Family.convertible). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
+expert's in one tensor), but GPT-OSS and Qwen3.5/3.6 (served in place only: Family.in_place_only says why). The folder gets config.json (transformers' format), generation_config.json, tokenizer.json,
 tokenizer_config.json (weights/gguf_tokenizer.py), and the weights under Hugging Face tensor names and row order,
 with llama.cpp's conversion undone as GGUFSource undoes it (q/k rows, Gemma's +1 on norms, fused or split q/k/v,
 RoPE tensors into config):
@@ -41,8 +41,7 @@ def convert_gguf(src: Path, dst: Path, progress: bool = True, dense: bool = True
     source = GGUFSource(src)
     if not source.family.convertible:
         raise UnsupportedGGUFError(
-            f"{src.name}: Hugging Face's {source.family.architecture} stacks every expert's weights by column, "
-            "which a GGUF's blocks cannot be written as; serve the file in place (kvserve serve --model FILE.gguf)"
+            f"{src.name}: {source.family.in_place_only}; serve the file in place (kvserve serve --model FILE.gguf)"
         )
     config = dict(source.config)
     tensors, quantized, ggml = {}, {}, {}

@@ -6,7 +6,8 @@ GGUFSource memory-maps the file (read_gguf: its header read as gguf's GGUFReader
 from its metadata alone, config.json's and generation_config.json's contents (weights/gguf_arch.py) and the
 tokenizer (weights/gguf_tokenizer.py). Its
 tensors are planned once (plan_tensors: which rows of which GGUF tensors make each Hugging Face tensor, with
-llama.cpp's conversion undone: q/k rows, Gemma's +1 on norms, fused or split q/k/v, RoPE tensors into config)
+llama.cpp's conversion undone: q/k rows, Gemma's and Qwen3.5's +1 on norms, fused or split q/k/v, RoPE tensors
+into config, Qwen3.5's value heads and -exp(A_log))
 and read on demand, by Hugging Face name, from the map:
 - get(name): a 2-D weight made of one quantized type, with no arithmetic to undo, as a GGMLBlocks record (its
   block rows as they are: selecting and reordering rows is exact, since GGUF blocks run along K); anything else
@@ -33,7 +34,9 @@ from weights.gguf_arch import (
     COMMON_KEYS,
     DENSE_FFN,
     GLOBAL_TENSORS,
+    NEGATED_EXP,
     Family,
+    Untile,
     attention_rows,
     expert_count,
     expert_size,
@@ -41,6 +44,7 @@ from weights.gguf_arch import (
     read_keys,
     rope_config,
     tensor_shapes,
+    value_head_order,
 )
 from weights.gguf_tokenizer import UnsupportedGGUFError, build_tokenizer
 
@@ -198,16 +202,16 @@ class GGUFSource:
         """The Hugging Face tensor `name` (expert: that expert's slice of a tensor stacking every expert's, read
         alone): its raw blocks where it is a quantized weight that needs no arithmetic, else float32."""
         pieces, shape = self._pieces(name, expert)
-        if len(shape) == 3:  # every expert's, expert by expert (each, of the same pieces, blocks or not)
+        if self._stacks_experts(pieces, shape):  # expert by expert (each, of the same pieces, blocks or not)
             parts = [self.get(name, e) for e in range(shape[0])]
             if isinstance(parts[0], GGMLBlocks):
                 return GGMLBlocks(parts[0].type_name, torch.stack([p.blocks for p in parts]), shape)
             return torch.stack(parts)
         types = {self.tensors[p.source].tensor_type for p in pieces}
         (kind,) = types if len(types) == 1 else (None,)
-        if kind is None or kind in FLOAT_TYPES or len(shape) != 2 or any(p.shift for p in pieces):
+        if kind is None or kind in FLOAT_TYPES or len(shape) != 2 or not all(p.exact(kind) for p in pieces):
             return self.dense(name, expert)
-        rows = [order(p, stored(self.tensors[p.source], p.expert)) for p in pieces]
+        rows = [order(p, stored(self.tensors[p.source], p.expert), kind) for p in pieces]
         blocks = np.concatenate(rows)  # a copy
         self._release(pieces)
         return GGMLBlocks(kind.name, torch.from_numpy(blocks), shape)
@@ -215,17 +219,20 @@ class GGUFSource:
     def dense(self, name: str, expert: int | None = None) -> torch.Tensor:
         """The Hugging Face tensor `name` (or one expert's slice, as get's) in float32 (exact for every type)."""
         pieces, shape = self._pieces(name, expert)
-        if len(shape) == 3:
+        if self._stacks_experts(pieces, shape):
             return torch.stack([self.dense(name, e) for e in range(shape[0])])
         # Gemma's norms: stored - 1 is exact for stored in [0.5, 2] (1 + w gives back stored), else rounded
         parts = [order(p, self._dequantized(p)) for p in pieces]
         parts = [
             part - np.float32(p.shift) if p.shift else part for p, part in zip(pieces, parts, strict=True)
         ]
+        # Qwen3.5's ssm_a = -exp(A_log): the log gives A_log back to a rounding or two
+        parts = [np.log(-part) if p.negated_exp else part for p, part in zip(pieces, parts, strict=True)]
         values = np.concatenate(parts)  # a copy, also of an F32 tensor (a view of the map)
-        if values.shape == shape[1:] and shape[:1] == (1,):
-            # a shared expert's gate stored 1-D: [hidden] for Hugging Face's [1, hidden]
-            values = values[None]
+        if values.shape != shape and squeezed(values.shape) == squeezed(shape):
+            # a shared expert's gate stored 1-D ([hidden] for Hugging Face's [1, hidden]), a DeltaNet's
+            # convolution [channels, taps] for [channels, 1, taps]
+            values = values.reshape(shape)
         if values.shape != shape:
             raise UnsupportedGGUFError(f"{name}: pieces give shape {values.shape}, expected {shape}")
         self._release(pieces)
@@ -240,6 +247,11 @@ class GGUFSource:
         if len(shape) != 3 or any(p.expert is not None for p in pieces):
             raise ValueError(f"{name} {shape} does not stack every expert's")
         return [replace(p, expert=expert) for p in pieces], shape[1:]
+
+    def _stacks_experts(self, pieces: list["Piece"], shape: tuple[int, ...]) -> bool:
+        """Whether the tensor is every expert's, [experts, N, K], read from GGUF tensors stacking every expert's
+        (not a DeltaNet's convolution, [channels, 1, taps] of a 2-D GGUF tensor)."""
+        return len(shape) == 3 and all(len(self.tensors[p.source].shape) == 3 for p in pieces)
 
     def _dequantized(self, piece: "Piece") -> np.ndarray:
         """The piece's GGUF tensor, or its expert's slice alone, in float32."""
@@ -268,7 +280,8 @@ def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTe
     """config.json in the dialect transformers 4.x and 5.x both read: top-level rope_theta and rope_scaling (5.x
     folds them into rope_parameters on load, per layer type for Gemma 3)."""
     config = {"architectures": [family.architecture], "model_type": family.model_type}
-    config |= read_keys(meta, COMMON_KEYS)
+    # a family's own spelling of a common key (Qwen3.5-MoE's optional feed_forward_length) in its place
+    config |= read_keys(meta, COMMON_KEYS | {k: v for k, v in family.keys.items() if k in COMMON_KEYS})
     hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
     config |= read_keys(meta, {
         "num_key_value_heads": ("attention.head_count_kv", num_heads),
@@ -282,7 +295,11 @@ def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTe
         "vocab_size": int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else 0,
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    config |= read_keys(meta, family.keys) | family.constants
+    config |= (
+        read_keys(meta, {k: v for k, v in family.keys.items() if k not in COMMON_KEYS}) | family.constants
+    )
+    if config["intermediate_size"] is None:  # no dense FFN: the experts' size is the model's
+        del config["intermediate_size"]
     config |= bias_switches(family, tensors, config["num_hidden_layers"])
     if family.extra:
         config |= family.extra(meta, config)
@@ -331,6 +348,15 @@ class Piece:
     heads: int = 0  # > 0: undo llama.cpp's q/k row order over this many heads
     shift: float = 0.0  # what llama.cpp's converter added (Gemma's norms)
     expert: int | None = None  # the rows are this expert's, of a tensor stacking every expert's
+    untile: Untile | None = None  # Qwen3.5's value heads, stored in llama.cpp's order
+    negated_exp: bool = False  # stored as -exp(x) (Qwen3.5's ssm_a)
+
+    def exact(self, kind: GGMLQuantizationType) -> bool:
+        """Whether this piece's blocks of `kind` read as they are, selected and reordered but not computed on."""
+        if self.shift or self.negated_exp:
+            return False
+        columns = self.untile is not None and self.untile.axis == 1
+        return not columns or self.untile.in_blocks(GGML_QUANT_SIZES[kind][0]) is not None
 
 
 def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -342,7 +368,7 @@ def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[i
         shapes["lm_head.weight"] = (vocab, hidden)
     biases = [name for group in family.biases if config.get(group.switch, True) for name in group.tensors]
     for layer in range(config["num_hidden_layers"]):
-        for name, module in family.layer_tensors.items():
+        for name, module in family.layer_tensors_of(config, layer).items():
             suffix = "" if name in family.bare else ".weight"
             if "{e}" in module:  # one Hugging Face tensor per expert
                 for e in range(expert_count(config)):
@@ -389,14 +415,20 @@ def plan_tensors(
 ) -> dict[str, list[Piece]]:
     """Hugging Face tensor name -> the GGUF rows it is made of; refuses a GGUF tensor that has no place."""
     plan: dict[str, list[Piece]] = {}
+    # llama.cpp's multi-token-prediction layers follow the model's (Qwen3.5's): kvserve does not run them
+    layers = config["num_hidden_layers"]
+    mtp = tuple(f"blk.{i}." for i in range(layers, layers + config.get("mtp_num_hidden_layers", 0)))
     for tensor in gguf_tensors.values():
         base, _, kind = tensor.name.rpartition(".")
         if kind == "weight" and base in family.rope_tensors:
             continue  # read into config.json's rope_scaling
+        if mtp and tensor.name.startswith(mtp):
+            continue
         expected, pieces = tensor_pieces(family, config, tensor.name)
         shape = tuple(int(n) for n in reversed(tensor.shape))
-        # a leading 1 may be left out: llama.cpp reads a shared expert's gate [1, hidden] as [hidden]
-        if shape != expected and not (expected[:1] == (1,) and shape == expected[1:]):
+        # a 1 may be left out: llama.cpp reads a shared expert's gate [1, hidden] as [hidden], and writes a
+        # DeltaNet's convolution [channels, 1, taps] as [channels, taps]
+        if shape != expected and squeezed(shape) != squeezed(expected):
             raise UnsupportedGGUFError(f"tensor {tensor.name}: shape {shape}, expected {expected}")
         for name, piece in pieces:
             plan.setdefault(name, []).append(piece)
@@ -409,6 +441,8 @@ def tensor_pieces(
     """(the GGUF tensor's expected shape, the Hugging Face tensors its rows go to)."""
     hidden = config["hidden_size"]
     base, _, kind = gguf_name.rpartition(".")
+    if kind not in ("weight", "bias"):  # a tensor named without a suffix (Qwen3.5's ssm_a)
+        base, kind = gguf_name, ""
     if kind == "weight" and base in GLOBAL_TENSORS:
         expected = (hidden,) if base == "output_norm" else (config["vocab_size"], hidden)
         shift = family.norm_shift if base == "output_norm" else 0.0
@@ -416,7 +450,8 @@ def tensor_pieces(
     layer, _, short = base.removeprefix("blk.").partition(".")
     per_layer = tensor_shapes(family, config)
     known = base.startswith("blk.") and layer.isdigit() and int(layer) < config["num_hidden_layers"]
-    if not known or kind not in ("weight", "bias") or short not in per_layer:
+    suffixed = short in family.bare or kind in ("weight", "bias")
+    if not known or not suffixed or short not in per_layer:
         raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
     if short in DENSE_FFN and "ffn_gate_inp" in family.layer_tensors:
         raise UnsupportedGGUFError(
@@ -430,7 +465,7 @@ def tensor_pieces(
         targets = [
             (name, 0, slice(start, start + rows[name])) for name, start in zip(QKV, starts, strict=False)
         ]
-    elif short in QKV and "attn_qkv" in family.layer_tensors:
+    elif short in QKV and "attn_qkv" in family.layer_tensors and short not in family.layer_tensors:
         targets = [("attn_qkv", QKV.index(short), slice(None))]  # Phi-3 stored with q, k, v apart
     elif short in GATE_UP_EXPS and "ffn_gate_up_exps" in family.layer_tensors:
         # Granite MoE's Hugging Face tensor: each expert's gate rows, then its up rows, as a fused file has them
@@ -448,14 +483,17 @@ def tensor_pieces(
     for target, part, rows_slice in targets:
         module = family.layer_tensors[target]
         unpermute = heads.get(target, 0) if family.permute_qk else 0
-        shift = family.norm_shift if kind == "weight" and target.endswith("norm") else 0.0
+        norm = kind == "weight" and target.endswith("norm") and target not in family.unshifted
+        shift = family.norm_shift if norm else 0.0
+        untile = value_head_order(config, target) if family.tiled_value_heads else None
         # a tensor stacking every expert's: one piece per expert, of its own Hugging Face tensor
         experts = range(expert_count(config)) if "{e}" in module else [None]
         suffix = "" if short in family.bare else f".{kind}"
         for e in experts:
             name = f"model.layers.{layer}.{module.replace('{e}', str(e))}{suffix}"
-            pieces.append((name, Piece(gguf_name, part, rows_slice, unpermute, shift, e)))
-    return (per_layer[short] if kind == "weight" else per_layer[short][:-1]), pieces
+            piece = Piece(gguf_name, part, rows_slice, unpermute, shift, e, untile, target in NEGATED_EXP)
+            pieces.append((name, piece))
+    return (per_layer[short] if kind != "bias" or short in family.bare else per_layer[short][:-1]), pieces
 
 
 def stored(tensor: GGUFTensor, expert: int | None) -> np.ndarray:
@@ -463,11 +501,24 @@ def stored(tensor: GGUFTensor, expert: int | None) -> np.ndarray:
     return tensor.data if expert is None else tensor.data[expert]
 
 
-def order(piece: Piece, values: np.ndarray) -> np.ndarray:
-    """The piece's rows of a GGUF tensor or expert's slice (dequantized, or its raw block rows) in Hugging Face's
-    order."""
+def order(piece: Piece, values: np.ndarray, kind: GGMLQuantizationType | None = None) -> np.ndarray:
+    """The piece's rows of a GGUF tensor or expert's slice (dequantized, or its raw block rows of type `kind`) in
+    Hugging Face's order."""
     values = values[piece.rows]
-    return unpermute_rows(values, piece.heads) if piece.heads else values
+    if piece.heads:
+        values = unpermute_rows(values, piece.heads)
+    untile = piece.untile
+    if untile is None:
+        return values
+    if untile.axis == 1 and kind is not None:  # raw rows: whole blocks reordered along each row (Piece.exact)
+        block, size = GGML_QUANT_SIZES[kind]
+        rows = values.reshape(values.shape[0], -1, size)
+        return rows[:, untile.in_blocks(block).index(rows.shape[1])].reshape(values.shape)
+    return np.take(values, untile.index(values.shape[untile.axis]), axis=untile.axis)
+
+
+def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
 
 
 def dequantize_tensor(tensor: GGUFTensor, expert: int | None = None) -> np.ndarray:

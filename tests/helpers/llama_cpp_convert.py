@@ -5,7 +5,8 @@ test_gguf_llama_cpp.py. Run as a script: it imports the llama.cpp tree's own ggu
 
 The one change: set_vocab writes VOCAB.json (a test vocabulary in GGUF terms) instead of reading the folder's
 tokenizer, which llama.cpp identifies by hashing it and would refuse as unknown. Tensors and model metadata are
-llama.cpp's own.
+llama.cpp's own. A Qwen3.5 without multi-token-prediction layers (transformers' has none) converts as `--no-mtp`
+does: the converter's Qwen MTP classes otherwise assert that they found some.
 """
 
 import json
@@ -37,6 +38,9 @@ def main() -> None:
     hparams = ModelBase.load_hparams(hf_dir, False)
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
     model_class.set_vocab = set_vocab
+    qwen_mtp = getattr(sys.modules.get("conversion.qwen"), "_QwenMtpMixin", None)
+    if qwen_mtp and issubclass(model_class, qwen_mtp) and not hparams.get("mtp_num_hidden_layers"):
+        model_class.no_mtp = True
     with torch.inference_mode():
         ftype = {"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
         model = model_class(hf_dir, ftype, out, eager=True)
