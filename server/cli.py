@@ -208,11 +208,14 @@ BENCH_HTTP_FLAGS = (
     Flag(
         "--workload",
         "random",
-        choices=("random", "edit", "quote", "chat", "json"),
+        choices=("random", "edit", "quote", "chat", "json", "turns"),
         help="random: prompts of random words, --output-len tokens each; edit, quote, chat, json: chat requests "
         "that copy much of their prompt (edit, quote), nothing (chat) or follow a JSON schema, greedy, each to its "
-        "end (at most --output-len)",
+        "end (at most --output-len); turns: conversations of --num-turns chat requests, a first message of "
+        "--input-len words, then --turn-len words a turn, each request sending the whole history (TTFT by turn)",
     ),
+    Flag("--num-turns", 2, int, help="turns a conversation has (--workload turns)"),
+    Flag("--turn-len", 16, int, help="words of each message after a conversation's first (--workload turns)"),
     Flag("--concurrency", 8, int),
     Flag("--num-requests", None, int, help="requests to send (default: 64, or no limit with --duration)"),
     Flag("--duration", None, float, help="send requests for this many seconds"),

@@ -1,6 +1,7 @@
 """`kvserve bench`: a serving benchmark against any OpenAI-compatible server: streamed requests at a concurrency, of
-random words (completions, a fixed output length) or of one of workloads.py's chat workloads (edit, quote,
-chat, json: what speculative decoding is for, or not)."""
+random words (completions, a fixed output length), of one of workloads.py's chat workloads (edit, quote,
+chat, json: what speculative decoding is for, or not), or conversations (turns: each turn sends the whole history
+back, what a prefix cache is for)."""
 
 import asyncio
 import json
@@ -32,6 +33,8 @@ class Result:
     cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, if it says
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the streamed output
+    turn: int = 1  # its place in its conversation (the turns workload)
 
 
 def _text(event: dict) -> str:
@@ -56,6 +59,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: di
                     return result
                 now = time.perf_counter()
                 if event.get("choices") and _text(event):
+                    result.text += _text(event)
                     chunks += 1
                     if last is None:
                         result.ttft = now - start
@@ -120,16 +124,44 @@ async def bench_http(args) -> dict:
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         return "/v1/chat/completions", {"model": model, **body, "temperature": 0.0, **stream}
 
+    def more() -> bool:
+        return (limit is None or sent < limit) and (deadline is None or time.perf_counter() < deadline)
+
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal sent
-        while (limit is None or sent < limit) and (deadline is None or time.perf_counter() < deadline):
+        while more():
             sent += 1
             results.append(await _one_request(client, url, *request(sent - 1)))
+
+    async def conversations(client: httpx.AsyncClient) -> None:
+        """Conversations one after another: a first message of input_len words, then num_turns - 1 more turns,
+        each sending the history (every message and reply so far) and a new message of turn_len words."""
+        nonlocal sent
+        while more():
+            words = args.input_len
+            messages = []
+            for turn in range(1, args.num_turns + 1):
+                if not more():
+                    return
+                sent += 1
+                messages.append(
+                    {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}
+                )
+                body = {"model": model, "messages": messages, "max_tokens": args.output_len, "ignore_eos": True,
+                        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                result = await _one_request(client, url, "/v1/chat/completions", body)
+                result.turn = turn
+                results.append(result)
+                if not result.ok:
+                    break
+                messages.append({"role": "assistant", "content": result.text})
+                words = args.turn_len
 
     limits = httpx.Limits(max_connections=args.concurrency)
     start = time.perf_counter()
     async with httpx.AsyncClient(headers=headers(args.api_key), timeout=600, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+        run = conversations if args.workload == "turns" else worker
+        await asyncio.gather(*(run(client) for _ in range(args.concurrency)))
     wall = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -160,6 +192,14 @@ async def bench_http(args) -> dict:
         "itl_s": _percentiles([t for r in ok for t in r.itl]),
         "e2e_s": _percentiles([r.e2e for r in ok]),
     }
+    if args.workload == "turns":  # a later turn's TTFT is what a prefix cache saves
+        turns = sorted({r.turn for r in ok})
+        summary["ttft_by_turn_s"] = {t: _percentiles([r.ttft for r in ok if r.turn == t]) for t in turns}
+        summary["cached_prompt_share_by_turn"] = {
+            t: round(sum(r.cached_tokens for r in by) / max(sum(r.prompt_tokens for r in by), 1), 3)
+            for t in turns
+            if (by := [r for r in reported if r.turn == t])
+        }
     print(f"requests ok {len(ok)}, failed {summary['requests_failed']}, in {wall:.1f} s")
     print(f"output tokens/s {summary['output_tokens_per_s']}, requests/s {summary['requests_per_s']}")
     print(f"decode tokens/s per stream {summary['decode_tokens_per_s_per_stream']}")
@@ -167,6 +207,10 @@ async def bench_http(args) -> dict:
         print(f"prompt tokens found in the prefix cache: {100 * summary['cached_prompt_share']:.1f}%")
     for name in ("ttft_s", "itl_s", "e2e_s"):
         print(f"{name[:-2]:>5}: " + ", ".join(f"{k} {v}" for k, v in summary[name].items()))
+    for turn, ttft in summary.get("ttft_by_turn_s", {}).items():
+        cached = summary["cached_prompt_share_by_turn"].get(turn)
+        shown = f", {100 * cached:.1f}% of its prompt cached" if cached is not None else ""
+        print(f"turn {turn} ttft: " + ", ".join(f"{k} {v}" for k, v in ttft.items()) + shown)
     for r in results:
         if not r.ok:
             print("error:", r.error, file=sys.stderr)

@@ -85,6 +85,19 @@ def test_bench_chat_workloads_stream_chat_completions(start_server, tiny_engine,
     assert summary["output_tokens_per_s"] > 0 and summary["ttft_s"]["p50"] is not None
 
 
+@pytest.mark.timeout(180)
+def test_bench_turns_sends_each_conversations_history_and_reports_ttft_by_turn(start_server, tiny_engine):
+    """--workload turns: conversations of three chat requests, each sending the history back (the earlier
+    messages and the replies as streamed); later turns find most of their prompt in the prefix cache."""
+    url, _ = start_server(tiny_engine)
+    summary = run_bench(url, "--workload", "turns", "--num-turns", "3", "--concurrency", "2",
+                        "--num-requests", "6", "--input-len", "12", "--turn-len", "3", "--output-len", "6")  # fmt: skip
+    assert summary["requests_ok"] == 6 and summary["requests_failed"] == 0
+    assert set(summary["ttft_by_turn_s"]) == {"1", "2", "3"}
+    cached = summary["cached_prompt_share_by_turn"]
+    assert cached["1"] < 0.2 and cached["2"] > 0.4 and cached["3"] > 0.4, cached
+
+
 def test_bench_shared_prefixes_start_every_prompt():
     import random
 
