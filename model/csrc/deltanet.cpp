@@ -24,6 +24,44 @@ inline float rounded(float x) {  // x as the model's dtype holds it
   return to_float(static_cast<scalar_t>(x));
 }
 
+// The delta rule's two passes over one value head's state S [dk, dv] for value columns [j0, j0 + J), J
+// accumulators kept in registers: recall = (S decay)^T k, read only; then S <- S decay + k correction^T and
+// out = S^T q. Each column sums over the rows in ascending order, as a plain loop would: the same bits.
+template <int64_t J>
+inline void recall_columns(const float* S, int64_t dk, int64_t dv, int64_t j0, float decay, const float* k,
+                           float* recall) {
+  float acc[J] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = S + i * dv + j0;
+    for (int64_t j = 0; j < J; ++j) acc[j] += row[j] * decay * k[i];
+  }
+  for (int64_t j = 0; j < J; ++j) recall[j0 + j] = acc[j];
+}
+
+template <int64_t J>
+inline void update_columns(float* S, int64_t dk, int64_t dv, int64_t j0, float decay, const float* k,
+                           const float* correction, const float* q, float* out) {
+  float acc[J] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv + j0;
+    for (int64_t j = 0; j < J; ++j) {
+      const float decayed = row[j] * decay;
+      row[j] = decayed + k[i] * correction[j0 + j];
+      acc[j] += row[j] * q[i];
+    }
+  }
+  for (int64_t j = 0; j < J; ++j) out[j0 + j] = acc[j];
+}
+
+// both passes over every column, in blocks of J (32 where dv allows, else 16, else 1)
+template <int64_t J>
+void delta_rule_step(float* S, int64_t dk, int64_t dv, float decay, const float* k, const float* v, float beta,
+                     const float* q, float* correction, float* out) {
+  for (int64_t j0 = 0; j0 < dv; j0 += J) recall_columns<J>(S, dk, dv, j0, decay, k, correction);
+  for (int64_t j = 0; j < dv; ++j) correction[j] = (v[j] - correction[j]) * beta;
+  for (int64_t j0 = 0; j0 < dv; j0 += J) update_columns<J>(S, dk, dv, j0, decay, k, correction, q, out);
+}
+
 }  // namespace
 
 // proj [T, conv_dim + value_dim + 2 Hv]: the input projection's [q k v | z | b | a] rows; conv_w [conv_dim, kernel];
@@ -110,20 +148,13 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
           const float* v = mixed.data() + row * C + 2 * key_dim + h * dv;
           const float beta = rounded<scalar_t>(1.0f / (1.0f + std::exp(-to_float(P[row * W + C + value_dim + h]))));
           const float decay = std::exp(rate * softplus(to_float(P[row * W + C + value_dim + Hv + h]) + bias));
-          for (int64_t j = 0; j < dv; ++j) remembered[j] = 0.0f;
-          for (int64_t i = 0; i < dk; ++i)
-            for (int64_t j = 0; j < dv; ++j) {
-              S[i * dv + j] *= decay;
-              remembered[j] += S[i * dv + j] * k[i];
-            }
-          for (int64_t j = 0; j < dv; ++j) remembered[j] = (v[j] - remembered[j]) * beta;  // the correction
           float* o_t = o.data() + row * value_dim + h * dv;
-          for (int64_t j = 0; j < dv; ++j) o_t[j] = 0.0f;
-          for (int64_t i = 0; i < dk; ++i)
-            for (int64_t j = 0; j < dv; ++j) {
-              S[i * dv + j] += k[i] * remembered[j];
-              o_t[j] += S[i * dv + j] * q[i];
-            }
+          if (dv % 32 == 0)
+            delta_rule_step<32>(S, dk, dv, decay, k, v, beta, q, remembered.data(), o_t);
+          else if (dv % 16 == 0)
+            delta_rule_step<16>(S, dk, dv, decay, k, v, beta, q, remembered.data(), o_t);
+          else
+            delta_rule_step<1>(S, dk, dv, decay, k, v, beta, q, remembered.data(), o_t);
           if (keep_each >= 0 && t + 1 < n) std::copy(S, S + dk * dv, rs_all + ((keep_each + t) * Hv + h) * dk * dv);
         }
       }

@@ -147,11 +147,17 @@ def test_a_slot_taken_over_starts_from_zero(hybrid):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpp_recurrence_is_the_python_ones(tiny_model_factory, dtype):
+@pytest.mark.parametrize("value_head_dim", [16, 32, 24])  # the kernel's column blocks: 16, 32, one at a time
+def test_the_cpp_recurrence_is_the_python_ones(tiny_model_factory, dtype, value_head_dim):
     """model/csrc/deltanet.cpp against model/deltanet.py's loop, on a step of a prefill beside a decode, then the
     next step from the states each left, dense GEMMs around them: within float32's rounding (their exp functions
-    differ in the last bit), or for bfloat16 within a rounding of its own here and there."""
-    path = tiny_family(tiny_model_factory, "qwen3_5")
+    differ in the last bit, their sums are fused or not), or for bfloat16 within a rounding of its own here and
+    there."""
+    from tests.helpers.tiny_models import FAMILY_OVERRIDES
+
+    path = tiny_model_factory(
+        "qwen3_5", **{**FAMILY_OVERRIDES["qwen3_5"], "linear_value_head_dim": value_head_dim}
+    )
     runs = []
     for deltanet in ("cpp", "python"):
         model, config = load_hybrid(path, deltanet, dtype, quantized=False)
