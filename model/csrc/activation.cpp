@@ -5,18 +5,22 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
-// x [T, 2F] = [gate, up] -> silu(gate) * up [T, F], rounded as transformers' LlamaMLP rounds it: silu in float32,
-// rounded to x's dtype, times up in float32, rounded again.
-at::Tensor silu_mul(at::Tensor x) {
+namespace {
+
+// x [T, 2F] = [gate, up] -> [T, F] row by row: a vector of each at a time, vector_op(g, u) with the vectorised exp,
+// then scalar_op(g, u) on the last few, both in float32 (each given a value of x's dtype, which its roundings take)
+template <typename VectorOp, typename ScalarOp>
+at::Tensor gated_rows(at::Tensor x, VectorOp vector_op, ScalarOp scalar_op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2F]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "float32, bfloat16 or float16 only");
   x = x.contiguous();
   const int64_t T = x.size(0), F = x.size(1) / 2;
   auto y = at::empty({T, F}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
@@ -25,20 +29,26 @@ at::Tensor silu_mul(at::Tensor x) {
         const scalar_t* up = gate + F;
         scalar_t* y_t = yp + t * F;
         int64_t f = 0;
-        for (; f + VL <= F; f += VL) {  // a vector at a time, with the vectorised exp
-          const vfloat g = load_floats(gate + f);
-          const vfloat silu = g / (1.0f + vexp(-g));
-          store_floats(round_to<scalar_t>(silu) * load_floats(up + f), y_t + f);
-        }
-        for (; f < F; ++f) {
-          const float g = to_float(gate[f]);
-          const float silu = to_float(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
-          y_t[f] = static_cast<scalar_t>(silu * to_float(up[f]));
-        }
+        for (; f + VL <= F; f += VL)
+          store_floats(vector_op(scalar_t{}, load_floats(gate + f), load_floats(up + f)), y_t + f);
+        for (; f < F; ++f) y_t[f] = static_cast<scalar_t>(scalar_op(scalar_t{}, to_float(gate[f]), to_float(up[f])));
       }
     });
   });
   return y;
+}
+
+}  // namespace
+
+// x [T, 2F] = [gate, up] -> silu(gate) * up [T, F], rounded as transformers' LlamaMLP rounds it: silu in float32,
+// rounded to x's dtype, times up in float32, rounded again.
+at::Tensor silu_mul(at::Tensor x) {
+  return gated_rows(
+      x,
+      [](auto dtype, vfloat g, vfloat u) { return round_to<decltype(dtype)>(g / (1.0f + vexp(-g))) * u; },
+      [](auto dtype, float g, float u) {
+        return to_float(static_cast<decltype(dtype)>(g / (1.0f + std::exp(-g)))) * u;
+      });
 }
 
 // GPT-OSS's clamped SwiGLU, x [T, 2F] = [gate, up] -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) [T, F],
@@ -46,37 +56,19 @@ at::Tensor silu_mul(at::Tensor x) {
 // on its own); transformers' GptOssExperts rounds at each op in a bfloat16 model, so a bfloat16 model's values
 // differ from its by a rounding or two (a float32 one's by the exp's last bit).
 at::Tensor clamped_swiglu(at::Tensor x, double alpha, double limit) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2F]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "float32, bfloat16 or float16 only");
-  x = x.contiguous();
-  const int64_t T = x.size(0), F = x.size(1) / 2;
-  auto y = at::empty({T, F}, x.options());
   const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clamped_swiglu", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* gate = xp + t * 2 * F;
-        const scalar_t* up = gate + F;
-        scalar_t* y_t = yp + t * F;
-        int64_t f = 0;
+  return gated_rows(
+      x,
+      [a, l](auto, vfloat g, vfloat u) {
         const vfloat lo = vfloat{} - l, hi = vfloat{} + l;
-        for (; f + VL <= F; f += VL) {
-          vfloat g = load_floats(gate + f), u = load_floats(up + f);
-          g = g > hi ? hi : g;
-          u = u > hi ? hi : u;
-          u = u < lo ? lo : u;
-          store_floats((u + 1.0f) * (g / (1.0f + vexp(-a * g))), y_t + f);
-        }
-        for (; f < F; ++f) {
-          const float g = std::min(to_float(gate[f]), l);
-          const float u = std::max(std::min(to_float(up[f]), l), -l);
-          y_t[f] = static_cast<scalar_t>((u + 1.0f) * (g / (1.0f + std::exp(-a * g))));
-        }
-      }
-    });
-  });
-  return y;
+        g = g > hi ? hi : g;
+        u = u > hi ? hi : u;
+        u = u < lo ? lo : u;
+        return (u + 1.0f) * (g / (1.0f + vexp(-a * g)));
+      },
+      [a, l](auto, float g, float u) {
+        g = std::min(g, l);
+        u = std::max(std::min(u, l), -l);
+        return (u + 1.0f) * (g / (1.0f + std::exp(-a * g)));
+      });
 }

@@ -8,7 +8,7 @@
 // activation.cpp, ATen's gelu), with the same arguments in the same order, so its outputs have the same bits
 // as model/transformer.py's loop. What it saves is the loop itself: a lone decode step makes ~270 kernel calls,
 // and each one made from Python costs a few microseconds of argument conversion and module dispatch (~0.9 ms of
-// a ~7 ms lone step for SmolLM2-135M, measured: README, Benchmarks).
+// a ~7 ms lone step for SmolLM2-135M, measured: docs/performance-history.md).
 
 #include "layer_stack.h"
 
