@@ -184,13 +184,13 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
             hashes.append(h)
 
-    def take_snapshot(self, request: Request, decoding: bool) -> int | None:
+    def take_snapshot(self, request: Request, reuse: bool) -> int | None:
         """A snapshot slot for a copy of the request's state the coming step makes. A decoding request keeps only
         its latest snapshot (a reply's last block boundary is where its chat's next turn resumes; the earlier ones
-        would crowd out other requests'): it gets its previous one back, if still cached. Otherwise a free one,
-        else the least recently used cached one (evicted now: a step reads the states it restores before it
-        writes the ones it takes). None when the model keeps no snapshots."""
-        previous = self.decode_snapshots.pop(request.request_id, None) if decoding else None
+        would crowd out other requests'): with `reuse` (a copy sure to be cached) it gets its previous one back, if
+        still cached. Otherwise a free one, else the least recently used cached one (evicted now: a step reads
+        the states it restores before it writes the ones it takes). None when the model keeps no snapshots."""
+        previous = self.decode_snapshots.pop(request.request_id, None) if reuse else None
         if previous is not None and self.cached_snapshots.get(previous[0]) == previous[1]:
             del self.cached_snapshots[previous[0]]
             del self.hash_to_snapshot[previous[1]]
@@ -212,7 +212,12 @@ class BlockManager:
             return
         self.hash_to_snapshot[h] = slot
         self.cached_snapshots[slot] = h
-        if decoding:
+        if decoding:  # it replaces the request's previous one (where take_snapshot did not reuse that)
+            previous = self.decode_snapshots.get(request.request_id)
+            if previous is not None and self.cached_snapshots.get(previous[0]) == previous[1]:
+                del self.cached_snapshots[previous[0]]
+                del self.hash_to_snapshot[previous[1]]
+                self.free_snapshots.append(previous[0])
             self.decode_snapshots[request.request_id] = (slot, h)
 
     def release_snapshot(self, slot: int) -> None:

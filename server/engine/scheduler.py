@@ -186,7 +186,10 @@ class Scheduler:
             n, keep_state = self._state_boundary(request, request.num_computed_tokens, n)
             drafts = self._fit_drafts(request, n, budget)
             if drafts:
-                out.chunks.append(chunk(request, n, drafts))
+                # a hybrid's state is kept where its drafts end at a block boundary, if they are all kept
+                end = request.num_computed_tokens + n + len(drafts)
+                keep_state = self.snapshots and end % self.config.block_size == 0
+                out.chunks.append(self._with_snapshot(chunk(request, n, drafts), None, keep_state))
                 out.num_batched_tokens += n + len(drafts)
             elif self._allocate_or_preempt(request, n, out):
                 out.chunks.append(self._with_snapshot(chunk(request, n), None, keep_state))
@@ -249,14 +252,16 @@ class Scheduler:
         if restore_state is not None:
             c.restore_state = restore_state
             self.block_manager.touch_snapshot(restore_state)
-        if keep_state:
-            c.snapshot_to = self.block_manager.take_snapshot(c.request, c.is_decode)
+        if keep_state:  # sure to be cached after a plain decode; after drafts, only if all are kept
+            c.snapshot_to = self.block_manager.take_snapshot(c.request, c.is_decode and not c.drafts)
         return c
 
     def _fit_drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode can verify this step: what the token budget and the free blocks allow (drafts
         never preempt anyone), with the slots allocated. Empty for a prefill chunk or when none fit."""
         drafts = request.draft_token_ids[: budget - n]
+        if self.snapshots:  # a hybrid's drafts end at the next block boundary at most (state kept there)
+            drafts = drafts[: -(request.num_computed_tokens + n) % self.config.block_size]
         if n != 1 or not drafts or request.pooling is not None:
             return []
         while drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
@@ -301,8 +306,12 @@ class Scheduler:
             request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
             request.output_token_ids.extend(kept)
             self.block_manager.cache_full_blocks(request)
-            if c.snapshot_to is not None:  # the step copied the state there
-                self.block_manager.cache_snapshot(request, c.snapshot_to, c.start + c.num_tokens, c.is_decode)
+            if c.snapshot_to is not None:  # the step copied the state after the chunk there
+                end = c.start + c.num_tokens
+                if request.num_computed_tokens == end:  # (a decode's drafts all kept)
+                    self.block_manager.cache_snapshot(request, c.snapshot_to, end, c.is_decode)
+                else:
+                    self.block_manager.release_snapshot(c.snapshot_to)
             if c.drafts:
                 self.block_manager.trim(request, request.num_tokens)
             if kept:

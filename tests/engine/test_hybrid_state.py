@@ -173,6 +173,10 @@ def test_drafts_kept_or_rejected_leave_plain_decodings_state(hybrid, kernels):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     assert stats.accepted_per_position.get(1, 0) > 0  # both drafts kept, some steps
     drafting.scheduler.block_manager.check_invariants()
+    # drafts end at block boundaries, where the state is kept: each reply's next turn resumes at its last one
+    for rid, prompt in prompts.items():
+        history = prompt + alone[rid]["ids"]
+        assert run(drafting, {rid: history + [7, 8, 9]}, params)[rid]["cached"] >= len(history) - BLOCK, rid
 
 
 @pytest.mark.timeout(60)
@@ -207,18 +211,18 @@ def test_a_hit_ends_at_the_deepest_block_with_a_snapshot_and_snapshots_are_evict
     # blocks cached but no state kept: no hit, though three blocks are shared
     hit = bm.find_cached_prefix(request("probe", list(range(20))))
     assert hit.block_ids == [] and hit.snapshot is None and hit.num_cached_blocks == 3
-    first = bm.take_snapshot(a, decoding=False)
+    first = bm.take_snapshot(a, reuse=False)
     assert first == 2  # the slots after the running sequences'
     bm.cache_snapshot(a, first, 8, decoding=False)
     hit = bm.find_cached_prefix(request("probe", list(range(20))))
     assert hit.block_ids == a.block_table[:2] and hit.snapshot == first and hit.num_cached_blocks == 3
-    second = bm.take_snapshot(a, decoding=False)
+    second = bm.take_snapshot(a, reuse=False)
     bm.cache_snapshot(a, second, 12, decoding=False)
     assert bm.find_cached_prefix(request("probe", list(range(20)))).snapshot == second
     # a hit leaves the last token to compute: a 12-token prompt resumes after 8
     assert bm.find_cached_prefix(request("probe", list(range(12)))).snapshot == first
     bm.touch_snapshot(first)  # now `second` is the least recently used: the next taken
-    assert bm.take_snapshot(a, decoding=False) == second
+    assert bm.take_snapshot(a, reuse=False) == second
     assert bm.find_cached_prefix(request("probe", list(range(20)))).snapshot == first
     bm.release_snapshot(second)
     bm.check_invariants()
@@ -231,7 +235,7 @@ def test_a_decoding_request_keeps_only_its_latest_snapshot():
     )
     a = request("a", list(range(9)))
     assert bm.allocate(a, 16)
-    at_prompt = bm.take_snapshot(a, decoding=False)
+    at_prompt = bm.take_snapshot(a, reuse=False)
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
     bm.cache_snapshot(a, at_prompt, 8, decoding=False)
@@ -239,7 +243,7 @@ def test_a_decoding_request_keeps_only_its_latest_snapshot():
         a.output_token_ids += list(range(100 + boundary - 4, 100 + boundary))
         a.num_computed_tokens = boundary
         bm.cache_full_blocks(a)
-        bm.cache_snapshot(a, bm.take_snapshot(a, decoding=True), boundary, decoding=True)
+        bm.cache_snapshot(a, bm.take_snapshot(a, reuse=True), boundary, decoding=True)
     kept = sorted(bm.hash_to_snapshot.values())
     assert len(kept) == 2 and at_prompt in kept  # the prompt's and the reply's latest
     assert len(bm.free_snapshots) == 2
