@@ -160,12 +160,16 @@ QWEN3_5_MOE_WEIGHTS = _QWEN3_5_MOE | {
 
 # Qwen3-Next: Qwen3.5-MoE's tensors but for DeltaNet's input projections, two whose rows are grouped by key head
 # (in_proj_qkvz: each group's q, k, v, z; in_proj_ba: each group's b, a), which the loader regroups as kvserve's
-# [q | k | v | z | b | a] ("ungroup_qkvz_ba": model/loader.py); dense MLPs on the layers the config says
+# [q | k | v | z | b | a] ("ungroup_qkvz_ba": model/loader.py); dense MLPs on the layers the config says. A GGUF's
+# are read as Qwen3.5's four (weights/gguf_arch.py: llama.cpp's converter splits them so), quantized as they are
 QWEN3_NEXT_WEIGHTS = QWEN3_5_MOE_WEIGHTS | {
-    "layers.{i}.attn.in_proj.weight": (
-        [_layer("linear_attn.in_proj_qkvz.weight"), _layer("linear_attn.in_proj_ba.weight")],
-        "ungroup_qkvz_ba",
-    ),
+    "layers.{i}.attn.in_proj.weight": [
+        (
+            [_layer("linear_attn.in_proj_qkvz.weight"), _layer("linear_attn.in_proj_ba.weight")],
+            "ungroup_qkvz_ba",
+        ),
+        QWEN3_5_WEIGHTS["layers.{i}.attn.in_proj.weight"],
+    ],
 }
 
 GPT2_WEIGHTS: WeightNames = {

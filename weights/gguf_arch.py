@@ -130,6 +130,14 @@ QWEN35_LAYER = (
     | QWEN35_ATTENTION
     | QWEN35_DELTANET
 )
+# Qwen3-Next (llama.cpp's qwen3next; conversion/qwen.py's Qwen3NextModel): Qwen3.5-MoE's layers, but Hugging Face
+# groups two of DeltaNet's projections by key head. The converter writes in_proj_qkvz regrouped, split as attn_qkv
+# [q | k | v] and attn_gate [z] (an older one wrote it as it is: ssm_in, which llama.cpp still reads), and
+# in_proj_ba as it is, ssm_ba. The value heads stay in Hugging Face's order (the tiling is Qwen3.5's only). Served
+# under Qwen3.5's names of the four projections (model/families.py's QWEN3_NEXT_WEIGHTS reads them), so that
+# attn_qkv and attn_gate keep their blocks as they are: transformers' grouped in_proj_qkvz would be regrouped at
+# load, dequantized.
+GROUPED_BY_KEY_HEAD = ("ssm_in", "ssm_ba")
 # Qwen2-MoE's shared expert, which every token takes, scaled by sigmoid(ffn_gate_inp_shexp . x)
 SHARED_EXPERT = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -188,6 +196,8 @@ class Family:
     unshifted: tuple[str, ...] = ()  # norms the converter left without norm_shift (Qwen3.5's gated ssm_norm)
     # Gated DeltaNet's value heads stored tiled by llama.cpp's converter (value_head_order)
     tiled_value_heads: bool = False
+    # Qwen3-Next's ssm_ba (and an older file's ssm_in): rows grouped by key head (key_head_groups)
+    grouped_by_key_head: bool = False
 
     @property
     def convertible(self) -> bool:
@@ -454,6 +464,31 @@ class Untile:
         return Untile(self.start // block, self.key_heads, self.group, self.size // block, self.axis)
 
 
+def key_head_groups(config: dict[str, Any], name: str) -> list[tuple[str, int, slice]]:
+    """Qwen3-Next's tensors whose rows Hugging Face groups by key head, as (Qwen3.5's tensor, part, rows) pieces.
+    ssm_ba (in_proj_ba) holds, for each key head, its g value heads' b rows, then their a rows; ssm_in
+    (in_proj_qkvz) its q, k (key_head_dim rows each), then its value heads' v and z (g x value_head_dim each).
+    Qwen3.5's tensors hold every key head's q, then every k, every v (value head j of key head h is head h * g + j),
+    and z, b, a each alone: transformers' fix_query_key_value_ordering, llama.cpp's Qwen3NextModel.modify_tensors."""
+    key_heads = config["linear_num_key_heads"]
+    g = config["linear_num_value_heads"] // key_heads
+    if name == "ssm_ba":
+        layout = [("ssm_beta", g), ("ssm_alpha", g)]
+    else:
+        kd, vd = config["linear_key_head_dim"], g * config["linear_value_head_dim"]
+        layout = [("attn_qkv", kd), ("attn_qkv", kd), ("attn_qkv", vd), ("attn_gate", vd)]
+    width = sum(size for _, size in layout)  # a key head's rows
+    targets, start = [], 0
+    parts = {target: 0 for target, _ in layout}  # pieces so far of each tensor
+    for target, size in layout:
+        for head in range(key_heads):
+            row = head * width + start
+            targets.append((target, parts[target], slice(row, row + size)))
+            parts[target] += 1
+        start += size
+    return targets
+
+
 def value_head_order(config: dict[str, Any], name: str) -> Untile | None:
     """How a DeltaNet tensor's value heads are stored (None: as Hugging Face's): in_proj_qkv's v rows and the
     convolution's v channels after q and k, in_proj_z's rows, in_proj_b's and in_proj_a's, A_log and dt_bias (a
@@ -501,6 +536,16 @@ QWEN35_IN_PLACE = (
     "ssm_a holds -exp(A_log), which no float32 log gives back bit for bit, and ssm_out's columns are in llama.cpp's "
     "order of value heads, which a K-quant's 256-value blocks cannot be reordered in"
 )
+# Qwen3.5-MoE's and Qwen3-Next's: a dense feed_forward_length where the converter writes one
+QWEN35MOE_KEYS = (
+    QWEN35_KEYS
+    | QWEN_MOE_KEYS
+    | {
+        "intermediate_size": ("feed_forward_length", None),
+        "shared_expert_intermediate_size": ("expert_shared_feed_forward_length", REQUIRED),
+    }
+)
+QWEN3NEXT_IN_PLACE = "ssm_a holds -exp(A_log), which no float32 log gives back bit for bit"
 # every layer sparse, as config.json spells it for Qwen's MoE classes
 QWEN_ALL_SPARSE = {"use_sliding_window": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
 
@@ -663,12 +708,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen3_5MoeForCausalLM",
         "qwen3_5_moe_text",
         QWEN35_LAYER | moe_layer() | SHARED_EXPERT,
-        keys=QWEN35_KEYS
-        | QWEN_MOE_KEYS
-        | {
-            "intermediate_size": ("feed_forward_length", None),
-            "shared_expert_intermediate_size": ("expert_shared_feed_forward_length", REQUIRED),
-        },
+        keys=QWEN35MOE_KEYS,
         constants=SILU,
         norm_shift=1.0,
         partial_rotary=True,
@@ -678,6 +718,24 @@ FAMILIES: dict[str, Family] = {
         mixer_tensors=QWEN35_MIXERS,
         unshifted=("ssm_norm",),
         tiled_value_heads=True,
+    ),
+    # Qwen3-Next (80B-A3B): Qwen3.5-MoE's, a release earlier; its value heads as Hugging Face's, ssm_ba grouped by
+    # key head (GROUPED_BY_KEY_HEAD)
+    "qwen3next": Family(
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        QWEN35_LAYER | moe_layer() | SHARED_EXPERT,
+        keys=QWEN35MOE_KEYS,
+        # llama.cpp's build: every layer sparse (ffn_gate_inp required), the top k always renormalized
+        constants=SILU | {"mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True},
+        norm_shift=1.0,
+        partial_rotary=True,
+        extra=qwen35moe_config,
+        bare=("ssm_a", "ssm_dt"),
+        in_place_only=QWEN3NEXT_IN_PLACE,
+        mixer_tensors=QWEN35_MIXERS,
+        unshifted=("ssm_norm",),
+        grouped_by_key_head=True,
     ),
     "granitemoe": Family(
         "GraniteMoeForCausalLM",
@@ -750,7 +808,7 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
             "ffn_down_shexp": (hidden, shared),
             "ffn_gate_inp_shexp": (1, hidden),
         }
-    if family.tiled_value_heads:  # Qwen3.5: gated attention, Gated DeltaNet
+    if "ssm_out" in family.layer_tensors:  # Qwen3.5, Qwen3-Next: gated attention, Gated DeltaNet
         shapes |= {"attn_q": (2 * q_rows, hidden)} | deltanet_shapes(config)
     for name in family.layer_tensors:
         if name.endswith("norm") and name not in shapes:
@@ -773,6 +831,9 @@ def deltanet_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "ssm_dt": (value_heads,),
         "ssm_norm": (config["linear_value_head_dim"],),
         "ssm_out": (hidden, value_dim),
+        # Qwen3-Next's grouped projections (key_head_groups)
+        "ssm_in": (conv_dim + value_dim, hidden),
+        "ssm_ba": (2 * value_heads, hidden),
     }
 
 

@@ -7,7 +7,7 @@ from its metadata alone, config.json's and generation_config.json's contents (we
 tokenizer (weights/gguf_tokenizer.py). Its
 tensors are planned once (plan_tensors: which rows of which GGUF tensors make each Hugging Face tensor, with
 llama.cpp's conversion undone: q/k rows, Gemma's and Qwen3.5's +1 on norms, fused or split q/k/v, RoPE tensors
-into config, Qwen3.5's value heads and -exp(A_log))
+into config, Qwen3.5's value heads and -exp(A_log), Qwen3-Next's rows grouped by key head)
 and read on demand, by Hugging Face name, from the map:
 - get(name): a 2-D weight made of one quantized type, with no arithmetic to undo, as a GGMLBlocks record (its
   block rows as they are: selecting and reordering rows is exact, since GGUF blocks run along K); anything else
@@ -34,6 +34,7 @@ from weights.gguf_arch import (
     COMMON_KEYS,
     DENSE_FFN,
     GLOBAL_TENSORS,
+    GROUPED_BY_KEY_HEAD,
     NEGATED_EXP,
     Family,
     Untile,
@@ -41,6 +42,7 @@ from weights.gguf_arch import (
     expert_count,
     expert_size,
     family_for,
+    key_head_groups,
     read_keys,
     rope_config,
     tensor_shapes,
@@ -474,6 +476,10 @@ def tensor_pieces(
         # llama.cpp's --fuse-gate-up-exps: each expert's gate rows, then its up rows
         size = expert_size(config)
         targets = [("ffn_gate_exps", 0, slice(0, size)), ("ffn_up_exps", 0, slice(size, 2 * size))]
+    elif short in GROUPED_BY_KEY_HEAD and family.grouped_by_key_head:
+        targets = key_head_groups(
+            config, short
+        )  # Qwen3-Next's rows grouped by key head, as Qwen3.5's tensors
     elif short in family.layer_tensors:
         targets = [(short, 0, slice(None))]
     else:

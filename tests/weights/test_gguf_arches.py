@@ -87,10 +87,10 @@ def assert_same_model(model, out, family, prompt_ids):
 
 
 # the architectures `kvserve convert-gguf` refuses (served in place only), each tested from a GGUF llama.cpp's own
-# converter writes, in its own module (or its dense sibling's: Qwen3.5-MoE's in Qwen3.5's)
+# converter writes, in its own module (or its dense sibling's: Qwen3.5-MoE's and Qwen3-Next's in Qwen3.5's)
 IN_PLACE_ONLY = {arch for arch, family in FAMILIES.items() if not family.convertible}
 CONVERTIBLE = sorted(set(FAMILIES) - IN_PLACE_ONLY)
-TEST_MODULE = {"qwen35moe": "qwen35"}
+TEST_MODULE = {"qwen35moe": "qwen35", "qwen3next": "qwen35"}
 
 
 def test_every_gguf_architecture_has_a_tiny_family():
