@@ -311,6 +311,26 @@ def prompt_ids(vocab_size: int, length: int = PROMPT_LENGTH) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
 
 
+def served_logits(source, linear, kernels: bool) -> tuple[torch.Tensor, list]:
+    """kvserve's float32 logits of prompt_ids (a prefill of 16, then one token at a time) from `source` (a GGUF
+    read in place, or a folder) on `linear`, and each linear layer's bits (None: dense)."""
+    from model.kv_cache import KVCache
+    from model.linear import Linear
+    from tests.helpers.tiny_models import CpuPath
+
+    path = CpuPath(kernels)
+    ours, config = path.load(source, linear=linear)
+    ids = prompt_ids(config.vocab_size)[0].tolist()
+    out = path.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
+
+
+def reference_logits(model) -> torch.Tensor:
+    """transformers' float32 logits of prompt_ids."""
+    with torch.no_grad():
+        return model(prompt_ids(model.config.vocab_size)).logits[0].float()
+
+
 def llama3_rope_freqs(base: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
     """llama.cpp's rope_freqs.weight for a llama3 rope scaling (LlamaModel.generate_extra_tensors): per frequency,
     1 above orig/high, the factor below orig/low, else the blend's divisor, in float32 as it computes them."""

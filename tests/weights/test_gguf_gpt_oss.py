@@ -14,11 +14,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from model.kernels import cpu_kernels
-from model.kv_cache import KVCache
-from model.linear import Linear, PlainLinear
+from model.linear import PlainLinear
 from model.quant import QuantizedLinear
-from tests.helpers.gguf_writers import TinyFamily, prompt_ids, tiny_hf_model
-from tests.helpers.tiny_models import CpuPath
+from tests.helpers.gguf_writers import TinyFamily, reference_logits, served_logits, tiny_hf_model
 from tests.weights.test_gguf_llama_cpp import DRIVER, llama_cpp_tree  # noqa: F401 (a fixture)
 from weights.gguf_source import GGUFSource
 
@@ -51,21 +49,6 @@ def gpt_oss_gguf(llama_cpp_tree, tmp_path_factory, byte_vocab):  # noqa: F811
     return model, tmp / "gpt-oss.gguf"
 
 
-def logits(model, linear, kernels: bool) -> tuple[torch.Tensor, list]:
-    """kvserve's float32 logits of the prompt (a prefill of 16, then one token at a time), and each linear
-    layer's bits (None: dense)."""
-    path = CpuPath(kernels)
-    ours, config = path.load(model, linear=linear)
-    ids = prompt_ids(config.vocab_size)[0].tolist()
-    out = path.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
-    return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
-
-
-def reference(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(prompt_ids(model.config.vocab_size)).logits[0].float()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kernels", [True, False])
 def test_llama_cpp_gguf_serves_as_transformers_runs_the_folder(gpt_oss_gguf, kernels):
@@ -73,8 +56,8 @@ def test_llama_cpp_gguf_serves_as_transformers_runs_the_folder(gpt_oss_gguf, ker
     source = GGUFSource(gguf)
     assert source.config["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert source.config["rope_scaling"]["truncate"] is False
-    ours, _ = logits(source, PlainLinear(), kernels)
-    want = reference(model)
+    ours, _ = served_logits(source, PlainLinear(), kernels)
+    want = reference_logits(model)
     assert (ours - want).abs().max() < 1e-4, (ours - want).abs().max()
 
 
@@ -126,15 +109,15 @@ def test_mxfp4_experts_stay_quantized_and_exact(gpt_oss_gguf, tmp_path):
     source = GGUFSource(tmp_path / "mxfp4.gguf")
     assert {source.tensors[f"blk.0.{kind}.weight"].tensor_type.name for kind in EXPERTS} == {"MXFP4"}
     with_experts(model, stored)
-    want = reference(model)
+    want = reference_logits(model)
     kernels = QuantizedLinear(cpu_kernels(), PlainLinear())
-    ours, bits = logits(source, kernels, True)
+    ours, bits = served_logits(source, kernels, True)
     # every expert's up and down kept as 4-bit levels (4 layers, 8 experts); attention and the head F32, dense
     assert bits.count(4) == 4 * 8 * 2 and bits.count(None) == len(bits) - 4 * 8 * 2
     # the exact weights; the kernels take float32 activations as int16 on AVX2 tiers, whose rounding (half a
     # step of 1/32767 of each group's largest input) is the only error beside float32 sums
     assert (ours - want).abs().max() < 2e-3, (ours - want).abs().max()
-    dense, _ = logits(source, PlainLinear(), True)  # the experts dequantized at load: the same weights
+    dense, _ = served_logits(source, PlainLinear(), True)  # the experts dequantized at load: the same weights
     assert (dense - want).abs().max() < 1e-4
 
 

@@ -16,11 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.kernels import cpu_kernels
-from model.kv_cache import KVCache
-from model.linear import Linear, PlainLinear
+from model.linear import PlainLinear
 from model.quant import QuantizedLinear
-from tests.helpers.gguf_writers import TinyFamily, prompt_ids, tiny_hf_model
-from tests.helpers.tiny_models import CpuPath
+from tests.helpers.gguf_writers import TinyFamily, prompt_ids, reference_logits, served_logits, tiny_hf_model
 from tests.weights.test_gguf_llama_cpp import DRIVER, llama_cpp_tree  # noqa: F401 (a fixture)
 from weights.gguf_source import GGUFSource
 
@@ -103,21 +101,6 @@ def qwen35_gguf(request, llama_cpp_tree, tmp_path_factory, byte_vocab):  # noqa:
     return model, tmp / "hf", *files
 
 
-def logits(model, linear, kernels: bool) -> tuple[torch.Tensor, list]:
-    """kvserve's float32 logits of the prompt (a prefill of 16, then one token at a time), and each linear
-    layer's bits (None: dense)."""
-    path = CpuPath(kernels)
-    ours, config = path.load(model, linear=linear)
-    ids = prompt_ids(config.vocab_size)[0].tolist()
-    out = path.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
-    return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
-
-
-def reference(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(prompt_ids(model.config.vocab_size)).logits[0].float()
-
-
 @pytest.mark.timeout(300)
 def test_metadata_reads_back_as_the_folders_config(qwen35_gguf):
     model, _, gguf, _ = qwen35_gguf
@@ -167,8 +150,8 @@ def test_llama_cpp_gguf_serves_as_transformers_runs_the_folder(qwen35_gguf, kern
             2**-23 * (1 + state[name].abs()).max() if shifted else 1e-6 if name.endswith("A_log") else 0
         )
         torch.testing.assert_close(served[name], state[name], rtol=0, atol=tolerance, msg=name)
-    ours, _ = logits(source, PlainLinear(), kernels)
-    want = reference(model)
+    ours, _ = served_logits(source, PlainLinear(), kernels)
+    want = reference_logits(model)
     assert (ours - want).abs().max() < 1e-4, (ours - want).abs().max()
 
 
@@ -201,12 +184,12 @@ def test_q8_0_stays_quantized_and_gives_its_weights_logits(qwen35_gguf):
         for p in ("in_proj_qkv", "out_proj")
     ]
     assert kinds == ["GGMLBlocks", "GGMLBlocks"]
-    original = reference(model)
+    original = reference_logits(model)
     model = copy.deepcopy(model)  # the fixture's stays the folder's
     with_weights(model, source)
-    want = reference(model)
+    want = reference_logits(model)
     kernels = QuantizedLinear(cpu_kernels(), PlainLinear())
-    ours, bits = logits(source, kernels, True)
+    ours, bits = served_logits(source, kernels, True)
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     # each DeltaNet layer's in_proj and out_proj kept as 8-bit integers
     assert bits.count(8) >= 2 * len(linear), bits
@@ -214,7 +197,7 @@ def test_q8_0_stays_quantized_and_gives_its_weights_logits(qwen35_gguf):
     # each group's largest input), the only error beside float32 sums (measured: each token's largest error ~1e-3,
     # the worst 1.6e-3 for Qwen3.5-MoE, 2.3e-3 for Qwen3-Next; dequantized, the same weights give 2e-5)
     assert (ours - want).abs().max() < 3e-3, (ours - want).abs().max()
-    dense, _ = logits(source, PlainLinear(), True)  # dequantized at load: the same weights
+    dense, _ = served_logits(source, PlainLinear(), True)  # dequantized at load: the same weights
     assert (dense - want).abs().max() < 1e-4, (dense - want).abs().max()
     # and Q8_0's rounding of the original's weights moves its logits (measured: a mean of 0.05 of their 0.8 spread,
     # 0.11 with the MoE's routing flips; through the DeltaNet's state the error grows along the prompt)
@@ -254,8 +237,8 @@ def test_multi_token_prediction_layers_are_skipped(qwen35_gguf, llama_cpp_tree, 
     assert f"blk.{layers}.nextn.eh_proj.weight" in source.tensors
     assert (source.config["num_hidden_layers"], source.config["mtp_num_hidden_layers"]) == (layers, 1)
     assert source.config["layer_types"] == model.config.layer_types
-    ours, _ = logits(source, PlainLinear(), True)
-    want = reference(model)
+    ours, _ = served_logits(source, PlainLinear(), True)
+    want = reference_logits(model)
     assert (ours - want).abs().max() < 1e-4, (ours - want).abs().max()
 
 
