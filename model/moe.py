@@ -32,11 +32,17 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.empty(n)) if bias else None  # GPT-OSS's router
         self.min_rows = 1
 
+    # measured once per shape (every layer's router has the same): (experts, hidden, bias) -> rows
+    _min_rows: dict[tuple, int] = {}
+
     def weights_ready(self) -> None:
         if self.weight.device.type == "cpu" and len(self.weight) > 1:
-            x = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
-            with torch.inference_mode():
-                self.min_rows = rows_for_invariance(self._scores, x)
+            key = (*self.weight.shape, self.bias is not None)
+            if key not in Gate._min_rows:
+                x = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+                with torch.inference_mode():
+                    Gate._min_rows[key] = rows_for_invariance(self._scores, x)
+            self.min_rows = Gate._min_rows[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return padded(x.float(), self.min_rows, self._scores)

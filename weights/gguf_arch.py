@@ -549,6 +549,17 @@ QWEN3NEXT_IN_PLACE = "ssm_a holds -exp(A_log), which no float32 log gives back b
 # every layer sparse, as config.json spells it for Qwen's MoE classes
 QWEN_ALL_SPARSE = {"use_sliding_window": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
 
+# what every hybrid row shares (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: conversion/qwen.py's Qwen3NextModel): +1 baked
+# into every norm but DeltaNet's gated one, partial rotary, ssm_a and ssm_dt without a .weight suffix, the
+# DeltaNet tensors by mixer
+HYBRID_ROW = dict(
+    norm_shift=1.0,
+    partial_rotary=True,
+    bare=("ssm_a", "ssm_dt"),
+    mixer_tensors=QWEN35_MIXERS,
+    unshifted=("ssm_norm",),
+)
+
 FAMILIES: dict[str, Family] = {
     # Llama 2/3.x, Mistral (llama.cpp writes MistralForCausalLM as `llama`), SmolLM2, DeepSeek-R1-Distill-Llama
     "llama": Family(
@@ -694,14 +705,10 @@ FAMILIES: dict[str, Family] = {
         QWEN35_LAYER | {name: LLAMA_LAYER[name] for name in DENSE_FFN},
         keys=QWEN35_KEYS,
         constants=SILU,
-        norm_shift=1.0,
-        partial_rotary=True,
         extra=qwen35_config,
-        bare=("ssm_a", "ssm_dt"),
         in_place_only=QWEN35_IN_PLACE,
-        mixer_tensors=QWEN35_MIXERS,
-        unshifted=("ssm_norm",),
         tiled_value_heads=True,
+        **HYBRID_ROW,
     ),
     # Qwen3.5/3.6-MoE (35B-A3B, 122B-A10B): every FFN sparse with a shared expert; no dense feed_forward_length
     "qwen35moe": Family(
@@ -710,14 +717,10 @@ FAMILIES: dict[str, Family] = {
         QWEN35_LAYER | moe_layer() | SHARED_EXPERT,
         keys=QWEN35MOE_KEYS,
         constants=SILU,
-        norm_shift=1.0,
-        partial_rotary=True,
         extra=qwen35moe_config,
-        bare=("ssm_a", "ssm_dt"),
         in_place_only=QWEN35_IN_PLACE,
-        mixer_tensors=QWEN35_MIXERS,
-        unshifted=("ssm_norm",),
         tiled_value_heads=True,
+        **HYBRID_ROW,
     ),
     # Qwen3-Next (80B-A3B): Qwen3.5-MoE's, a release earlier; its value heads as Hugging Face's, ssm_ba grouped by
     # key head (GROUPED_BY_KEY_HEAD)
@@ -728,14 +731,10 @@ FAMILIES: dict[str, Family] = {
         keys=QWEN35MOE_KEYS,
         # llama.cpp's build: every layer sparse (ffn_gate_inp required), the top k always renormalized
         constants=SILU | {"mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True},
-        norm_shift=1.0,
-        partial_rotary=True,
         extra=qwen35moe_config,
-        bare=("ssm_a", "ssm_dt"),
         in_place_only=QWEN3NEXT_IN_PLACE,
-        mixer_tensors=QWEN35_MIXERS,
-        unshifted=("ssm_norm",),
         grouped_by_key_head=True,
+        **HYBRID_ROW,
     ),
     "granitemoe": Family(
         "GraniteMoeForCausalLM",
