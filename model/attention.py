@@ -14,6 +14,7 @@ min_query_len_for_invariance) and its key length is a multiple of KEY_TILE (the 
 have this property). `min_query_len` pads every row's queries so that holds.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -51,19 +52,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def flat_layout(
-    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
-) -> tuple[list[int], list[int], list[int]]:
-    """(positions [T], cache slots [T], first flat token of each sequence) for sequences whose last
-    query_lens[i] of seq_lens[i] tokens are new this step, laid out flat in the given order."""
+def flat_positions(query_lens: list[int], seq_lens: list[int]) -> tuple[list[int], list[int]]:
+    """(positions [T], first flat token of each sequence) for sequences whose last query_lens[i] of seq_lens[i]
+    tokens are new this step, laid out flat in the given order."""
     positions: list[int] = []
-    slots: list[int] = []
     starts = []
-    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
+    for qlen, slen in zip(query_lens, seq_lens, strict=True):
         starts.append(len(positions))
         positions.extend(range(slen - qlen, slen))
+    return positions, starts
+
+
+def flat_slots(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """The cache slots [T] of the step's new tokens, flat as flat_positions lays them out, through one block
+    table per sequence (one KV group's)."""
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
         slots.extend(slots_for(table, slen - qlen, slen, block_size))
-    return positions, slots, starts
+    return slots
 
 
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -74,16 +82,18 @@ def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> 
 @dataclass
 class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
-    gather_index: torch.Tensor  # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]
+    # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]; per KV group (None until set)
+    gather_index: torch.Tensor | None
     masked: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, 1, L] bool, True = may NOT attend
     valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
     out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
+    num_blocks: int  # the key blocks each row reads: its sequence's, then padding
     whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
+    slot_mapping: torch.Tensor | None  # [T] cache slot where each new token's K/V are written
     groups: list[AttentionGroup]  # decode rows, then prefill rows (each may be absent)
     block_size: int
     sdpa: bool  # torch's fused SDPA (GPUs) rather than two matmuls
@@ -135,34 +145,40 @@ class TorchAttention:
         self.min_query_len = min_query_len
 
     def build(
-        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, TorchAttentionMetadata]:
-        """Flat positions [T] and the step's metadata (see flat_layout for the arguments)."""
-        positions, slots, starts = flat_layout(query_lens, seq_lens, block_tables, self.block_size)
-        groups = []
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, list[TorchAttentionMetadata]]:
+        """Flat positions [T] and the step's metadata, one per KV group (model/config.py's kv_groups), from each
+        sequence's query length, length and block tables (one per KV group)."""
+        positions, starts = flat_positions(query_lens, seq_lens)
+        num_groups = len(block_tables[0])
+        sdpa = self.device.type != "cpu"
+        metas = [TorchAttentionMetadata(None, [], self.block_size, sdpa) for _ in range(num_groups)]
         for is_decode in (True, False):
             rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
             if rows:
-                lens = [(starts[i], query_lens[i], seq_lens[i], block_tables[i]) for i in rows]
-                groups.append(self._group(lens))
-        # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
-        if len(groups) == 1:
-            groups[0].whole = groups[0].valid.numel() == groups[0].query_index.numel()
-        slot_mapping = torch.tensor(slots).to(self.device, non_blocking=True)
-        meta = TorchAttentionMetadata(slot_mapping, groups, self.block_size, sdpa=self.device.type != "cpu")
-        return torch.tensor(positions).to(self.device, non_blocking=True), meta
+                lens = [(starts[i], query_lens[i], seq_lens[i]) for i in rows]
+                group = self._group(lens)
+                # the same queries and masks in every KV group, read through each group's tables
+                for g, meta in enumerate(metas):
+                    gather = self._gather_index([block_tables[i][g] for i in rows], group.num_blocks)
+                    meta.groups.append(dataclasses.replace(group, gather_index=gather))
+        for g, meta in enumerate(metas):
+            # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
+            if len(meta.groups) == 1:
+                meta.groups[0].whole = meta.groups[0].valid.numel() == meta.groups[0].query_index.numel()
+            slots = flat_slots(query_lens, seq_lens, [t[g] for t in block_tables], self.block_size)
+            meta.slot_mapping = torch.tensor(slots).to(self.device, non_blocking=True)
+        return torch.tensor(positions).to(self.device, non_blocking=True), metas
 
     def _group(self, rows) -> AttentionGroup:
+        """The query slots and masks of rows (first flat token, query length, sequence length); its gather_index
+        comes per KV group (_gather_index)."""
         block_size, device = self.block_size, self.device
-        q_max = max(self.min_query_len, max(q for _, q, _, _ in rows))
-        n_blocks = max(math.ceil(s / block_size) for _, _, s, _ in rows)
+        q_max = max(self.min_query_len, max(q for _, q, _ in rows))
+        n_blocks = max(math.ceil(s / block_size) for _, _, s in rows)
         while (n_blocks * block_size) % KEY_TILE:
             n_blocks += 1
         L = n_blocks * block_size
-        key_blocks = torch.zeros(len(rows), n_blocks, dtype=torch.long)  # padding -> block 0
-        for r, (_, _, s, table) in enumerate(rows):
-            t = table[: math.ceil(s / block_size)]
-            key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
 
         start, qlen, slen = (torch.tensor([row[j] for row in rows]) for j in range(3))
         q_off = torch.arange(q_max)
@@ -179,13 +195,23 @@ class TorchAttention:
         valid = real.flatten().nonzero().squeeze(1)
         return AttentionGroup(
             query_index=query_index.to(device, non_blocking=True),
-            gather_index=cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks).to(
-                device, non_blocking=True
-            ),
+            gather_index=None,
             masked=masked,
             valid=valid.to(device, non_blocking=True),
             out_index=query_index.flatten()[valid].to(device, non_blocking=True),
+            num_blocks=n_blocks,
         )
+
+    def _gather_index(self, tables: list[list[int]], n_blocks: int) -> torch.Tensor:
+        """The cache rows of each row's first n_blocks blocks through its table. Padding, and a negative entry
+        (no block: a sliding-window layer's behind its window), read block 0, whose keys the mask hides."""
+        key_blocks = torch.zeros(len(tables), n_blocks, dtype=torch.long)
+        for r, table in enumerate(tables):
+            t = table[:n_blocks]
+            key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        key_blocks.clamp_(min=0)
+        rows = cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks)
+        return rows.to(self.device, non_blocking=True)
 
 
 def min_query_len_for_invariance(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import flat_layout
+from model.attention import flat_positions, flat_slots
 
 # The kernel's unit of work: one KV head of this many queries of one sequence (fewer where a step has few units).
 KERNEL_CHUNK = 16
@@ -18,7 +18,7 @@ KERNEL_CHUNK = 16
 @dataclass
 class CpuKernelMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V are written
-    block_tables: torch.Tensor  # [S, N] int32, padding -> block 0
+    block_tables: torch.Tensor  # [S, N] int32 of one KV group, padding -> block 0
     seqs: torch.Tensor  # [S, 3] int32: first flat token, query length, sequence length
     block_size: int
     kernel: object  # the compiled paged_attention
@@ -44,14 +44,22 @@ class CpuKernelAttention:
         self.block_size = block_size
 
     def build(
-        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, CpuKernelMetadata]:
-        """Flat positions [T] and the step's metadata (see flat_layout); all on the CPU, no device copies."""
-        positions, slots, starts = flat_layout(query_lens, seq_lens, block_tables, self.block_size)
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, list[CpuKernelMetadata]]:
+        """Flat positions [T] and the step's metadata, one per KV group (see TorchAttention.build); all on the
+        CPU, no device copies."""
+        positions, starts = flat_positions(query_lens, seq_lens)
         n_blocks = [-(-s // self.block_size) for s in seq_lens]
         width = max(n_blocks)
-        rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, block_tables, strict=True)]
-        tables = torch.tensor(rows, dtype=torch.int32)  # one tensor from lists: per-row copies cost more
         seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
-        meta = CpuKernelMetadata(torch.tensor(slots), tables, seqs, self.block_size, self.kernel)
-        return torch.tensor(positions), meta
+        metas = []
+        for g in range(len(block_tables[0])):
+            tables = [t[g] for t in block_tables]
+            slots = flat_slots(query_lens, seq_lens, tables, self.block_size)
+            rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, tables, strict=True)]
+            # one tensor from lists (per-row copies cost more); a negative entry (no block: a sliding-window
+            # layer's behind its window, which the kernel starts after) reads as block 0
+            rows_tensor = torch.tensor(rows, dtype=torch.int32).clamp_(min=0)
+            meta = CpuKernelMetadata(torch.tensor(slots), rows_tensor, seqs, self.block_size, self.kernel)
+            metas.append(meta)
+        return torch.tensor(positions), metas

@@ -1,5 +1,6 @@
-"""The KV cache: one preallocated pool of slots per attention layer, addressed by slot = block * block_size +
-offset; and for a hybrid model's Gated DeltaNet layers (model/deltanet.py), a pool of per-sequence state slots."""
+"""The KV cache: one preallocated pool of pages, each holding block_size tokens' K/V of the layers of one KV group
+(ModelConfig.kv_groups), addressed by slot = page * block_size + offset; and for a hybrid model's Gated DeltaNet
+layers (model/deltanet.py), a pool of per-sequence state slots."""
 
 import torch
 
@@ -24,17 +25,20 @@ class KVCache:
         states after each token of the decodes that verify drafts (the engine goes back to the last one kept)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        attention = config.attention_layers
-        shape = (len(attention), config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        # [attention layers, kv_heads, slots, head_dim]; block b holds slots b*block_size .. (b+1)*block_size-1.
+        groups = config.kv_groups
+        # a page holds block_size tokens of every layer of one KV group; all groups' layers share the pool
+        self.layers_per_page = max((len(group.layers) for group in groups), default=0)
+        shape = (self.layers_per_page, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        # [layers of a page, kv_heads, slots, head_dim]; page b holds slots b*block_size .. (b+1)*block_size-1.
         # Heads outside the slots: one head's block is one contiguous row of block_size * head_dim, so a
         # single gather of rows yields [batch, kv_heads, keys, head_dim], which the attention matmuls take
         # as it is.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            i: (self.k[j], self.v[j]) for j, i in enumerate(attention)
-        }
+        # layer i's K/V: the j-th layer of its group g is row j of the pages g's block tables name
+        rows = config.kv_rows
+        layers = {i: (self.k[j], self.v[j]) for i, (_, j) in rows.items()}
+        self.group_of = [rows[i][0] if i in rows else -1 for i in range(config.num_layers)]  # -1: DeltaNet
         self.num_state_slots = self.num_snapshot_slots = self.num_draft_slots = 0
         if config.linear_layers:
             spec, n = config.linear_attention, len(config.linear_layers)
@@ -70,8 +74,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """A page: block_size tokens' K and V in each layer of one KV group."""
         elem = torch.empty((), dtype=dtype).element_size()
-        layers = len(config.attention_layers)
+        layers = max((len(group.layers) for group in config.kv_groups), default=0)
         return 2 * layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     @staticmethod

@@ -21,12 +21,13 @@ class LayerStack:
         self.stack = stack  # the compiled LayerStack, holding every layer's packed weights and norms
         self.ropes = ropes  # the distinct Ropes, in the order of the layers' indices into them
 
-    def __call__(self, x, ropes: dict, kv_cache, meta):
-        """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope)."""
+    def __call__(self, x, ropes: dict, kv_cache, meta: list):
+        """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope); meta: the
+        step's attention metadata, one per KV group."""
         tables = [ropes[rope] for rope in self.ropes]
         return self.stack.forward(
-            x, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.block_tables, meta.seqs, meta.block_size,
-            KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
+            x, kv_cache.k, kv_cache.v, [m.slot_mapping for m in meta], [m.block_tables for m in meta],
+            meta[0].seqs, meta[0].block_size, KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
         )  # fmt: skip
 
 
@@ -85,7 +86,8 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         return None
     ropes = list(dict.fromkeys(spec.rope for spec in config.layers))
     layers = []
-    for block, spec in zip(model.layers, config.layers, strict=True):
+    kv_rows = config.kv_rows
+    for i, (block, spec) in enumerate(zip(model.layers, config.layers, strict=True)):
         attn, linears = block.attn, (block.attn.qkv, block.attn.o)
         if spec.ffn == "moe" and block.mlp.fused is None:
             return None  # some expert left dense
@@ -98,7 +100,7 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         layers.append(kernels.Layer(
             block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, *ffn, *qk,
             *(norm.weight if norm is not None else None for norm in post), spec.window or 0, ropes.index(spec.rope),
-            attn.sinks,
+            attn.sinks, *kv_rows[i],
         ))  # fmt: skip
     attn = model.layers[0].attn
     return LayerStack(

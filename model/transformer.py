@@ -311,7 +311,7 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        meta,  # the step's attention metadata (model/attention.py)
+        meta: list,  # the step's attention metadata (model/attention.py), one per KV group of the cache
         kv_cache: KVCache,
         long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
         states: StepStates | None = None,  # the sequences' state slots, for Gated DeltaNet layers
@@ -327,7 +327,7 @@ class Transformer(nn.Module):
         else:
             residual = None
             for i, layer in enumerate(self.layers):
-                step = states if layer.linear else meta
+                step = states if layer.linear else meta[kv_cache.group_of[i]]
                 x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), step)
         return self.norm.add_forward(x, residual)[0]
 

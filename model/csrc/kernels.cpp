@@ -78,14 +78,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::optional<QuantGemm> down, std::optional<MoeFfn> moe, std::optional<at::Tensor> q_norm,
                        std::optional<at::Tensor> k_norm, std::optional<at::Tensor> post_attn_norm,
                        std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope,
-                       std::optional<at::Tensor> sinks) {
+                       std::optional<at::Tensor> sinks, int64_t kv_group, int64_t kv_index) {
              TORCH_CHECK(moe.has_value() != (up.has_value() && down.has_value()), "an MLP or a MoE FFN");
              return Layer{norm1, qkv, o, norm2, up, down, moe, q_norm, k_norm, post_attn_norm, post_mlp_norm,
-                          window, rope, sinks};
+                          window, rope, sinks, kv_group, kv_index};
            }),
            py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("up"), py::arg("down"),
            py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
-           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("sinks") = py::none());
+           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("sinks"), py::arg("kv_group"),
+           py::arg("kv_index"));
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        double eps, double scale, double softcap, bool gelu, double swiglu_alpha,

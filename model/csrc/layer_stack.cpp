@@ -35,16 +35,21 @@ at::Tensor Swiglu::operator()(const at::Tensor& h) const {
   return limit > 0 ? clamped_swiglu(h, alpha, limit) : silu_mul(h);
 }
 
-// x [T, hidden]: the embeddings. k_cache, v_cache [layers, KVH, slots, D]; slots, block_tables, seqs, block_size,
-// chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
+// x [T, hidden]: the embeddings. k_cache, v_cache [layers of a page, KVH, slots, D]; slots and block_tables (one of
+// each per KV group), seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
 // each, read by index (Layer::rope). Returns the last block's output and the residual stream it adds to (the
 // final norm adds them), as the Python loop does.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
-                                               at::Tensor slots, at::Tensor block_tables, at::Tensor seqs,
-                                               int64_t block_size, int64_t chunk, std::vector<at::Tensor> cos,
-                                               std::vector<at::Tensor> sin) const {
-  TORCH_CHECK(x.dim() == 2 && k_cache.size(0) == static_cast<int64_t>(layers.size()), "one cache per layer");
+                                               std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
+                                               at::Tensor seqs, int64_t block_size, int64_t chunk,
+                                               std::vector<at::Tensor> cos, std::vector<at::Tensor> sin) const {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
+  TORCH_CHECK(slots.size() == block_tables.size(), "one slot mapping per KV group's block tables");
+  for (const Layer& layer : layers)
+    TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(block_tables.size()) &&
+                    layer.kv_index >= 0 && layer.kv_index < k_cache.size(0),
+                "a layer's KV group or row is not in the cache");
   const int64_t T = x.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
   at::Tensor residual;
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -65,8 +70,9 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       q = head_norm(q, *layer.q_norm, eps);
       k = head_norm(k, *layer.k_norm, eps);
     }
-    const auto attended = paged_attention(q, k_cache[i], v_cache[i], block_tables, seqs, block_size, scale,
-                                          layer.window, softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots,
+    const auto attended = paged_attention(q, k_cache[layer.kv_index], v_cache[layer.kv_index],
+                                          block_tables[layer.kv_group], seqs, block_size, scale, layer.window,
+                                          softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots[layer.kv_group],
                                           cos[layer.rope], sin[layer.rope], layer.sinks);
     auto out = layer.o(attended.view({T, H * D}));
     if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];

@@ -56,6 +56,8 @@ struct Layer {
   int64_t window;  // keys further back than this are not attended (0: none)
   int64_t rope;    // which of the step's rotary tables (cos, sin) this layer reads
   std::optional<at::Tensor> sinks;  // [heads] float32: a logit per head that joins each softmax (GPT-OSS)
+  int64_t kv_group;  // whose block tables and slots its K/V go through (model/config.py's kv_groups)
+  int64_t kv_index;  // its row in that group's pages
 };
 
 struct LayerStack {
@@ -65,7 +67,8 @@ struct LayerStack {
   bool gelu;                   // the MLP's gate: gelu_tanh (GeGLU) rather than silu (SwiGLU)
   Swiglu swiglu;               // else its SwiGLU, clamped or not
 
-  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
-                                     at::Tensor block_tables, at::Tensor seqs, int64_t block_size, int64_t chunk,
+  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
+                                     std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
+                                     at::Tensor seqs, int64_t block_size, int64_t chunk,
                                      std::vector<at::Tensor> cos, std::vector<at::Tensor> sin) const;
 };

@@ -257,10 +257,11 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         blocks.setdefault(name, []).append(linear)
     inputs = {name: rand(B, linears[0].in_features) for name, linears in blocks.items()}
     head_input = rand(B, model.lm_head.in_features)
-    # B sequences of context_len + 1 tokens in blocks of the cache, each decoding its next token
-    block_size = runner.kv_cache.block_size
+    # B sequences of context_len + 1 tokens in blocks of the cache (a table per KV group), each decoding its next
+    # token
+    block_size, G = runner.kv_cache.block_size, len(model.config.kv_groups)
     n = -(-(context_len + 1) // block_size)
-    tables = [list(range(i * n, (i + 1) * n)) for i in range(B)]
+    tables = [[list(range((i * G + g) * n, (i * G + g + 1) * n)) for g in range(G)] for i in range(B)]
     positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
     attn = model.layers[0].attn
     rope = model.rope(model.layers[0].rope, positions, dtype) if model.layers[0].rope else None
@@ -300,7 +301,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
             totals["block_gemms"].append(gemms)
             totals["lm_head"].append(timed(model.lm_head.logits, head_input))
             totals["attention"].append(
-                sum(timed(meta.attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale, attn.window)
+                sum(timed(meta[runner.kv_cache.group_of[i]].attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale, attn.window)
                     for i in range(len(model.layers)))
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))

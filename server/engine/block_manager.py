@@ -1,6 +1,12 @@
 """BlockManager: the pool of KV-cache blocks, their ref counts and the prefix cache over full blocks.
 
-Pure bookkeeping: it never touches tensors. A block is in exactly one of three states:
+Pure bookkeeping: it never touches tensors. A request holds one block table per KV group (model/config.py's
+kv_groups: the attention layers of one window each), all drawn from the one pool. A sliding-window group's blocks
+that no later query can read (all of their tokens more than the window behind the request's computed tokens) go
+back to the pool as the request advances; their table entries become BEHIND_WINDOW. So a Gemma 3 layer with a
+512-token window holds ~33 blocks of 16 however long its sequence, where a full layer holds them all.
+
+A block is in exactly one of three states:
   free    ref 0, no hash            in `free_block_ids`, handed out first
   cached  ref 0, hash registered    in `cached_block_ids` (LRU order), reusable by a prefix hit or evictable
   live    ref > 0                   in the block tables of one or more requests (more than one only via a hit)
@@ -20,6 +26,9 @@ from dataclasses import dataclass, field
 from server.engine.request_state import Request
 
 ROOT_HASH = 0  # parent hash of a request's first block
+# a sliding-window group's table entry for a block its layers no longer read: no block at all (the attention
+# backends read it as block 0, whose keys the window masks)
+BEHIND_WINDOW = -1
 
 
 def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -31,11 +40,27 @@ def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def first_block_read(window: int | None, position: int, block_size: int) -> int:
+    """The first block that a query at `position` (or later) reads in a layer of this window (None: full)."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
+def blocks_for(windows: Sequence[int | None], block_size: int, num_tokens: int, chunk: int) -> int:
+    """The most blocks one request of num_tokens tokens holds at once, in KV groups of these windows, prefilled
+    in chunks of at most `chunk` tokens: a full group holds all of its blocks, a sliding one those the window
+    reads plus those a chunk writes."""
+    n = -(-num_tokens // block_size)
+    return sum(n if w is None else min(n, -(-(w - 1 + chunk) // block_size) + 1) for w in windows)
+
+
 @dataclass(slots=True)
 class PrefixHit:
     """What the prefix cache holds of a request's tokens (BlockManager.find_cached_prefix)."""
 
-    block_ids: list[int] = field(default_factory=list)  # full blocks to start from, shared
+    num_blocks: int = 0  # full blocks of its tokens to start from
+    # per KV group, the cached blocks to start from, shared (a sliding group's: BEHIND_WINDOW before its window)
+    tables: list[list[int]] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # the chained hashes of those num_blocks blocks
     snapshot: int | None = None  # a hybrid's: the state slot holding its DeltaNet state after those blocks
     # full blocks of its tokens cached in all, past block_ids too: for a hybrid, blocks other requests share
     # whose state nobody kept, so a state worth keeping at their end
@@ -50,19 +75,24 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         num_snapshots: int = 0,
+        windows: Sequence[int | None] = (None,),
     ):
         """num_state_slots: a hybrid model's per-sequence state slots (model/kv_cache.py), one per running
         request, taken with its first blocks and given back with them; 0: the model has none. num_snapshots:
-        the slots after those that hold state snapshots for the prefix cache."""
-        assert num_blocks > 0 and block_size > 0
+        the slots after those that hold state snapshots for the prefix cache. windows: each KV group's (None:
+        full attention)."""
+        assert num_blocks > 0 and block_size > 0 and windows
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = list(windows)
+        self.sliding = [g for g, w in enumerate(self.windows) if w is not None]
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks  # set only on the block the index points to
+        # (KV group, hash) of a cached block, set only on the block the index points to
+        self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[tuple[int, int], int] = {}
         # request id -> chained hashes of its full blocks so far; the parent of the next block is the last one
         self.request_hashes: dict[str, list[int]] = {}
         # in tokens; counted once per request, at its first admission (see allocate)
@@ -88,7 +118,8 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
-        """The longest cached full-block prefix of the request's tokens (for a hybrid, the longest with a state
+        """The longest cached full-block prefix of the request's tokens: every full-attention group's blocks, and
+        each sliding group's within its window of the prefix's end (for a hybrid, the longest with a state
         snapshot at its end). No side effects.
 
         The hit stops one token short of the whole sequence: the model must compute at least one token
@@ -97,33 +128,51 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return PrefixHit()
         token_ids = request.all_token_ids
-        bs = self.block_size
-        block_ids = []
-        snapshot, num_hit = None, 0
+        bs, groups = self.block_size, range(len(self.windows))
+        full = [g for g in groups if self.windows[g] is None]
+        hashes: list[int] = []
+        # per sliding group, the last block up to each one that it has not cached (-1: none)
+        last_missing: dict[int, list[int]] = {g: [] for g in self.sliding}
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None:
+            if any((g, parent) not in self.hash_to_block for g in full):
                 break
-            block_ids.append(block_id)
-            if self.uses_state_slots and parent in self.hash_to_snapshot:
-                snapshot, num_hit = self.hash_to_snapshot[parent], i + 1
-        if not self.uses_state_slots:
-            num_hit = len(block_ids)
-        return PrefixHit(block_ids[:num_hit], snapshot, len(block_ids))
+            hashes.append(parent)
+            for g, missing in last_missing.items():
+                cached = (g, parent) in self.hash_to_block
+                missing.append(-1 if not missing and cached else missing[-1] if cached else i)
+        num_hit = len(hashes)
+        while num_hit > 0:
+            snapshot_ok = not self.uses_state_slots or hashes[num_hit - 1] in self.hash_to_snapshot
+            windows_ok = all(
+                last_missing[g][num_hit - 1] < first_block_read(self.windows[g], num_hit * bs, bs)
+                for g in self.sliding
+            )
+            if snapshot_ok and windows_ok:
+                break
+            num_hit -= 1
+        tables = []
+        for g in groups:
+            first = first_block_read(self.windows[g], num_hit * bs, bs)
+            tables.append([BEHIND_WINDOW] * first + [self.hash_to_block[g, h] for h in hashes[first:num_hit]])
+        snapshot = self.hash_to_snapshot[hashes[num_hit - 1]] if self.uses_state_slots and num_hit else None
+        return PrefixHit(num_hit, tables, hashes[:num_hit], snapshot, len(hashes))
 
-    def allocate(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
-        """Grow the request's block table until it has slots for its first `num_tokens` tokens.
+    def allocate(self, request: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Grow the request's block tables until they have slots for its first `num_tokens` tokens.
 
-        `cached_block_ids` (from find_cached_prefix) go first, shared; only for a request holding no blocks.
+        A prefix hit's blocks (find_cached_prefix) go first, shared; only for a request holding no blocks.
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        assert not cached_block_ids or not request.block_table
-        num_held = len(request.block_table) + len(cached_block_ids)
-        num_new = -(-num_tokens // self.block_size) - num_held
+        hit = hit if hit is not None and hit.num_blocks else None
+        tables = request.block_tables or [[] for _ in self.windows]
+        assert hit is None or not any(tables)
+        hit_tables = hit.tables if hit is not None else [[] for _ in self.windows]
+        num_needed = -(-num_tokens // self.block_size)
+        num_new = sum(max(0, num_needed - len(t) - len(h)) for t, h in zip(tables, hit_tables, strict=True))
         # a hit on an idle cached block takes it out of the evictable pool that new blocks come from
-        num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        num_revived = sum(1 for h in hit_tables for b in h if b != BEHIND_WINDOW and self.ref_counts[b] == 0)
         if num_new > self.num_free_blocks - num_revived:
             return False
         if self.uses_state_slots and request.state_slot is None:
@@ -133,19 +182,22 @@ class BlockManager:
 
         # Counted at the first admission only: a recompute after preemption also reuses the cache, but
         # counting it again would make the hit rate reflect memory pressure rather than client traffic.
-        if self.enable_prefix_caching and not request.block_table and request.num_preemptions == 0:
+        if self.enable_prefix_caching and not any(tables) and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_prompt_tokens
-            self.prefix_cache_hits += len(cached_block_ids) * self.block_size
+            self.prefix_cache_hits += (hit.num_blocks if hit is not None else 0) * self.block_size
 
-        for block_id in cached_block_ids:
-            if self.ref_counts[block_id] == 0:
-                del self.cached_block_ids[block_id]
-            self.ref_counts[block_id] += 1
-            request.block_table.append(block_id)
-        if cached_block_ids:
-            self.request_hashes[request.request_id] = [self.block_hashes[b] for b in cached_block_ids]
-        for _ in range(num_new):
-            request.block_table.append(self._take_block())
+        request.block_tables = tables
+        for table, cached in zip(tables, hit_tables, strict=True):
+            for block_id in cached:
+                if block_id != BEHIND_WINDOW:
+                    if self.ref_counts[block_id] == 0:
+                        del self.cached_block_ids[block_id]
+                    self.ref_counts[block_id] += 1
+                table.append(block_id)
+            while len(table) < num_needed:
+                table.append(self._take_block())
+        if hit is not None:
+            self.request_hashes[request.request_id] = list(hit.hashes)
         return True
 
     def _take_block(self) -> int:
@@ -175,14 +227,29 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), num_full):
             h = block_hash(hashes[-1] if hashes else ROOT_HASH, token_ids[i * bs : (i + 1) * bs])
-            block_id = request.block_table[i]
-            # When another block already holds these tokens (both computed at once), that one stays the
-            # cached copy and this one remains anonymous: it returns to the free list when released.
-            if h not in self.hash_to_block:
-                assert self.block_hashes[block_id] is None
-                self.block_hashes[block_id] = h
-                self.hash_to_block[h] = block_id
+            for g, table in enumerate(request.block_tables):
+                block_id = table[i]
+                # When another block already holds these tokens (both computed at once), that one stays the
+                # cached copy and this one remains anonymous: it returns to the free list when released.
+                if block_id != BEHIND_WINDOW and (g, h) not in self.hash_to_block:
+                    assert self.block_hashes[block_id] is None
+                    self.block_hashes[block_id] = (g, h)
+                    self.hash_to_block[g, h] = block_id
             hashes.append(h)
+
+    def release_behind_window(self, request: Request) -> None:
+        """Give back the blocks of the request's sliding-window groups that no query from its computed tokens on
+        reads (cached, like a finished request's, for a later prefix hit). Call after advancing
+        request.num_computed_tokens."""
+        for g in self.sliding:
+            table = request.block_tables[g]
+            i = min(
+                first_block_read(self.windows[g], request.num_computed_tokens, self.block_size), len(table)
+            )
+            while i > 0 and table[i - 1] != BEHIND_WINDOW:  # those before were given back in earlier steps
+                i -= 1
+                self._release(table[i])
+                table[i] = BEHIND_WINDOW
 
     def take_snapshot(self, request: Request, reuse: bool) -> int | None:
         """A snapshot slot for a copy of the request's state the coming step makes. A decoding request keeps only
@@ -232,29 +299,35 @@ class BlockManager:
         """Release the blocks past the request's first num_tokens tokens (held for drafts it did not keep:
         never hashed, never shared)."""
         num_needed = -(-num_tokens // self.block_size)
-        while len(request.block_table) > num_needed:
-            block_id = request.block_table.pop()
-            assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
-            self.ref_counts[block_id] = 0
-            self.free_block_ids.append(block_id)
+        for table in request.block_tables:
+            while len(table) > num_needed:
+                block_id = table.pop()
+                assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
+                self.ref_counts[block_id] = 0
+                self.free_block_ids.append(block_id)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail first, so that in the LRU the tail of a prefix is evicted
         before its head (a head block is useful to more future prompts than a tail block)."""
-        for block_id in reversed(request.block_table):
-            assert self.ref_counts[block_id] > 0, f"block {block_id} freed more often than taken"
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self.block_hashes[block_id] is None:
-                    self.free_block_ids.append(block_id)
-                else:
-                    self.cached_block_ids[block_id] = None  # most recently used
-        request.block_table.clear()
+        for table in request.block_tables:
+            for block_id in reversed(table):
+                if block_id != BEHIND_WINDOW:
+                    self._release(block_id)
+        request.block_tables = []
         self.request_hashes.pop(request.request_id, None)
         self.decode_snapshots.pop(request.request_id, None)
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
+
+    def _release(self, block_id: int) -> None:
+        assert self.ref_counts[block_id] > 0, f"block {block_id} freed more often than taken"
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hashes[block_id] is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.cached_block_ids[block_id] = None  # most recently used
 
     def check_invariants(self) -> None:
         """Assert that every block is in exactly one state; O(num_blocks), for tests and debugging."""

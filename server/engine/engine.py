@@ -161,9 +161,11 @@ class Engine:
 
     def _scheduler(self) -> Scheduler:
         cache = self.runner.kv_cache
+        windows = tuple(group.window for group in self.model_config.kv_groups) or (None,)
         return Scheduler(
-            self.config, cache.num_blocks, self.max_model_len, cache.num_state_slots, cache.num_snapshot_slots
-        )
+            self.config, cache.num_blocks, self.max_model_len, cache.num_state_slots, cache.num_snapshot_slots,
+            windows,
+        )  # fmt: skip
 
     def _drafter(self) -> Drafter | None:
         """The drafter config.speculative asks for, "auto" resolved against this runner (and kept resolved)."""

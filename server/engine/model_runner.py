@@ -71,7 +71,7 @@ class ModelRunner:
         positions, meta = self.attention.build(
             [c.num_tokens for c in out.chunks],
             [c.start + c.num_tokens for c in out.chunks],
-            [c.request.block_table for c in out.chunks],
+            [c.request.block_tables for c in out.chunks],
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
@@ -145,15 +145,16 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk: int) -> torch.Tensor:
         """[n, vocab] float32 logits at every position of one sequence, fed `chunk` tokens at a time through
-        the cache's first blocks (the caller makes sure no request holds them)."""
-        block_size = self.kv_cache.block_size
-        table = list(range(-(-len(token_ids) // block_size)))
-        if len(table) > self.num_blocks:
+        the cache's first blocks, each KV group its own (the caller makes sure no request holds them)."""
+        n = -(-len(token_ids) // self.kv_cache.block_size)
+        num_groups = len(self.model_config.kv_groups)
+        if n * num_groups > self.num_blocks:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
+        tables = [list(range(g * n, (g + 1) * n)) for g in range(num_groups)]
         logits = []
         for start in range(0, len(token_ids), chunk):
             ids = token_ids[start : start + chunk]
-            positions, meta = self.attention.build([len(ids)], [start + len(ids)], [table])
+            positions, meta = self.attention.build([len(ids)], [start + len(ids)], [tables])
             long_rope = self._long_rope([(len(ids), len(token_ids))])
             # a DeltaNet layer's state in slot 0, which no request holds now
             states = StepStates([0], [len(ids)], [0], [start == 0]) if self.hybrid else None

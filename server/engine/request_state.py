@@ -29,7 +29,8 @@ class Request:
     # prompt + output tokens whose K/V are in the cache; catches up with num_tokens
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
-    block_table: list[int] = field(default_factory=list)
+    # one per KV group of the cache (block_manager.py), while it holds blocks
+    block_tables: list[list[int]] = field(default_factory=list)
     # a hybrid model's state slot (its Gated DeltaNet layers' recurrent state), held while it runs
     state_slot: int | None = None
     # a hybrid's: its first tokens whose K/V the prefix cache held at admission past the state it resumed from,

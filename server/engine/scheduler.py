@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.engine.block_manager import BlockManager, PrefixHit
+from server.engine.block_manager import BlockManager, PrefixHit, blocks_for
 from server.engine.config import EngineConfig
 from server.engine.request import FinishReason
 from server.engine.request_state import Request, RequestStatus
@@ -85,12 +85,19 @@ class Scheduler:
         max_model_len: int,
         num_state_slots: int = 0,
         num_snapshots: int = 0,
+        windows: tuple[int | None, ...] = (None,),
     ):
+        """windows: each KV group's (model/config.py's kv_groups)."""
         assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
         self.config = config
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, num_snapshots
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            num_state_slots,
+            num_snapshots,
+            windows,
         )
         # a hybrid with prefix caching: its chunks end at the block boundaries where its state is worth keeping
         self.snapshots = num_snapshots > 0 and config.enable_prefix_caching
@@ -131,7 +138,9 @@ class Scheduler:
             )
         # the last sampled token is never fed back, so at most total - 1 tokens need K/V slots (a prefill-only
         # request, max_tokens 0, needs its prompt's)
-        num_blocks = -(-(num_prompt_tokens + max(max_tokens - 1, 0)) // self.config.block_size)
+        num_tokens = num_prompt_tokens + max(max_tokens - 1, 0)
+        bm = self.block_manager
+        num_blocks = blocks_for(bm.windows, bm.block_size, num_tokens, self.config.max_num_batched_tokens)
         if num_blocks > self.block_manager.num_blocks:
             return (
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {num_blocks} KV-cache "
@@ -208,11 +217,11 @@ class Scheduler:
                 if request.reads_every_position
                 else self.block_manager.find_cached_prefix(request)
             )
-            num_cached = len(hit.block_ids) * self.config.block_size
+            num_cached = hit.num_blocks * self.config.block_size
             request.num_shared_prefix_tokens = hit.num_cached_blocks * self.config.block_size
             n = min(request.num_tokens - num_cached, budget)
             n, keep_state = self._state_boundary(request, num_cached, n)
-            if not self.block_manager.allocate(request, num_cached + n, hit.block_ids):
+            if not self.block_manager.allocate(request, num_cached + n, hit):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resume after preemption
@@ -306,6 +315,7 @@ class Scheduler:
             request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
             request.output_token_ids.extend(kept)
             self.block_manager.cache_full_blocks(request)
+            self.block_manager.release_behind_window(request)
             if c.snapshot_to is not None:  # the step copied the state after the chunk there
                 end = c.start + c.num_tokens
                 if request.num_computed_tokens == end:  # (a decode's drafts all kept)

@@ -23,6 +23,7 @@ from model.loader import load_model, model_name, stores_quantized
 from model.quant import QuantizedLinear
 from model.sampling import TORCH_SAMPLER, SamplerKernels
 from model.transformer import Ops
+from server.engine.block_manager import blocks_for
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.model_runner import ModelRunner
 
@@ -318,13 +319,30 @@ def cache_layout(
             + (f" after {state_bytes} bytes of DeltaNet state" if state_bytes else "")
         )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s), a block %d layers' K/V; %s",
         num_blocks,
         config.block_size,
         num_blocks * per_block / 2**30,
         str(dtype).removeprefix("torch."),
+        max((len(group.layers) for group in model_config.kv_groups), default=0),
+        describe_kv_groups(model_config),
     )
     return CacheLayout(num_blocks, num_state_slots, num_snapshots, num_draft_slots)
+
+
+def describe_kv_groups(model_config: ModelConfig) -> str:
+    """What each kind of attention layer keeps, for the start log: "3 full-attention layers in 1 group, 15
+    sliding-window (512) layers in 5 groups (blocks behind the window freed)"."""
+    kinds: dict[int | None, list] = {}
+    for group in model_config.kv_groups:
+        kinds.setdefault(group.window, []).append(group)
+    return ", ".join(
+        f"{sum(len(g.layers) for g in groups)} "
+        + ("full-attention" if window is None else f"sliding-window ({window})")
+        + f" layers in {len(groups)} group{'s' if len(groups) > 1 else ''}"
+        + ("" if window is None else " (blocks behind the window freed)")
+        for window, groups in kinds.items()
+    )
 
 
 def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
@@ -337,8 +355,16 @@ def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: 
                 "--max-model-len %d is beyond the model's context %d", config.max_model_len, model_len
             )
         model_len = config.max_model_len
-    capacity = num_blocks * config.block_size
-    if capacity < model_len:
-        log.warning("context capped to %d tokens: the KV cache holds no more for one sequence", capacity)
-        model_len = capacity
+    windows = [group.window for group in model_config.kv_groups] or [None]
+
+    def fits(num_tokens: int) -> bool:
+        return blocks_for(windows, config.block_size, num_tokens, config.max_num_batched_tokens) <= num_blocks
+
+    if not fits(model_len):
+        low, high = 0, model_len  # fits(low), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        log.warning("context capped to %d tokens: the KV cache holds no more for one sequence", low)
+        model_len = low
     return model_len

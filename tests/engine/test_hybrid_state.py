@@ -210,12 +210,12 @@ def test_a_hit_ends_at_the_deepest_block_with_a_snapshot_and_snapshots_are_evict
     bm.cache_full_blocks(a)
     # blocks cached but no state kept: no hit, though three blocks are shared
     hit = bm.find_cached_prefix(request("probe", list(range(20))))
-    assert hit.block_ids == [] and hit.snapshot is None and hit.num_cached_blocks == 3
+    assert hit.tables[0] == [] and hit.snapshot is None and hit.num_cached_blocks == 3
     first = bm.take_snapshot(a, reuse=False)
     assert first == 2  # the slots after the running sequences'
     bm.cache_snapshot(a, first, 8, decoding=False)
     hit = bm.find_cached_prefix(request("probe", list(range(20))))
-    assert hit.block_ids == a.block_table[:2] and hit.snapshot == first and hit.num_cached_blocks == 3
+    assert hit.tables[0] == a.block_tables[0][:2] and hit.snapshot == first and hit.num_cached_blocks == 3
     second = bm.take_snapshot(a, reuse=False)
     bm.cache_snapshot(a, second, 12, decoding=False)
     assert bm.find_cached_prefix(request("probe", list(range(20)))).snapshot == second

@@ -176,7 +176,7 @@ def test_preemption_sends_the_newest_request_back_and_it_completes_later():
     out, _ = step(sched, token)  # both need a third block and none is free: the newest, b, goes
     assert out.preempted == [b] and pairs(out) == [("a", 1)]
     assert b.status == RequestStatus.PREEMPTED and sched.waiting[0] is b
-    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert b.block_tables == [] and b.num_computed_tokens == 0
     assert b.output_token_ids == sampled["b"] == [30, 31, 32]  # kept across preemption
 
     run_to_end(sched, token)
@@ -274,7 +274,7 @@ def test_abort_frees_blocks_at_once():
     step(sched)
     assert sched.block_manager.usage > 0
     assert sched.abort_request("a") is a
-    assert a.finish_reason == FinishReason.ABORT and a.is_finished and a.block_table == []
+    assert a.finish_reason == FinishReason.ABORT and a.is_finished and a.block_tables == []
     assert sched.block_manager.usage == 0 and sched.num_running == 0
     assert sched.abort_request("b") is b and sched.num_waiting == 0
     assert sched.abort_request("b") is None and sched.abort_request("nobody") is None
@@ -352,7 +352,7 @@ def test_random_workloads_finish_cleanly(seed: int):
     sampled: dict[str, list[int]] = {}
 
     def slot(r: Request, p: int) -> int:
-        return r.block_table[p // block_size] * block_size + p % block_size
+        return r.block_tables[0][p // block_size] * block_size + p % block_size
 
     for _ in range(3000):
         if len(requests) < 40 and rng.random() < 0.3:
@@ -379,11 +379,11 @@ def test_random_workloads_finish_cleanly(seed: int):
         # ref counts match the live block tables; a block in two tables is a shared, cached, full block
         holders: dict[int, int] = {}
         for r in sched.running:
-            for b in r.block_table:
+            for b in r.block_tables[0]:
                 holders[b] = holders.get(b, 0) + 1
         assert all(bm.ref_counts[b] == holders.get(b, 0) for b in range(bm.num_blocks))
         assert all(n == 1 or bm.block_hashes[b] is not None for b, n in holders.items())
-        assert all(not r.block_table for r in sched.waiting)
+        assert all(not r.block_tables for r in sched.waiting)
         # the fake model: write the chunk's K/V, only ever into unshared blocks, then read the whole context back
         written = set()
         for r, n in scheduled:
@@ -392,7 +392,7 @@ def test_random_workloads_finish_cleanly(seed: int):
             tokens = r.all_token_ids
             for p in range(start, start + n):
                 s = slot(r, p)
-                block_id = r.block_table[p // block_size]
+                block_id = r.block_tables[0][p // block_size]
                 assert s not in written and bm.ref_counts[block_id] == 1 and bm.block_hashes[block_id] is None
                 written.add(s)
                 kv[s] = (p, tokens[p])
@@ -436,17 +436,17 @@ def test_a_decode_carries_its_drafts_and_keeps_only_what_the_draws_confirmed():
     (c,) = out.chunks
     # the token budget (6) takes the last token and five drafts; slots for 12 tokens = 3 blocks
     assert (c.start, c.num_tokens, c.drafts, c.is_decode) == (6, 6, [21, 22, 23, 24, 25], True)
-    assert len(r.block_table) == 3 and out.num_batched_tokens == 6
+    assert len(r.block_tables[0]) == 3 and out.num_batched_tokens == 6
     sched.update(out, {"a": [21, 22, 9]}, {})  # two drafts confirmed, then another draw
     assert r.output_token_ids == [FILLER, 21, 22, 9]
     assert r.num_computed_tokens == 9 == r.num_tokens - 1  # the last token and the two confirmed drafts
-    assert len(r.block_table) == 3  # 10 tokens still need 3 blocks
+    assert len(r.block_tables[0]) == 3  # 10 tokens still need 3 blocks
     bm = sched.block_manager
     assert len(bm.request_hashes["a"]) == 2  # only blocks full of computed, kept tokens are hashed
     r.draft_token_ids = [5, 6]
     out = sched.schedule()
     sched.update(out, {"a": [7]}, {})  # none confirmed: the block held for them goes back
-    assert r.num_computed_tokens == 10 and len(r.block_table) == 3
+    assert r.num_computed_tokens == 10 and len(r.block_tables[0]) == 3
     bm.check_invariants()
 
 

@@ -25,6 +25,8 @@ from gguf import (
 from gguf.quants import QuantError, quantize
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from tests.helpers.tiny_models import cache_blocks
+
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
 
@@ -321,7 +323,9 @@ def served_logits(source, linear, kernels: bool) -> tuple[torch.Tensor, list]:
     path = CpuPath(kernels)
     ours, config = path.load(source, linear=linear)
     ids = prompt_ids(config.vocab_size)[0].tolist()
-    out = path.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    out = path.run(
+        ours, KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"), ids, 0, list(range(16))
+    )
     return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
 
 

@@ -209,7 +209,9 @@ def forward_sequence(
     cpu_kernel: bool = False,
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
-    cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice)."""
+    block_table: the first KV group's; each further group g reads and writes the same blocks shifted by g times
+    the highest one plus one (a cache for G groups needs G times the table's blocks: cache_blocks). cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the
+    model's own choice)."""
     from model.attention import TorchAttention
     from model.attention_cpu import CpuKernelAttention
     from model.deltanet import StepStates
@@ -223,13 +225,22 @@ def forward_sequence(
             cache.block_size, config.num_kv_heads, cache.num_blocks, "cpu", config.windows, min_query_len
         )
     new = token_ids[num_cached:]
-    positions, meta = attention.build([len(new)], [len(token_ids)], [block_table])
+    shift = max(block_table) + 1
+    tables = [[b + g * shift for b in block_table] for g in range(len(config.kv_groups))]
+    assert len(tables) * shift <= cache.num_blocks, "the cache is too small for every KV group's blocks"
+    positions, meta = attention.build([len(new)], [len(token_ids)], [tables])
     states = StepStates([0], [len(new)], [0], [num_cached == 0])  # a DeltaNet layer's: the cache's slot 0
     original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
     long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
     with torch.inference_mode():
         hidden = model(torch.tensor(new), positions, meta, cache, long_rope, states)
         return model.compute_logits(hidden)
+
+
+def cache_blocks(config, per_group: int) -> int:
+    """The blocks of a cache holding per_group blocks in each of the model's KV groups (forward_sequence's
+    tables)."""
+    return per_group * max(1, len(config.kv_groups))
 
 
 class CpuPath:

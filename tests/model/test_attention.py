@@ -35,7 +35,8 @@ def build_metadata(
         backend = TorchAttention(
             block_size, kv_heads, num_slots // block_size, "cpu", {sliding_window}, min_query_len
         )
-    return backend.build(query_lens, seq_lens, tables)
+    positions, metas = backend.build(query_lens, seq_lens, [[t] for t in tables])  # one KV group
+    return positions, metas[0]
 
 
 def empty_cache(num_slots, kv_heads, head_dim, dtype):

@@ -11,7 +11,14 @@ import torch
 from model.config import KEY_ALIASES, ModelConfig
 from model.families import FAMILIES
 from model.kv_cache import KVCache
-from tests.helpers.tiny_models import ARCHITECTURES, CpuPath, build_tiny_model, forward_sequence, tiny_config
+from tests.helpers.tiny_models import (
+    ARCHITECTURES,
+    CpuPath,
+    build_tiny_model,
+    cache_blocks,
+    forward_sequence,
+    tiny_config,
+)
 
 # PretrainedConfig defaults of transformers 4.57 that 5.x left to each model's class: 4.57 wrote none of these
 # where the class kept the same default (5.x's base, which lacks them, would write them all)
@@ -112,7 +119,9 @@ def test_a_tied_model_saved_by_457_loads_as_transformers_loads_it(tmp_path, arch
 
     model, config = CpuPath(kernels=False).load(path)
     assert config.tie_word_embeddings
-    ours = forward_sequence(model, KVCache(config, 64, 4, torch.float32, "cpu"), PROMPT, 0, list(range(16)))
+    ours = forward_sequence(
+        model, KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"), PROMPT, 0, list(range(16))
+    )
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = reference(torch.tensor([PROMPT])).logits[0]

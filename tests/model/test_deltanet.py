@@ -13,7 +13,7 @@ from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
 from model.linear import PlainLinear
 from model.quant import QuantizedLinear
-from tests.helpers.tiny_models import CpuPath, tiny_family
+from tests.helpers.tiny_models import CpuPath, cache_blocks, tiny_family
 
 BLOCK = 4
 
@@ -45,7 +45,7 @@ def step(model, cache, seqs) -> list[torch.Tensor]:
     attention = CpuKernelAttention(cpu_kernels(), BLOCK)
     new = [ids[cached:] for ids, cached, _, _ in seqs]
     positions, meta = attention.build(
-        [len(n) for n in new], [len(ids) for ids, *_ in seqs], [t for *_, t in seqs]
+        [len(n) for n in new], [len(ids) for ids, *_ in seqs], [[t] for *_, t in seqs]
     )
     starts = [sum(len(n) for n in new[:i]) for i in range(len(new))]
     states = StepStates(
@@ -62,7 +62,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def fresh_cache(config, slots: int = 4) -> KVCache:
-    return KVCache(config, 64, BLOCK, torch.float32, "cpu", num_state_slots=slots)
+    return KVCache(config, cache_blocks(config, 64), BLOCK, torch.float32, "cpu", num_state_slots=slots)
 
 
 def state_of(cache: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +117,7 @@ def test_a_step_keeps_the_state_after_each_token_where_asked(hybrid):
     cache = fresh_cache(config, slots=8)
     step(model, cache, [(ids[:17], 0, 0, table)])  # the sequence so far; then 4 tokens at once, keeping each
     attention = CpuKernelAttention(cpu_kernels(), BLOCK)
-    positions, meta = attention.build([4, 9], [21, 9], [table, list(range(8, 16))])
+    positions, meta = attention.build([4, 9], [21, 9], [[table], [list(range(8, 16))]])
     states = StepStates([0, 4], [4, 9], [0, 1], [False, True], keep_each=[4, -1])
     with torch.inference_mode():
         model(torch.tensor(ids[17:] + other), positions, meta, cache, None, states)
@@ -161,7 +161,7 @@ def test_the_cpp_recurrence_is_the_python_ones(tiny_model_factory, dtype, value_
     runs = []
     for deltanet in ("cpp", "python"):
         model, config = load_hybrid(path, deltanet, dtype, quantized=False)
-        cache = KVCache(config, 64, BLOCK, dtype, "cpu", num_state_slots=4)
+        cache = KVCache(config, cache_blocks(config, 64), BLOCK, dtype, "cpu", num_state_slots=4)
         a, b = prompt(23, 8), prompt(6, 9)
         first = step(model, cache, [(a, 0, 3, list(range(8))), (b, 0, 0, list(range(8, 16)))])
         second = step(
@@ -272,7 +272,9 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path, family):
         want = model(input_ids=torch.tensor([ids])).logits[0]
     path = CpuPath(False)
     ours, config = path.load(tmp_path)
-    got = path.run(ours, KVCache(config, 64, BLOCK, torch.float32, "cpu"), ids, 0, list(range(16)))
+    got = path.run(
+        ours, KVCache(config, cache_blocks(config, 64), BLOCK, torch.float32, "cpu"), ids, 0, list(range(16))
+    )
     assert (got - want).abs().max() < 1e-4
 
 

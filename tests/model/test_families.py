@@ -14,6 +14,7 @@ from tests.helpers.tiny_models import (
     FAMILY_OVERRIDES,
     TINY_NAMES,
     CpuPath,
+    cache_blocks,
     tiny_family,
 )
 
@@ -35,7 +36,7 @@ def reference(path):
 
 
 def cache_for(config):
-    return KVCache(config, 64, 4, torch.float32, "cpu")
+    return KVCache(config, cache_blocks(config, 16), 4, torch.float32, "cpu")
 
 
 @pytest.mark.timeout(120)

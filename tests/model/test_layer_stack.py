@@ -34,13 +34,17 @@ def load(
 def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     """One step of three sequences: a prompt's first chunk, a later chunk of another and a decode, over a cache
     holding earlier K/V (the same random ones on every call). Returns the hidden states and the cache."""
-    cache = KVCache(config, num_blocks=16, block_size=16, dtype=torch.bfloat16, device="cpu")  # every tier's
+    num_groups = len(config.kv_groups)  # each KV group's blocks are its own: 9 each
+    cache = KVCache(config, num_blocks=9 * num_groups, block_size=16, dtype=torch.bfloat16, device="cpu")
     g = torch.Generator().manual_seed(0)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
     attention = CpuKernelAttention(kernels or cpu_kernels(), block_size=16)
     query_lens, seq_lens = [20, 9, 1], [20, 41, 37]
-    positions, meta = attention.build(query_lens, seq_lens, [[1, 2], [3, 4, 5], [6, 7, 8]])
+    tables = [[1, 2], [3, 4, 5], [6, 7, 8]]
+    positions, meta = attention.build(
+        query_lens, seq_lens, [[[b + 9 * g for b in t] for g in range(num_groups)] for t in tables]
+    )
     ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         hidden = model(ids, positions, meta, cache)

@@ -6,6 +6,7 @@ import torch
 from model.kv_cache import KVCache
 from model.loader import load_model
 from model.tokenizer import Tokenizer
+from tests.helpers.tiny_models import cache_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,9 @@ def test_logits_match_transformers_on_a_chat_prompt(default_model_dir, reference
     assert len(ids) >= 64
     with torch.no_grad():
         ref = reference(torch.tensor([ids])).logits[0]
-    got = cpu_path.run(model, KVCache(config, 16, 16, torch.float32, "cpu"), ids, 0, list(range(16)))
+    got = cpu_path.run(
+        model, KVCache(config, cache_blocks(config, 16), 16, torch.float32, "cpu"), ids, 0, list(range(16))
+    )
     diff = (got - ref).abs().max().item()
     print(f"max abs logit diff over {len(ids)} positions: {diff:.2e}")
     assert diff < 1e-3
@@ -66,7 +69,7 @@ def test_32_greedy_tokens_match_transformers(default_model_dir, reference, ours,
             torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32
         )
     expected = expected[0, len(ids) :].tolist()
-    cache = KVCache(config, 16, 16, torch.float32, "cpu")
+    cache = KVCache(config, cache_blocks(config, 16), 16, torch.float32, "cpu")
     seq = list(ids)
     logits = cpu_path.run(model, cache, seq, 0, list(range(16)))
     for _ in range(32):

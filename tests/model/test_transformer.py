@@ -4,12 +4,13 @@ import torch
 from model import cpu_tier
 from model.kv_cache import KVCache
 from model.loader import WeightLoadError, load_model
+from tests.helpers.tiny_models import cache_blocks
 
 BLOCK = 4
 
 
 def new_cache(config, dtype=torch.float32, num_blocks=64):
-    return KVCache(config, num_blocks, BLOCK, dtype, "cpu")
+    return KVCache(config, cache_blocks(config, num_blocks), BLOCK, dtype, "cpu")
 
 
 def reference_logits(model_dir, ids):

@@ -25,6 +25,7 @@ from tests.helpers.gguf_writers import (
     write_llama_cpp_gguf,
     write_tiny_gguf,
 )
+from tests.helpers.tiny_models import cache_blocks
 from weights.gguf_arch import FAMILIES, MIXTRAL, llama3_scaling, partial_rotary_factor
 from weights.gguf_convert import UnsupportedGGUFError, convert_gguf
 
@@ -345,7 +346,7 @@ def test_yarn_is_served_as_transformers_runs_it(tmp_path, byte_vocab, cpu_path):
 
     def served(path):
         ours, config = cpu_path.load(GGUFSource(path))
-        cache = KVCache(config, 64, 4, torch.float32, "cpu")
+        cache = KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu")
         return cpu_path.run(ours, cache, ids[0].tolist(), 0, list(range(16)))
 
     assert (served(tmp_path / "yarn.gguf") - want).abs().max() < 1e-4
@@ -401,7 +402,11 @@ def test_kvserve_serves_every_family_from_gguf(tmp_path, byte_vocab, cpu_path, f
     ours, config = cpu_path.load(out, linear=linear)
     ids = prompt_ids(model.config.vocab_size)
     got = cpu_path.run(
-        ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids[0].tolist(), 0, list(range(16))
+        ours,
+        KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"),
+        ids[0].tolist(),
+        0,
+        list(range(16)),
     )
     with torch.no_grad():
         expected = model(ids).logits[0]

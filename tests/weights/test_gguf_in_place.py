@@ -17,7 +17,7 @@ from model.kv_cache import KVCache
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear
 from tests.helpers.gguf_writers import prompt_ids, tiny_hf_model, write_llama_cpp_gguf, write_tiny_gguf
-from tests.helpers.tiny_models import CpuPath
+from tests.helpers.tiny_models import CpuPath, cache_blocks
 from weights import gguf_source
 from weights.gguf_convert import convert_gguf
 from weights.gguf_source import GGMLBlocks, GGUFSource
@@ -34,7 +34,9 @@ def logits(model, quantized: bool) -> tuple[torch.Tensor, list]:
     linear = QuantizedLinear(cpu_kernels(), PlainLinear()) if quantized else PlainLinear()
     ours, config = KERNELS.load(model, linear=linear)
     ids = prompt_ids(config.vocab_size)[0].tolist()
-    out = KERNELS.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    out = KERNELS.run(
+        ours, KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"), ids, 0, list(range(16))
+    )
     return out, [getattr(m, "bits", None) for m in ours.modules() if isinstance(m, Linear)]
 
 
@@ -173,7 +175,9 @@ def test_moe_experts_stay_quantized_in_place(tmp_path, byte_vocab, family, type_
     assert {m.bits for m in experts.values()} == {8 if type_name == "Q8_0" else 4}
     assert all(layer.mlp.router.weight.dtype == torch.float32 for layer in ours.layers)
     ids = prompt_ids(config.vocab_size)[0].tolist()
-    quantized = KERNELS.run(ours, KVCache(config, 64, 4, torch.float32, "cpu"), ids, 0, list(range(16)))
+    quantized = KERNELS.run(
+        ours, KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"), ids, 0, list(range(16))
+    )
     assert (quantized - dense).abs().max() < 1e-3 * dense.abs().max()
     assert (quantized.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
