@@ -33,13 +33,20 @@ def run_requests(
         engine.add_request(f"{tag}-{i}", p, params)
     times = []
     num_tokens = 0
+    scheduler = engine.scheduler
+    cache = engine.runner.kv_cache
+    per_block = cache.bytes_per_block(engine.model_config, cache.block_size, cache.k.dtype)
+    peak = (0, 0)  # (KV-cache bytes held by requests, their tokens with K/V) where the bytes peaked
     while engine.has_work():
         for out in engine.step():
             num_tokens += len(out.new_token_ids)
             if out.finished:
                 times.append(out.times)
+        held = sum(ref > 0 for ref in scheduler.block_manager.ref_counts) * per_block
+        if held > peak[0]:
+            peak = (held, sum(r.num_computed_tokens for r in scheduler.running))
     wall = time.monotonic() - start
-    return {"wall_s": wall, "output_tokens": num_tokens, "times": times}
+    return {"wall_s": wall, "output_tokens": num_tokens, "times": times, "kv_peak": peak}
 
 
 def bench_offline(
@@ -61,6 +68,12 @@ def bench_offline(
         "wall_s": round(main["wall_s"], 2),
         "output_tokens_per_s": round(main["output_tokens"] / main["wall_s"], 1),
     }
+    # what the running requests' K/V took where it took most: with sliding-window layers, less per token the
+    # longer the sequences (block_manager.py gives back what leaves the window)
+    kv_bytes, kv_tokens = main["kv_peak"]
+    result["kv_cache_peak_mib"] = round(kv_bytes / 2**20, 2)
+    if kv_tokens:
+        result["kv_bytes_per_token_at_peak"] = round(kv_bytes / kv_tokens)
     ttft = [t.first_token - t.arrival for t in main["times"]]
     result["ttft_p50_s"] = round(statistics.median(ttft), 3)
     n_base = num_requests if baseline_requests is None else min(baseline_requests, num_requests)

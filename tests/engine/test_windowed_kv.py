@@ -112,3 +112,21 @@ def test_a_hit_a_preemption_and_a_batch_give_a_windowed_request_its_bits_alone(t
         assert (
             together[rid]["ids"] == expected["ids"] and together[rid]["logprobs"] == expected["logprobs"]
         ), rid
+
+
+@pytest.mark.timeout(300)
+def test_bench_offline_reports_what_a_sequences_kv_takes(tiny_model_factory):
+    """`kvserve bench-offline`'s kv_bytes_per_token_at_peak: Gemma 3's tiny model (1 full layer, 5 sliding of window
+    8) at 64 tokens holds the full layer's K/V for every token and the sliding ones' for about a window."""
+    from server.bench.offline import bench_offline
+
+    engine = make_engine(tiny_family(tiny_model_factory, "gemma3"))
+    config, cache = engine.model_config, engine.runner.kv_cache
+    per_layer = (
+        2 * config.num_kv_heads * config.head_dim * cache.k.element_size()
+    )  # a token's K/V in one layer
+    result = bench_offline(engine, num_requests=1, input_len=64, output_len=2, baseline_requests=0)
+    held = result["kv_bytes_per_token_at_peak"]
+    # the full layer's whole context, and each sliding layer's window and a block or two of 64 tokens
+    assert per_layer <= held <= per_layer * (1 + 5 * (8 + 2 * BLOCK) / 64)
+    assert result["kv_cache_peak_mib"] == pytest.approx(held * 64 / 2**20, abs=0.01)
