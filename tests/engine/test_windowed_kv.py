@@ -56,14 +56,15 @@ def run(engine: Engine, prompts: dict[str, list[int]]) -> tuple[dict[str, dict],
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernels", ["on", "off"])  # attention by the C++ kernel, or PyTorch's gathers
 @pytest.mark.parametrize("family", WINDOWED)
 def test_a_windowed_model_frees_what_leaves_the_window_and_gives_transformers_tokens(
-    tiny_model_factory, family
+    tiny_model_factory, family, kernels
 ):
     import transformers
 
     path = tiny_family(tiny_model_factory, family)
-    engine = make_engine(path, enable_prefix_caching=False)
+    engine = make_engine(path, enable_prefix_caching=False, cpu_kernels=kernels)
     windows = [group.window for group in engine.model_config.kv_groups]
     assert any(w is not None for w in windows)
     ids = prompt(40, 0)  # five windows long, prefilled 12 tokens a step
