@@ -81,17 +81,20 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
         [slots, value heads, key_head_dim, value_head_dim] (float32) are this layer's, updated in place. `rope` is
         unused: DeltaNet has no positions."""
-        spec, T = self.spec, x.shape[0]
-        proj = self.in_proj(x)
+        return self.out(self.mix(self.in_proj(x), conv_state, recurrent_state, states))
+
+    def mix(self, proj, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
+        """What runs between the two projections: the input projection [T, sum(sizes)] through the convolution,
+        the delta rule and the gated norm -> [T, value_dim]."""
+        spec, T = self.spec, proj.shape[0]
         if self.kernel is not None:
             conv = self.conv.view(spec.conv_dim, spec.conv_kernel)
-            o = self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
-                            recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim, spec.value_head_dim,
-                            self.eps)  # fmt: skip
-            return self.out(o)
+            return self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
+                               recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim,
+                               spec.value_head_dim, self.eps)  # fmt: skip
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
-        out = torch.empty(T, spec.value_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
         sequences = zip(
             states.starts, states.lengths, states.slots, states.fresh, states.keep_each, strict=True
         )
@@ -104,11 +107,11 @@ class GatedDeltaNet(nn.Module):
                 beta = b[row].sigmoid().float()  # [Hv]
                 decay = (decay_rate * F.softplus(a[row].float() + self.dt_bias)).exp()
                 o = self._delta_rule(convolved[t], beta, decay, state)  # [Hv, dv] float32
-                out[row] = self._gated_norm(o.to(x.dtype), z[row]).reshape(-1)
+                out[row] = self._gated_norm(o.to(proj.dtype), z[row]).reshape(-1)
                 if keep_each >= 0 and t + 1 < n:
                     recurrent_state[keep_each + t] = state
             recurrent_state[slot] = state
-        return self.out(out)
+        return out
 
     __call__ = forward  # see model/transformer.py's Block
 

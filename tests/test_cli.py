@@ -139,6 +139,26 @@ def test_bench_profile_times_a_moe_models_sparse_ffns_whole(tiny_model_factory):
     assert row["active_weight_mib"] > 0 and row["weights_read_ms"] > 0 and row["step_over_read"] > 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_profile_times_a_hybrids_deltanet_between_its_projections(tiny_model_factory):
+    """Qwen3.5's tiny model: three Gated DeltaNet layers (their in_proj and out GEMMs, the recurrence between them
+    as its own part) and a gated attention layer with partial rotary (qkv's rows include the gate)."""
+    import json
+
+    from tests.helpers.tiny_models import tiny_family
+
+    out = kvserve("bench-profile", "--model", str(tiny_family(tiny_model_factory, "qwen3_5")), "--batch-sizes",
+                  "1", "2", "--steps", "4", "--reps", "2", "--context-len", "20", "--kv-cache-memory", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for row in (json.loads(line) for line in out.stdout.splitlines()):
+        parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms", "deltanet_ms")
+        assert all(row[p] > 0 for p in parts)
+        assert row["rest_ms"] == pytest.approx(row["step_ms"] - sum(row[p] for p in parts), abs=0.04)
+        names = [name.split()[0] for name in row["gemm_us_per_call"]]
+        assert names == ["in_proj", "out", "gate_up", "down", "qkv", "o"]
+
+
 def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_model_factory):
     """Qwen3-MoE's tiny model, 8-bit: a token reads 2 of layer 0's 8 experts (layer 1 is dense), its embedding
     row only (untied), everything else whole."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from model.deltanet import StepStates
 from server.engine.engine import Engine
 from server.engine.request import GrammarSpec, SamplingParams
 
@@ -223,16 +224,29 @@ def read_ms(num_bytes: int, reps: int = 5) -> float:
     return 1e3 * statistics.median(times)
 
 
-# a block's GEMMs, by name: where each Linear sits in model/transformer.py
-GEMMS = {"qkv": ("attn", "qkv"), "o": ("attn", "o"), "gate_up": ("mlp", "up"), "down": ("mlp", "down")}
+# a block's GEMMs, by name: which Linear of its mixer (model/transformer.py's attention, or model/deltanet.py's
+# Gated DeltaNet) and of its dense FFN
+ATTENTION_GEMMS = {"qkv": "qkv", "o": "o"}
+DELTANET_GEMMS = {"in_proj": "in_proj", "out": "out"}
+FFN_GEMMS = {"gate_up": "up", "down": "down"}
+
+
+def block_gemms(layer) -> list[tuple[str, object]]:
+    """A block's GEMMs in the order it runs them, by name; a sparse FFN's are not among them (moe_ffn)."""
+    mixer = DELTANET_GEMMS if layer.linear else ATTENTION_GEMMS
+    gemms = [(name, getattr(layer.attn, attr)) for name, attr in mixer.items()]
+    if not hasattr(layer.mlp, "experts"):
+        gemms += [(name, getattr(layer.mlp, attr)) for name, attr in FFN_GEMMS.items()]
+    return gemms
 
 
 def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int, reps: int) -> dict:
     """Where a decode step's time goes. The engine's own step (median of `steps`, `batch_size` sequences of
     ~context_len tokens each), then its parts replayed alone on the model's own weights and KV cache, in the
     order a step runs them (the weights as cold as a step finds them): the block GEMMs by shape, the LM head,
-    attention (RoPE and K/V stores included), RMSNorm and SwiGLU, and a MoE model's sparse FFNs whole (router,
-    experts, sum: `moe_ffn`); medians of `reps` replays. The step is set against one plain read of the weight
+    attention (RoPE and K/V stores included), RMSNorm and SwiGLU, a MoE model's sparse FFNs whole (router,
+    experts, sum: `moe_ffn`) and a hybrid's Gated DeltaNet between its projections (convolution, delta rule,
+    gated norm: `deltanet`); medians of `reps` replays. The step is set against one plain read of the weight
     bytes a token's step reads (`active_weight_mib`; a MoE layer's chosen experts only): at batch 1,
     step_over_read is how far the step is from the memory's floor. The rest is the
     step around the model: scheduling, metadata, embedding rows, RoPE tables, sampling and detokenizing."""
@@ -263,8 +277,9 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     # the block GEMMs in the order a step runs them; a sparse layer's FFN (model/moe.py: router, the chosen
     # experts' GEMMs, the weighted sum) is timed whole, as moe_ffn
     sparse = [layer for layer in model.layers if hasattr(layer.mlp, "experts")]
-    schedule = [(name, getattr(getattr(layer, a), b)) for layer in model.layers for name, (a, b) in GEMMS.items()
-                if a != "mlp" or layer not in sparse]  # fmt: skip
+    deltanet = [i for i, layer in enumerate(model.layers) if layer.linear]  # Gated DeltaNet mixers
+    attention = [i for i, layer in enumerate(model.layers) if not layer.linear]
+    schedule = [gemm for layer in model.layers for gemm in block_gemms(layer)]
     blocks: dict[str, list] = {}
     for name, linear in schedule:
         blocks.setdefault(name, []).append(linear)
@@ -276,8 +291,12 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     n = -(-(context_len + 1) // block_size)
     tables = [[list(range((i * G + g) * n, (i * G + g + 1) * n)) for g in range(G)] for i in range(B)]
     positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
-    attn = model.layers[0].attn
-    rope = model.rope(model.layers[0].rope, positions, dtype) if model.layers[0].rope else None
+    first = model.layers[attention[0]]
+    attn = first.attn
+    # the kernel rotates full-width heads; a partial rotary's first dims turn before it (model/transformer.py)
+    rope = (
+        model.rope(first.rope, positions, dtype) if first.rope and attn.rotary_dim == attn.head_dim else None
+    )
     q, k, v = (
         rand(B, attn.num_heads, attn.head_dim),
         *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
@@ -291,7 +310,11 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         "attention": [],
         "norms_and_swiglu": [],
         **({"moe_ffn": []} if sparse else {}),
+        **({"deltanet": []} if deltanet else {}),
     }
+    if deltanet:  # B decoding sequences in the first B state slots (nobody holds them: the requests ended)
+        states = StepStates(list(range(B)), [1] * B, list(range(B)), [False] * B)
+        proj = rand(B, model.layers[deltanet[0]].attn.in_proj.out_features)
 
     def timed(fn, *args) -> float:
         start = time.perf_counter()
@@ -314,12 +337,20 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
             totals["block_gemms"].append(gemms)
             totals["lm_head"].append(timed(model.lm_head.logits, head_input))
             totals["attention"].append(
-                sum(timed(meta[runner.kv_cache.group_of[i]].attend, q, k, v, *runner.kv_cache.layer(i), rope, attn.scale, attn.window)
-                    for i in range(len(model.layers)))
+                sum(timed(meta[runner.kv_cache.group_of[i]].attend, q, k, v, *runner.kv_cache.layer(i), rope,
+                          attn.scale, model.layers[i].attn.window)
+                    for i in attention)
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))
             if sparse:
                 totals["moe_ffn"].append(sum(timed(layer.mlp, hidden) for layer in sparse))
+            if deltanet:
+                totals["deltanet"].append(
+                    sum(
+                        timed(model.layers[i].attn.mix, proj, *runner.kv_cache.layer(i), states)
+                        for i in deltanet
+                    )
+                )
     step_ms = 1e3 * statistics.median(times)
     parts = {name: 1e3 * statistics.median(ts[1:]) for name, ts in totals.items()}
     active = active_weight_bytes(model)
@@ -352,7 +383,10 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
     from model.linear import OneDnnLinear
 
     model = engine.runner.model
-    linears = {name: getattr(getattr(model.layers[0], a), b) for name, (a, b) in GEMMS.items()}
+    linears = {}  # each GEMM shape's first layer's
+    for layer in model.layers:
+        for name, linear in block_gemms(layer):
+            linears.setdefault(name, linear)
     linears["lm_head"] = model.lm_head
     compare = OneDnnLinear.available(torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
