@@ -16,6 +16,7 @@ have this property). `min_query_len` pads every row's queries so that holds.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +85,11 @@ class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
     # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]; per KV group (None until set)
     gather_index: torch.Tensor | None
-    masked: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, 1, L] bool, True = may NOT attend
+    masked: dict[int | None, torch.Tensor]  # its window -> [B, 1, Q, 1, L] bool, True = may NOT attend
     valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
     out_index: torch.Tensor  # [n] flat token index of each real query slot, in `valid` order
-    num_blocks: int  # the key blocks each row reads: its sequence's, then padding
+    first_blocks: list[int]  # each row's first key block (a sliding window's: the first its queries reach)
+    num_blocks: int  # the key blocks each row reads from its first: its sequence's, then padding
     whole: bool = False  # the query slots are exactly the step's tokens in flat order (e.g. all decodes)
 
 
@@ -135,13 +137,14 @@ class TorchAttention:
         num_kv_heads: int,
         num_cache_blocks: int,
         device: torch.device | str = "cpu",
-        windows: set[int | None] = frozenset({None}),
+        group_windows: Sequence[int | None] = (None,),
         min_query_len: int = 1,
     ):
-        """windows: the layers' sliding windows (None: a full-attention layer); a mask is built for each."""
+        """group_windows: each KV group's sliding window (None: full attention), in the order of a sequence's
+        block tables; a sliding group's rows gather only the blocks their window reaches."""
         self.block_size, self.num_kv_heads, self.num_cache_blocks = block_size, num_kv_heads, num_cache_blocks
         self.device = torch.device(device)
-        self.windows = windows
+        self.group_windows = list(group_windows)
         self.min_query_len = min_query_len
 
     def build(
@@ -150,17 +153,18 @@ class TorchAttention:
         """Flat positions [T] and the step's metadata, one per KV group (model/config.py's kv_groups), from each
         sequence's query length, length and block tables (one per KV group)."""
         positions, starts = flat_positions(query_lens, seq_lens)
-        num_groups = len(block_tables[0])
         sdpa = self.device.type != "cpu"
-        metas = [TorchAttentionMetadata(None, [], self.block_size, sdpa) for _ in range(num_groups)]
+        metas = [TorchAttentionMetadata(None, [], self.block_size, sdpa) for _ in self.group_windows]
         for is_decode in (True, False):
             rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
             if rows:
                 lens = [(starts[i], query_lens[i], seq_lens[i]) for i in rows]
-                group = self._group(lens)
-                # the same queries and masks in every KV group, read through each group's tables
-                for g, meta in enumerate(metas):
-                    gather = self._gather_index([block_tables[i][g] for i in rows], group.num_blocks)
+                by_window: dict[int | None, AttentionGroup] = {}  # the same queries and masks for one window
+                for g, (meta, window) in enumerate(zip(metas, self.group_windows, strict=True)):
+                    if window not in by_window:
+                        by_window[window] = self._group(lens, window)
+                    group = by_window[window]
+                    gather = self._gather_index([block_tables[i][g] for i in rows], group)
                     meta.groups.append(dataclasses.replace(group, gather_index=gather))
         for g, meta in enumerate(metas):
             # one group without padded query slots: its [B, Q] slots are the flat tokens themselves
@@ -170,12 +174,14 @@ class TorchAttention:
             meta.slot_mapping = torch.tensor(slots).to(self.device, non_blocking=True)
         return torch.tensor(positions).to(self.device, non_blocking=True), metas
 
-    def _group(self, rows) -> AttentionGroup:
-        """The query slots and masks of rows (first flat token, query length, sequence length); its gather_index
-        comes per KV group (_gather_index)."""
+    def _group(self, rows, window: int | None) -> AttentionGroup:
+        """The query slots and mask of rows (first flat token, query length, sequence length) in layers of this
+        window; its gather_index comes per KV group (_gather_index). Each row's keys start at the first block its
+        first query reads (block 0 without a window) and run to its last, padded to the longest row's count."""
         block_size, device = self.block_size, self.device
         q_max = max(self.min_query_len, max(q for _, q, _ in rows))
-        n_blocks = max(math.ceil(s / block_size) for _, _, s in rows)
+        first = [0 if window is None else max(0, s - q - window + 1) // block_size for _, q, s in rows]
+        n_blocks = max(math.ceil(s / block_size) - f for (_, _, s), f in zip(rows, first, strict=True))
         while (n_blocks * block_size) % KEY_TILE:
             n_blocks += 1
         L = n_blocks * block_size
@@ -186,28 +192,28 @@ class TorchAttention:
         # padded query slots repeat the row's first token: harmless to compute, dropped by `valid`
         query_index = start[:, None] + torch.where(real, q_off, 0)
         q_pos = (slen - qlen)[:, None] + torch.where(real, q_off, 0)  # [B, Q] position of each query
-        k_pos = torch.arange(L)
+        k_pos = (torch.tensor(first) * block_size)[:, None, None] + torch.arange(L)  # [B, 1, L]
         allowed = (k_pos <= q_pos[..., None]) & (k_pos < slen[:, None, None])  # [B, Q, L]
-        masked = {}
-        for window in self.windows:
-            in_window = allowed if window is None else allowed & (k_pos > q_pos[..., None] - window)
-            masked[window] = (~in_window)[:, None, :, None, :].to(device, non_blocking=True)
+        if window is not None:
+            allowed &= k_pos > q_pos[..., None] - window
         valid = real.flatten().nonzero().squeeze(1)
         return AttentionGroup(
             query_index=query_index.to(device, non_blocking=True),
             gather_index=None,
-            masked=masked,
+            masked={window: (~allowed)[:, None, :, None, :].to(device, non_blocking=True)},
             valid=valid.to(device, non_blocking=True),
             out_index=query_index.flatten()[valid].to(device, non_blocking=True),
+            first_blocks=first,
             num_blocks=n_blocks,
         )
 
-    def _gather_index(self, tables: list[list[int]], n_blocks: int) -> torch.Tensor:
-        """The cache rows of each row's first n_blocks blocks through its table. Padding, and a negative entry
-        (no block: a sliding-window layer's behind its window), read block 0, whose keys the mask hides."""
-        key_blocks = torch.zeros(len(tables), n_blocks, dtype=torch.long)
-        for r, table in enumerate(tables):
-            t = table[:n_blocks]
+    def _gather_index(self, tables: list[list[int]], group: AttentionGroup) -> torch.Tensor:
+        """The cache rows of each row's group.num_blocks blocks from its first, through its table. Padding, and a
+        negative entry (no block: a sliding-window layer's behind its window), read block 0, which the mask
+        hides."""
+        key_blocks = torch.zeros(len(tables), group.num_blocks, dtype=torch.long)
+        for r, (table, first) in enumerate(zip(tables, group.first_blocks, strict=True)):
+            t = table[first : first + group.num_blocks]
             key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
         key_blocks.clamp_(min=0)
         rows = cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks)

@@ -144,8 +144,9 @@ class ModelConfig:
         return FAMILIES[self.architecture]
 
     @property
-    def windows(self) -> set[int | None]:
-        return {layer.window for layer in self.layers if layer.mixer == "attention"}
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """Each KV group's window (None: full attention), in the order of a sequence's block tables."""
+        return tuple(group.window for group in self.kv_groups) or (None,)
 
     @property
     def attention_layers(self) -> list[int]:

@@ -161,7 +161,7 @@ class Engine:
 
     def _scheduler(self) -> Scheduler:
         cache = self.runner.kv_cache
-        windows = tuple(group.window for group in self.model_config.kv_groups) or (None,)
+        windows = self.model_config.kv_group_windows
         return Scheduler(
             self.config, cache.num_blocks, self.max_model_len, cache.num_state_slots, cache.num_snapshot_slots,
             windows,

@@ -105,7 +105,12 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
             else 1
         )
         attention = TorchAttention(
-            config.block_size, mc.num_kv_heads, num_blocks, device, mc.windows, min_query_len
+            config.block_size,
+            mc.num_kv_heads,
+            num_blocks,
+            device,
+            mc.kv_group_windows,
+            min_query_len,
         )
         log.info("attention pads queries to %d", min_query_len)
     # the sampler's noise and argmax: the kernels' bits are PyTorch's
@@ -355,7 +360,7 @@ def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: 
                 "--max-model-len %d is beyond the model's context %d", config.max_model_len, model_len
             )
         model_len = config.max_model_len
-    windows = [group.window for group in model_config.kv_groups] or [None]
+    windows = model_config.kv_group_windows
 
     def fits(num_tokens: int) -> bool:
         return blocks_for(windows, config.block_size, num_tokens, config.max_num_batched_tokens) <= num_blocks

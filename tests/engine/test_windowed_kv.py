@@ -65,7 +65,7 @@ def test_a_windowed_model_frees_what_leaves_the_window_and_gives_transformers_to
 
     path = tiny_family(tiny_model_factory, family)
     engine = make_engine(path, enable_prefix_caching=False, cpu_kernels=kernels)
-    windows = [group.window for group in engine.model_config.kv_groups]
+    windows = list(engine.model_config.kv_group_windows)
     assert any(w is not None for w in windows)
     ids = prompt(40, 0)  # five windows long, prefilled 12 tokens a step
     result, most = run(engine, {"a": ids})
@@ -103,7 +103,7 @@ def test_a_hit_a_preemption_and_a_batch_give_a_windowed_request_its_bits_alone(t
 
     # four long requests in a cache that holds one and a bit: some are preempted and recompute
     per_block = KVCache.bytes_per_block(engine.model_config, BLOCK, torch.float32)
-    one = blocks_for([g.window for g in engine.model_config.kv_groups], BLOCK, 40 + 24, 12)
+    one = blocks_for(engine.model_config.kv_group_windows, BLOCK, 40 + 24, 12)
     small = make_engine(path, kv_cache_memory=per_block * (one + 8), enable_prefix_caching=False)
     prompts = {f"r{i}": prompt(40, 10 + i) for i in range(4)}
     together, _ = run(small, prompts)

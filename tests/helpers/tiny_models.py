@@ -222,7 +222,12 @@ def forward_sequence(
         attention = CpuKernelAttention(cpu_kernels(), cache.block_size)
     else:
         attention = TorchAttention(
-            cache.block_size, config.num_kv_heads, cache.num_blocks, "cpu", config.windows, min_query_len
+            cache.block_size,
+            config.num_kv_heads,
+            cache.num_blocks,
+            "cpu",
+            config.kv_group_windows,
+            min_query_len,
         )
     new = token_ids[num_cached:]
     shift = max(block_table) + 1

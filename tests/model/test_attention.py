@@ -33,7 +33,7 @@ def build_metadata(
     else:
         kv_heads, num_slots = cache.shape[:2] if cache is not None else (1, block_size)
         backend = TorchAttention(
-            block_size, kv_heads, num_slots // block_size, "cpu", {sliding_window}, min_query_len
+            block_size, kv_heads, num_slots // block_size, "cpu", [sliding_window], min_query_len
         )
     positions, metas = backend.build(query_lens, seq_lens, [[t] for t in tables])  # one KV group
     return positions, metas[0]

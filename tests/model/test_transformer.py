@@ -185,7 +185,7 @@ def test_config_reads_transformers_4_and_5_layouts_alike():
 def test_mistral_sliding_window_matches_transformers(tiny_model_factory, cpu_path):
     path = tiny_model_factory("mistral", sliding_window=8)
     model, config = cpu_path.load(path)
-    assert config.windows == {8}
+    assert config.kv_group_windows == (8,)
     ids = list(range(3, 43))
     ours = cpu_path.run(model, new_cache(config), ids, 0, list(range(16)))
     assert (ours - reference_logits(path, ids)).abs().max().item() < 1e-4
