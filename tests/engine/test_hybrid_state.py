@@ -16,6 +16,7 @@ from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
 from server.engine.request_state import Request
+from tests.helpers.engine_runs import served_bits
 from tests.helpers.tiny_models import tiny_family
 
 BLOCK = 4
@@ -43,18 +44,7 @@ PARAMS = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprob
 
 def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams = PARAMS) -> dict[str, dict]:
     """Serve the prompts together: each one's tokens, their logprobs (the bits) and its cached prompt tokens."""
-    results = {rid: {"ids": [], "logprobs": [], "cached": None} for rid in prompts}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
-    while engine.has_work():
-        for out in engine.step():
-            r = results[out.request_id]
-            r["ids"] += out.new_token_ids
-            r["logprobs"] += [(lp.logprob, lp.top) for lp in out.logprobs or []]
-            if r["cached"] is None:
-                r["cached"] = out.num_cached_tokens
-    engine.scheduler.block_manager.check_invariants()
-    return results
+    return served_bits(engine, prompts, params)[0]
 
 
 def computed(reference: Engine, prompt: list[int]) -> dict:

@@ -14,6 +14,7 @@ from server.engine.block_manager import blocks_for
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
+from tests.helpers.engine_runs import served_bits
 from tests.helpers.tiny_models import tiny_family
 
 BLOCK = 4
@@ -37,22 +38,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def run(engine: Engine, prompts: dict[str, list[int]]) -> tuple[dict[str, dict], int]:
-    """Serve the prompts together: each one's tokens, logprobs and cached prompt tokens; and the most blocks held
-    at once."""
-    results = {rid: {"ids": [], "logprobs": [], "cached": None} for rid in prompts}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, PARAMS)
-    bm, most = engine.scheduler.block_manager, 0
-    while engine.has_work():
-        for out in engine.step():
-            r = results[out.request_id]
-            r["ids"] += out.new_token_ids
-            r["logprobs"] += [(lp.logprob, lp.top) for lp in out.logprobs or []]
-            if r["cached"] is None:
-                r["cached"] = out.num_cached_tokens
-        most = max(most, sum(ref > 0 for ref in bm.ref_counts))
-        bm.check_invariants()
-    return results, most
+    return served_bits(engine, prompts, PARAMS)
 
 
 @pytest.mark.timeout(300)

@@ -26,6 +26,25 @@ def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams | 
     return {rid: (tokens[rid], texts[rid], reasons.get(rid)) for rid in prompts}
 
 
+def served_bits(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams):
+    """Serve the prompts together (params asking for logprobs): each one's tokens, logprobs (the bits) and cached
+    prompt tokens, checking the block manager's invariants after every step; and the most blocks held at once."""
+    results = {rid: {"ids": [], "logprobs": [], "cached": None} for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    bm, most = engine.scheduler.block_manager, 0
+    while engine.has_work():
+        for out in engine.step():
+            r = results[out.request_id]
+            r["ids"] += out.new_token_ids
+            r["logprobs"] += [(lp.logprob, lp.top) for lp in out.logprobs or []]
+            if r["cached"] is None:
+                r["cached"] = out.num_cached_tokens
+        most = max(most, sum(ref > 0 for ref in bm.ref_counts))
+        bm.check_invariants()
+    return results, most
+
+
 def alone(engine: Engine, prompts: dict[str, list[int]], params=GREEDY):
     results = {}
     for rid, ids in prompts.items():
