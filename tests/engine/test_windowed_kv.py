@@ -117,3 +117,25 @@ def test_bench_offline_reports_what_a_sequences_kv_takes(tiny_model_factory):
     # the full layer's whole context, and each sliding layer's window and a block or two of 64 tokens
     assert per_layer <= held <= per_layer * (1 + 5 * (8 + 2 * BLOCK) / 64)
     assert result["kv_cache_peak_mib"] == pytest.approx(held * 64 / 2**20, abs=0.01)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_a_windowed_model_on_cuda_gives_transformers_tokens(tiny_model_factory, family):
+    """The GPU's path: SDPA over the blocks a sliding group's window reaches (GPT-OSS's sinks by the matmuls), the
+    blocks behind the window given back; transformers' greedy tokens on the CPU."""
+    import transformers
+
+    path = tiny_family(tiny_model_factory, family)
+    engine = make_engine(path, device="cuda", enable_prefix_caching=False)
+    assert engine.runner.device.type == "cuda"
+    ids = prompt(40, 0)
+    result, most = run(engine, {"a": ids})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert result["a"]["ids"] == out[0, 40:].tolist()
+    windows = engine.model_config.kv_group_windows
+    assert most <= blocks_for(windows, BLOCK, 40 + 24 - 1, 12)
