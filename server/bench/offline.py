@@ -37,13 +37,18 @@ def run_requests(
     scheduler = engine.scheduler
     cache = engine.runner.kv_cache
     per_block = cache.bytes_per_block(engine.model_config, cache.block_size, cache.k.dtype)
-    peak = (0, 0)  # (KV-cache bytes held by requests, their tokens with K/V) where the bytes peaked
+    # a hybrid's DeltaNet state: one per running request, whatever its length
+    per_state = cache.bytes_per_state_slot(engine.model_config)
+    bm = scheduler.block_manager
+    # (bytes of the cache held by requests, their tokens with K/V) where the bytes peaked
+    peak = (0, 0)
     while engine.has_work():
         for out in engine.step():
             num_tokens += len(out.new_token_ids)
             if out.finished:
                 times.append(out.times)
-        held = sum(ref > 0 for ref in scheduler.block_manager.ref_counts) * per_block
+        held = sum(ref > 0 for ref in bm.ref_counts) * per_block
+        held += (bm.num_state_slots - len(bm.free_state_slots)) * per_state
         if held > peak[0]:
             peak = (held, sum(r.num_computed_tokens for r in scheduler.running))
     wall = time.monotonic() - start
@@ -69,8 +74,8 @@ def bench_offline(
         "wall_s": round(main["wall_s"], 2),
         "output_tokens_per_s": round(main["output_tokens"] / main["wall_s"], 1),
     }
-    # what the running requests' K/V took where it took most: with sliding-window layers, less per token the
-    # longer the sequences (block_manager.py gives back what leaves the window)
+    # what the running requests' K/V (and a hybrid's DeltaNet states) took where it took most: with sliding-window
+    # layers, less per token the longer the sequences (block_manager.py gives back what leaves the window)
     kv_bytes, kv_tokens = main["kv_peak"]
     result["kv_cache_peak_mib"] = round(kv_bytes / 2**20, 2)
     if kv_tokens:

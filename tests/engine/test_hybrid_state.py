@@ -240,3 +240,15 @@ def test_a_decoding_request_keeps_only_its_latest_snapshot():
     bm.free(a)
     assert len(bm.cached_snapshots) == 2  # they outlive the request
     bm.check_invariants()
+
+
+@pytest.mark.timeout(120)
+def test_bench_offline_counts_a_hybrids_states_with_its_kv(hybrid):
+    """`kvserve bench-offline`'s kv_bytes_per_token_at_peak holds each running request's DeltaNet state beside its
+    K/V: two requests of 20 tokens (22 at most with their output) hold two states."""
+    from server.bench.offline import bench_offline
+
+    engine = make_engine(hybrid, enable_prefix_caching=False)
+    per_state = engine.runner.kv_cache.bytes_per_state_slot(engine.model_config)
+    result = bench_offline(engine, num_requests=2, input_len=20, output_len=2, baseline_requests=0)
+    assert result["kv_bytes_per_token_at_peak"] >= per_state / 22
