@@ -144,6 +144,11 @@ class ModelConfig:
         return FAMILIES[self.architecture]
 
     @property
+    def kv_page_layers(self) -> int:
+        """The layers whose K/V one page of the cache holds: the largest KV group's (0: no attention layer)."""
+        return max((len(group.layers) for group in self.kv_groups), default=0)
+
+    @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
         """Each KV group's window (None: full attention), in the order of a sequence's block tables."""
         return tuple(group.window for group in self.kv_groups) or (None,)

@@ -25,9 +25,8 @@ class KVCache:
         states after each token of the decodes that verify drafts (the engine goes back to the last one kept)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        groups = config.kv_groups
         # a page holds block_size tokens of every layer of one KV group; all groups' layers share the pool
-        self.layers_per_page = max((len(group.layers) for group in groups), default=0)
+        self.layers_per_page = config.kv_page_layers
         shape = (self.layers_per_page, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         # [layers of a page, kv_heads, slots, head_dim]; page b holds slots b*block_size .. (b+1)*block_size-1.
         # Heads outside the slots: one head's block is one contiguous row of block_size * head_dim, so a
@@ -76,8 +75,7 @@ class KVCache:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """A page: block_size tokens' K and V in each layer of one KV group."""
         elem = torch.empty((), dtype=dtype).element_size()
-        layers = max((len(group.layers) for group in config.kv_groups), default=0)
-        return 2 * layers * block_size * config.num_kv_heads * config.head_dim * elem
+        return 2 * config.kv_page_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     @staticmethod
     def bytes_per_state_slot(config: ModelConfig) -> int:

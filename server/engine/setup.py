@@ -329,7 +329,7 @@ def cache_layout(
         config.block_size,
         num_blocks * per_block / 2**30,
         str(dtype).removeprefix("torch."),
-        max((len(group.layers) for group in model_config.kv_groups), default=0),
+        model_config.kv_page_layers,
         describe_kv_groups(model_config),
     )
     return CacheLayout(num_blocks, num_state_slots, num_snapshots, num_draft_slots)
