@@ -14,7 +14,8 @@ product or sum runs on one token's values at a time: torch's elementwise loops h
 to scalar code whose exp differs from the vector code's in the last bit, so which elements those are must not
 depend on the step. A prompt then gives the same bits prefilled in one step or in chunks of any size, and a
 sequence the same bits whatever shares its step. Where kvserve's C++ kernels run, model/csrc/deltanet.cpp does the
-same between the two projections (each sequence and value head in parallel, token by token).
+same between the two projections (each sequence and value head in parallel, token by token), inside the fused
+layer loop (model/layer_stack.py) where the GEMMs are quantized.
 """
 
 import functools

@@ -1,7 +1,7 @@
 """A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
-Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3 with full rotary; the MoE families' sparse FFNs and GPT-OSS's sinks
-and clamped SwiGLU too) whose GEMMs all run on quantized weights with
-kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
+Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3; the MoE families' sparse FFNs and GPT-OSS's sinks and clamped SwiGLU
+too; the hybrids' Gated DeltaNet layers and Qwen3.5's gated attention with partial rotary) whose GEMMs all run on
+quantized weights with kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
 have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the
@@ -17,17 +17,20 @@ class LayerStack:
     """The model's blocks as one call: (x, rope tables, kv_cache, meta) -> (last block's output, residual
     stream). meta must be the CPU kernel's metadata (model/attention_cpu.py), as it is wherever the kernels run."""
 
-    def __init__(self, stack, ropes: list):
+    def __init__(self, stack, ropes: list, hybrid: bool = False):
         self.stack = stack  # the compiled LayerStack, holding every layer's packed weights and norms
         self.ropes = ropes  # the distinct Ropes, in the order of the layers' indices into them
+        self.hybrid = hybrid  # some layers are Gated DeltaNet's: the cache's state pools go with each step
 
-    def __call__(self, x, ropes: dict, kv_cache, meta: list):
+    def __call__(self, x, ropes: dict, kv_cache, meta: list, states=None):
         """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope); meta: the
-        step's attention metadata, one per KV group."""
+        step's attention metadata, one per KV group; states: a hybrid's StepStates (model/deltanet.py)."""
         tables = [ropes[rope] for rope in self.ropes]
+        pools = (kv_cache.conv, kv_cache.recurrent, states.table) if self.hybrid else (None, None, None)
         return self.stack.forward(
             x, kv_cache.k, kv_cache.v, [m.slot_mapping for m in meta], [m.block_tables for m in meta],
             meta[0].seqs, meta[0].block_size, KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
+            *pools,
         )  # fmt: skip
 
 
@@ -60,13 +63,17 @@ CONFIG_FIELDS = {
     "has_lm_head": _any,  # the LM head runs after the stack
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
     "linear_attention": _any,  # the shape of the layers whose mixer says linear_attention (LAYER_FIELDS)
-    "attn_output_gate": lambda c: not c.attn_output_gate,  # Qwen3.5's gated attention: the Python loop's
+    "attn_output_gate": _any,  # Qwen3.5's gated attention: its output times sigmoid(gate)
 }  # fmt: skip
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
-    "rope": lambda spec, c: spec.rope is not None and spec.rope.dim == c.head_dim,  # full-width RoPE only
+    # RoPE over the whole head or its first dims (Qwen3.5's partial rotary); a DeltaNet layer has none
+    "rope": lambda spec, c: (
+        spec.mixer == "linear_attention" or (spec.rope is not None and spec.rope.dim <= c.head_dim)
+    ),
     "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
-    "mixer": lambda spec, c: spec.mixer == "attention",  # Gated DeltaNet runs in the Python loop
+    # attention, or Gated DeltaNet (model/csrc/deltanet.cpp)
+    "mixer": lambda spec, c: spec.mixer in ("attention", "linear_attention"),
 }
 
 
@@ -84,25 +91,34 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
     config = model.config
     if not covers(config):
         return None
-    ropes = list(dict.fromkeys(spec.rope for spec in config.layers))
+    ropes = list(dict.fromkeys(spec.rope for spec in config.layers if spec.rope is not None))
     layers = []
     kv_rows = config.kv_rows
     for i, (block, spec) in enumerate(zip(model.layers, config.layers, strict=True)):
-        attn, linears = block.attn, (block.attn.qkv, block.attn.o)
+        attn = block.attn
+        linears = (attn.in_proj, attn.out) if block.linear else (attn.qkv, attn.o)
         if spec.ffn == "moe" and block.mlp.fused is None:
             return None  # some expert left dense
         dense_ffn = (block.mlp.up, block.mlp.down) if spec.ffn == "dense" else ()
         if any(getattr(linear, "bits", None) is None for linear in (*linears, *dense_ffn)):
             return None
-        qk = (attn.q_norm.weight, attn.k_norm.weight) if config.qk_norm else (None, None)
+        if block.linear:
+            if attn.kernel is None:
+                return None  # its recurrence asked of PyTorch ops
+            mixer = (None, None, deltanet_mixer(attn, config, i, kernels))
+        else:
+            mixer = (attn.qkv.gemm, attn.o.gemm, None)
+        qk = (attn.q_norm.weight, attn.k_norm.weight) if config.qk_norm and not block.linear else (None, None)
         post = (block.post_attn_norm, block.post_mlp_norm)
         ffn = (*(linear.gemm for linear in dense_ffn), None) if dense_ffn else (None, None, block.mlp.fused)
+        rope = (ropes.index(spec.rope), spec.rope.dim) if spec.rope is not None else (-1, 0)
+        kv_row = kv_rows.get(i, (-1, -1))
         layers.append(kernels.Layer(
-            block.norm1.weight, attn.qkv.gemm, attn.o.gemm, block.norm2.weight, *ffn, *qk,
-            *(norm.weight if norm is not None else None for norm in post), spec.window or 0, ropes.index(spec.rope),
-            attn.sinks, *kv_rows[i],
+            block.norm1.weight, *mixer, block.norm2.weight, *ffn, *qk,
+            *(norm.weight if norm is not None else None for norm in post), spec.window or 0, *rope,
+            config.attn_output_gate and not block.linear, getattr(attn, "sinks", None), *kv_row,
         ))  # fmt: skip
-    attn = model.layers[0].attn
+    attn = model.layers[config.attention_layers[0]].attn
     return LayerStack(
         kernels.LayerStack(
             layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale,
@@ -110,4 +126,16 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
             *((config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)),
         ),
         ropes,
+        bool(config.linear_layers),
+    )  # fmt: skip
+
+
+def deltanet_mixer(deltanet, config, layer: int, kernels):
+    """Layer `layer`'s Gated DeltaNet for the C++ loop: the tensors model/deltanet.py's mix passes, and its row of
+    the cache's state pools."""
+    spec = config.linear_attention
+    return kernels.DeltaNetMixer(
+        deltanet.in_proj.gemm, deltanet.out.gemm, deltanet.conv.view(spec.conv_dim, spec.conv_kernel),
+        deltanet.A_log, deltanet.dt_bias, deltanet.gated_norm, spec.num_key_heads, spec.key_head_dim,
+        spec.value_head_dim, config.linear_layers.index(layer),
     )  # fmt: skip

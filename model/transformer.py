@@ -323,7 +323,7 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
         if self.layer_stack is not None:
-            x, residual = self.layer_stack(x, ropes, kv_cache, meta)
+            x, residual = self.layer_stack(x, ropes, kv_cache, meta, states)
         else:
             residual = None
             for i, layer in enumerate(self.layers):

@@ -73,20 +73,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 1.0,
            py::arg("swiglu_limit") = 0.0)
       .def("__call__", &MoeFfn::operator(), no_gil());
+  py::class_<DeltaNetMixer>(m, "DeltaNetMixer", py::module_local(), "a Gated DeltaNet token mixer's weights")
+      .def(py::init([](QuantGemm in_proj, QuantGemm out, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias,
+                       at::Tensor gated_norm, int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim,
+                       int64_t state) {
+             return DeltaNetMixer{std::move(in_proj), std::move(out), conv, A_log, dt_bias, gated_norm,
+                                  num_key_heads, key_head_dim, value_head_dim, state};
+           }),
+           py::arg("in_proj"), py::arg("out"), py::arg("conv"), py::arg("A_log"), py::arg("dt_bias"),
+           py::arg("gated_norm"), py::arg("num_key_heads"), py::arg("key_head_dim"), py::arg("value_head_dim"),
+           py::arg("state"));
   py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
-      .def(py::init([](at::Tensor norm1, QuantGemm qkv, QuantGemm o, at::Tensor norm2, std::optional<QuantGemm> up,
+      .def(py::init([](at::Tensor norm1, std::optional<QuantGemm> qkv, std::optional<QuantGemm> o,
+                       std::optional<DeltaNetMixer> deltanet, at::Tensor norm2, std::optional<QuantGemm> up,
                        std::optional<QuantGemm> down, std::optional<MoeFfn> moe, std::optional<at::Tensor> q_norm,
                        std::optional<at::Tensor> k_norm, std::optional<at::Tensor> post_attn_norm,
-                       std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope,
-                       std::optional<at::Tensor> sinks, int64_t kv_group, int64_t kv_index) {
+                       std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope, int64_t rotary_dim,
+                       bool output_gate, std::optional<at::Tensor> sinks, int64_t kv_group, int64_t kv_index) {
              TORCH_CHECK(moe.has_value() != (up.has_value() && down.has_value()), "an MLP or a MoE FFN");
-             return Layer{norm1, qkv, o, norm2, up, down, moe, q_norm, k_norm, post_attn_norm, post_mlp_norm,
-                          window, rope, sinks, kv_group, kv_index};
+             TORCH_CHECK(deltanet.has_value() != (qkv.has_value() && o.has_value()), "attention or DeltaNet");
+             return Layer{norm1, qkv, o, deltanet, norm2, up, down, moe, q_norm, k_norm, post_attn_norm,
+                          post_mlp_norm, window, rope, rotary_dim, output_gate, sinks, kv_group, kv_index};
            }),
-           py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("norm2"), py::arg("up"), py::arg("down"),
-           py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
-           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("sinks"), py::arg("kv_group"),
-           py::arg("kv_index"));
+           py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("deltanet"), py::arg("norm2"), py::arg("up"),
+           py::arg("down"), py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
+           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("rotary_dim"),
+           py::arg("output_gate"), py::arg("sinks"), py::arg("kv_group"), py::arg("kv_index"));
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
       .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        double eps, double scale, double softcap, bool gelu, double swiglu_alpha,

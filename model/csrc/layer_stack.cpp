@@ -12,7 +12,10 @@
 
 #include "layer_stack.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/roll.h>
+#include <ATen/ops/sigmoid.h>
 
 #include "kernels.h"
 
@@ -21,6 +24,14 @@ namespace {
 // RMSNorm over each head of t [T, heads, D], as model/transformer.py's Norm does it on q and k
 at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) {
   return rms_norm(t.reshape({-1, t.size(2)}), std::nullopt, weight, eps)[0].view(t.sizes());
+}
+
+// x [T, heads, D] with its first rotary_dim dims rotated (cos, sin [T, 1, rotary_dim]), the rest as they are: the
+// ops of model/attention.py's apply_rope and model/transformer.py's partial rotary, in the same order
+at::Tensor partial_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim) {
+  const auto head = x.narrow(-1, 0, rotary_dim);
+  const auto rotated = head.mul(cos).add(head.roll(rotary_dim / 2, -1).mul(sin));
+  return at::cat(std::vector<at::Tensor>{rotated, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
 }
 
 // GeGLU's activation, with the ops and rounding of model/transformer.py's MLP.activation: gelu_tanh(gate) * up
@@ -35,26 +46,78 @@ at::Tensor Swiglu::operator()(const at::Tensor& h) const {
   return limit > 0 ? clamped_swiglu(h, alpha, limit) : silu_mul(h);
 }
 
+// One attention layer's mixing of h [T, hidden] -> [T, H, D]: the qkv GEMM, q/k norms, RoPE (in the kernel, or
+// partial here), K/V written and attended, times the output gate where the layer has one
+at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const std::vector<at::Tensor>& slots,
+                                 const std::vector<at::Tensor>& block_tables, const at::Tensor& seqs,
+                                 int64_t block_size, int64_t chunk, const at::Tensor& cos,
+                                 const at::Tensor& sin) const {
+  const int64_t T = h.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
+  const auto projected = (*layer.qkv)(h);
+  at::Tensor q, k, v, gate;
+  if (layer.output_gate) {  // [q | gate] per head, then k, v
+    const auto q_gate = projected.narrow(1, 0, 2 * H * D).view({T, H, 2 * D});
+    const auto kv = projected.narrow(1, 2 * H * D, 2 * KVH * D).view({T, 2 * KVH, D});
+    q = q_gate.narrow(2, 0, D).contiguous();  // the kernel reads a row's heads contiguous (q/k norms copy anyway)
+    gate = q_gate.narrow(2, D, D);
+    k = kv.narrow(1, 0, KVH);
+    v = kv.narrow(1, KVH, KVH);
+  } else {
+    const auto qkv = projected.view({T, H + 2 * KVH, D});
+    q = qkv.narrow(1, 0, H);
+    k = qkv.narrow(1, H, KVH);
+    v = qkv.narrow(1, H + KVH, KVH);
+  }
+  if (layer.q_norm) {
+    q = head_norm(q, *layer.q_norm, eps);
+    k = head_norm(k, *layer.k_norm, eps);
+  }
+  std::optional<at::Tensor> rope_cos = cos, rope_sin = sin;
+  if (layer.rotary_dim < D) {  // partial rotary: the first dims rotated here, the kernel rotates none
+    q = partial_rope(q, cos, sin, layer.rotary_dim);
+    k = partial_rope(k, cos, sin, layer.rotary_dim);
+    rope_cos = rope_sin = std::nullopt;
+  }
+  auto attended = paged_attention(q, k_cache[layer.kv_index], v_cache[layer.kv_index], block_tables[layer.kv_group],
+                                  seqs, block_size, scale, layer.window, softcap, chunk, k, v,
+                                  slots[layer.kv_group], rope_cos, rope_sin, layer.sinks);
+  if (gate.defined()) attended = attended.mul(at::sigmoid(gate));
+  return attended;
+}
+
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers of a page, KVH, slots, D]; slots and block_tables (one of
 // each per KV group), seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
-// each, read by index (Layer::rope). Returns the last block's output and the residual stream it adds to (the
+// each, read by index (Layer::rope); conv_state, recurrent_state: the DeltaNet layers' state pools (model/kv_cache.py),
+// states: the step's sequences as they see them (model/deltanet.py's StepStates.table), where there are any. Returns the last block's output and the residual stream it adds to (the
 // final norm adds them), as the Python loop does.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                                at::Tensor seqs, int64_t block_size, int64_t chunk,
-                                               std::vector<at::Tensor> cos, std::vector<at::Tensor> sin) const {
+                                               std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                                               std::optional<at::Tensor> conv_state,
+                                               std::optional<at::Tensor> recurrent_state,
+                                               std::optional<at::Tensor> states) const {
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
   TORCH_CHECK(slots.size() == block_tables.size(), "one slot mapping per KV group's block tables");
-  for (const Layer& layer : layers)
+  for (const Layer& layer : layers) {
+    if (layer.deltanet) {
+      TORCH_CHECK(conv_state && recurrent_state && states && layer.deltanet->state >= 0 &&
+                      layer.deltanet->state < conv_state->size(0) &&
+                      layer.deltanet->state < recurrent_state->size(0),
+                  "a DeltaNet layer's state is not in the step's pools");
+      continue;
+    }
+    TORCH_CHECK(layer.rope >= 0 && layer.rope < static_cast<int64_t>(cos.size()), "no rotary table for a layer");
     TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(block_tables.size()) &&
                     layer.kv_index >= 0 && layer.kv_index < k_cache.size(0),
                 "a layer's KV group or row is not in the cache");
-  const int64_t T = x.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
+  }
+  const int64_t T = x.size(0), H = num_heads, D = head_dim;
   at::Tensor residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& layer = layers[i];
-    TORCH_CHECK(layer.rope >= 0 && layer.rope < static_cast<int64_t>(cos.size()), "no rotary table for a layer");
     at::Tensor h;
     if (residual.defined()) {
       auto normed = rms_norm(x, residual, layer.norm1, eps);
@@ -64,17 +127,17 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       h = rms_norm(x, std::nullopt, layer.norm1, eps)[0];
       residual = x;
     }
-    const auto qkv = layer.qkv(h).view({T, H + 2 * KVH, D});
-    auto q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, KVH);
-    if (layer.q_norm) {
-      q = head_norm(q, *layer.q_norm, eps);
-      k = head_norm(k, *layer.k_norm, eps);
+    at::Tensor out;
+    if (layer.deltanet) {
+      const DeltaNetMixer& mixer = *layer.deltanet;
+      const auto mixed = gated_delta_net(mixer.in_proj(h), mixer.conv, mixer.A_log, mixer.dt_bias, mixer.gated_norm,
+                                         (*conv_state)[mixer.state], (*recurrent_state)[mixer.state], *states,
+                                         mixer.num_key_heads, mixer.key_head_dim, mixer.value_head_dim, eps);
+      out = mixer.out(mixed);
+    } else {
+      out = layer.o->operator()(attention(layer, h, k_cache, v_cache, slots, block_tables, seqs, block_size, chunk,
+                                          cos[layer.rope], sin[layer.rope]).view({T, H * D}));
     }
-    const auto attended = paged_attention(q, k_cache[layer.kv_index], v_cache[layer.kv_index],
-                                          block_tables[layer.kv_group], seqs, block_size, scale, layer.window,
-                                          softcap, chunk, k, qkv.narrow(1, H + KVH, KVH), slots[layer.kv_group],
-                                          cos[layer.rope], sin[layer.rope], layer.sinks);
-    auto out = layer.o(attended.view({T, H * D}));
     if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
     auto normed = rms_norm(out, residual, layer.norm2, eps);
     residual = normed[1];

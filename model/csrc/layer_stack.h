@@ -44,9 +44,20 @@ struct MoeFfn {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// A Gated DeltaNet token mixer (deltanet.cpp, model/deltanet.py): its input projection [q k v | z | b | a], the
+// recurrence between, its output projection. Its state is row `state` of the step's conv and recurrent pools.
+struct DeltaNetMixer {
+  QuantGemm in_proj, out;
+  at::Tensor conv;  // [conv_dim, kernel]
+  at::Tensor A_log, dt_bias, gated_norm;  // float32
+  int64_t num_key_heads, key_head_dim, value_head_dim;
+  int64_t state;
+};
+
 struct Layer {
-  at::Tensor norm1;  // RMSNorm weights before attention and before the MLP
-  QuantGemm qkv, o;
+  at::Tensor norm1;  // RMSNorm weights before the token mixer and before the MLP
+  std::optional<QuantGemm> qkv, o;  // attention's (Qwen3.5: each head's query rows then its output gate's)
+  std::optional<DeltaNetMixer> deltanet;  // or Gated DeltaNet's
   at::Tensor norm2;
   std::optional<QuantGemm> up, down;  // the dense MLP's; up: [gate; up] fused
   std::optional<MoeFfn> moe;          // or a sparse FFN's
@@ -55,6 +66,8 @@ struct Layer {
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;
   int64_t window;  // keys further back than this are not attended (0: none)
   int64_t rope;    // which of the step's rotary tables (cos, sin) this layer reads
+  int64_t rotary_dim;  // the dims it rotates: head_dim, or the first ones only (partial rotary: Qwen3.5)
+  bool output_gate;    // attention's output times sigmoid(its gate) (Qwen3.5)
   std::optional<at::Tensor> sinks;  // [heads] float32: a logit per head that joins each softmax (GPT-OSS)
   int64_t kv_group;  // whose block tables and slots its K/V go through (model/config.py's kv_groups)
   int64_t kv_index;  // its row in that group's pages
@@ -70,5 +83,13 @@ struct LayerStack {
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                      std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                      at::Tensor seqs, int64_t block_size, int64_t chunk,
-                                     std::vector<at::Tensor> cos, std::vector<at::Tensor> sin) const;
+                                     std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                                     std::optional<at::Tensor> conv_state, std::optional<at::Tensor> recurrent_state,
+                                     std::optional<at::Tensor> states) const;
+
+ private:
+  at::Tensor attention(const Layer& layer, const at::Tensor& h, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const std::vector<at::Tensor>& slots, const std::vector<at::Tensor>& block_tables,
+                       const at::Tensor& seqs, int64_t block_size, int64_t chunk, const at::Tensor& cos,
+                       const at::Tensor& sin) const;
 };

@@ -178,16 +178,15 @@ def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
     from model.layer_stack import covers
 
     # RMSNorm before each branch (and after it: Gemma), q/k norms per head, SwiGLU or GeGLU, a window and
-    # full-width RoPE tables per layer, an attention soft-cap; sparse experts (the C++ MoE FFN); GPT-OSS's sinks,
-    # biased router and experts and clamped SwiGLU
-    stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3")
-    stacked += ("qwen3moe", "qwen2moe", "mixtral", "gpt_oss")
+    # RoPE tables per layer (full or partial: Phi-3), an attention soft-cap; sparse experts (the C++ MoE FFN);
+    # GPT-OSS's sinks, biased router and experts and clamped SwiGLU; the hybrids' DeltaNet layers and gated attention
+    stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3", "phi3")
+    stacked += ("qwen3moe", "qwen2moe", "mixtral", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
     for arch in stacked:
         assert covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch
-    for arch in sorted(
-        set(ARCHES) - set(stacked)
-    ):  # a norm, a scale, a layer without RoPE or a partial one (OLMoE's q/k norms over the projection, Granite
-        # MoE's scalars): what the C++ loop does not have
+    # a norm, a scale or a layer without RoPE (OLMoE's q/k norms over the projection, Granite MoE's scalars,
+    # SmolLM3): what the C++ loop does not have
+    for arch in sorted(set(ARCHES) - set(stacked)):
         assert not covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch
 
 

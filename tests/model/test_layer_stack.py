@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model.attention_cpu import CpuKernelAttention
+from model.deltanet import StepStates
 from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
 from model.layer_stack import covers
@@ -33,12 +34,19 @@ def load(
 
 def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     """One step of three sequences: a prompt's first chunk, a later chunk of another and a decode, over a cache
-    holding earlier K/V (the same random ones on every call). Returns the hidden states and the cache."""
+    holding earlier K/V (and for a hybrid, earlier DeltaNet states: the same random ones on every call). Returns
+    the hidden states and the cache."""
     num_groups = len(config.kv_groups)  # each KV group's blocks are its own: 9 each
-    cache = KVCache(config, num_blocks=9 * num_groups, block_size=16, dtype=torch.bfloat16, device="cpu")
+    blocks = 9 * num_groups
+    cache = KVCache(config, blocks, block_size=16, dtype=torch.bfloat16, device="cpu", num_state_slots=4)
     g = torch.Generator().manual_seed(0)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
+    states = None
+    if config.linear_layers:  # the first sequence starts from zero in slot 3, the others from slots 0 and 1
+        cache.conv.normal_(generator=g)
+        cache.recurrent.normal_(std=0.1, generator=g)
+        states = StepStates([0, 20, 29], [20, 9, 1], [3, 0, 1], [True, False, False])
     attention = CpuKernelAttention(kernels or cpu_kernels(), block_size=16)
     query_lens, seq_lens = [20, 9, 1], [20, 41, 37]
     tables = [[1, 2], [3, 4, 5], [6, 7, 8]]
@@ -47,7 +55,7 @@ def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     )
     ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        hidden = model(ids, positions, meta, cache)
+        hidden = model(ids, positions, meta, cache, None, states)
     return hidden, cache
 
 
@@ -69,6 +77,8 @@ def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, 
     b, cache_b = mixed_step(looped, config, tier_kernels, dtype)
     assert torch.equal(a, b)
     assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)  # the same K/V written
+    if config.linear_layers:  # and the same DeltaNet states left
+        assert torch.equal(cache_a.conv, cache_b.conv) and torch.equal(cache_a.recurrent, cache_b.recurrent)
     assert a.abs().sum() > 0
 
 
