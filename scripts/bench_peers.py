@@ -20,8 +20,9 @@ default c1: 8 requests one at a time, c32: 64 requests 32 at a time), after one 
 seeded by round and level, the same for every server and never repeated within a server's run, so no prefix
 cache helps. Per server and level: output tokens/s (every request's tokens over the level's wall time), TTFT p99,
 and the resident memory of the server's processes after the load (the sum of their VmRSS). Both servers get the
-same threads and a KV cache of --kv-tokens tokens (llama.cpp `-c`, kvserve --kv-cache-memory of as many tokens;
-vLLM 2 GiB). With --rounds N the whole sequence runs N times and medians are reported: runs on a shared host vary
+same threads and a KV cache of --kv-tokens tokens (llama.cpp `-c`, kvserve --kv-cache-memory of as many tokens,
+and for a hybrid model room for 32 sequences' DeltaNet states as well, as llama.cpp's 32 slots keep theirs beside
+its `-c`; vLLM 2 GiB). With --rounds N the whole sequence runs N times and medians are reported: runs on a shared host vary
 by ~15%, so quote ratios measured minutes apart, not lone tokens/s.
 
 --tier avx2 starts kvserve with KVSERVE_CPU_TIER=avx2 plus torch's ATEN_CPU_CAPABILITY=avx2 and oneDNN's
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -53,6 +55,7 @@ from bench_full_size import GiB, Server, kv_bytes_per_token
 REPO = Path(__file__).resolve().parents[1]
 KVSERVE = "kvserve"
 VLLM = "vLLM CPU"
+SLOTS = 32  # llama.cpp's parallel slots (-np): as many sequences at once as the c32 level runs
 FORMATS = ("Q8_0", "F16", "Q4_1")  # llama.cpp's files of the default model; Q4_1 is the one kvserve serves
 TIER_ENV = {"avx2": {"KVSERVE_CPU_TIER": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
@@ -292,11 +295,33 @@ def hf_folder(gguf: Path, peer_dir: Path) -> Path:
     return folder
 
 
+def kvserve_budget(gguf: Path, kv_tokens: int, sequences: int) -> int:
+    """kvserve's --kv-cache-memory for what llama.cpp holds with `-c kv_tokens -np sequences`: the K/V of kv_tokens
+    tokens; and for a hybrid (Qwen3.5, Qwen3-Next), whose recurrent states llama.cpp keeps one per slot beside its
+    -c, as many running states under kvserve's own split of its budget (server/engine/setup.py: running states
+    at most RUNNING_STATES_SHARE of it, K/V at least KV_SHARE), so that both run the same sequences at once.
+    (Sized on -c alone, a Qwen3.5 file's budget ran 15 sequences of 32.)"""
+    import torch
+
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from server.engine.setup import KV_SHARE, RUNNING_STATES_SHARE
+    from weights.gguf_source import GGUFSource
+
+    source = GGUFSource(gguf)
+    config = ModelConfig.from_dict(source.config, source.generation_config)
+    per_state = KVCache.bytes_per_state_slot(config)
+    if not per_state:
+        return kv_bytes_per_token(str(gguf)) * kv_tokens
+    kv = KVCache.bytes_per_block(config, 1, torch.bfloat16) * kv_tokens  # the attention layers' K/V
+    return math.ceil(max(sequences * per_state / RUNNING_STATES_SHARE, kv / KV_SHARE))
+
+
 def servers(args, gguf: Path, peer_dir: Path, logs: Path) -> list[tuple[Server, str]]:
     """(server, the model name to ask for) for kvserve and each peer, in the order they run."""
     threads = str(args.threads)
     base = {**os.environ, "OMP_NUM_THREADS": threads}
-    kv_bytes = kv_bytes_per_token(str(gguf)) * args.kv_tokens
+    kv_bytes = kvserve_budget(gguf, args.kv_tokens, SLOTS)
     port = args.port
     kvserve = [sys.executable, "-m", "server.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
                "--port", str(port), "--kv-cache-memory", str(kv_bytes), "--no-ui", *shlex.split(args.kvserve_args)]  # fmt: skip
@@ -311,7 +336,7 @@ def servers(args, gguf: Path, peer_dir: Path, logs: Path) -> list[tuple[Server, 
         for fmt in args.formats:
             file = llama_cpp_file(gguf, fmt, binary.parent / "llama-quantize", peer_dir)
             command = [str(binary), "-m", str(file), "--host", "127.0.0.1", "--port", str(port + 1),
-                       "-np", "32", "-c", str(args.kv_tokens), "-t", threads, "-tb", threads, "--no-webui", "-a", "peer"]  # fmt: skip
+                       "-np", str(SLOTS), "-c", str(args.kv_tokens), "-t", threads, "-tb", threads, "--no-webui", "-a", "peer"]  # fmt: skip
             name = "llama.cpp" if fmt == "file" else f"llama.cpp {fmt}"
             out.append(
                 (Server(name, command, base, f"http://127.0.0.1:{port + 1}", logs / f"{name}.log"), "peer")

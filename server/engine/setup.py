@@ -282,6 +282,12 @@ class CacheLayout:
     )
 
 
+# The most of the KV cache's budget a hybrid's DeltaNet states take: its running sequences', its prefix cache's
+# snapshots, a step's drafts'. K/V keep the rest, at least KV_SHARE.
+RUNNING_STATES_SHARE, SNAPSHOTS_SHARE, DRAFT_STATES_SHARE = 0.4, 0.25, 0.1
+KV_SHARE = 1 - RUNNING_STATES_SHARE - SNAPSHOTS_SHARE - DRAFT_STATES_SHARE
+
+
 def cache_layout(
     model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device, max_drafts: int = 0
 ) -> CacheLayout:
@@ -300,10 +306,10 @@ def cache_layout(
     per_state = KVCache.bytes_per_state_slot(model_config)
     num_state_slots = num_snapshots = num_draft_slots = 0
     if per_state:
-        num_state_slots = min(config.max_num_seqs, max(1, budget * 2 // 5 // per_state))
+        num_state_slots = min(config.max_num_seqs, max(1, int(budget * RUNNING_STATES_SHARE) // per_state))
         if config.enable_prefix_caching:
-            num_snapshots = min(4 * num_state_slots, budget // 4 // per_state)
-        num_draft_slots = min(max_drafts, budget // 10 // per_state)
+            num_snapshots = min(4 * num_state_slots, int(budget * SNAPSHOTS_SHARE) // per_state)
+        num_draft_slots = min(max_drafts, int(budget * DRAFT_STATES_SHARE) // per_state)
         log.info(
             "DeltaNet state (%.1f MiB a sequence, float32): %d running sequences%s, %d snapshots for the prefix "
             "cache, %d for a step's drafts; %.2f GiB of the KV cache's budget",

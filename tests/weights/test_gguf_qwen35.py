@@ -10,6 +10,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,36 @@ def test_rows_grouped_by_key_head_come_apart_as_qwen35s():
             assert sorted(by_part) == list(range(len(by_part)))
             got = torch.cat([by_part[i] for i in range(len(by_part))])
             assert torch.equal(got, parts[tensors[target]]), target
+
+
+@pytest.mark.timeout(60)
+def test_bench_peers_gives_kvserve_room_for_llama_cpps_slots_of_state(qwen35_gguf):
+    """scripts/bench_peers.py sizes kvserve's cache for what llama.cpp holds with `-c N -np 32`: N tokens of the
+    attention layers' K/V, and 32 running DeltaNet states, which llama.cpp keeps one per slot beside its -c. With
+    that budget kvserve runs the 32 sequences at once and still holds N tokens of K/V (sized on -c alone, a
+    Qwen3.5 file ran 15 of 32)."""
+    import importlib
+
+    import torch
+
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from server.engine.config import EngineConfig
+    from server.engine.setup import cache_layout
+
+    scripts = str(Path(__file__).parents[2] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        bench_peers = importlib.import_module("bench_peers")
+    finally:
+        sys.path.remove(scripts)
+    q8_0 = qwen35_gguf[3]
+    budget = bench_peers.kvserve_budget(q8_0, 4096, 32)
+    source = GGUFSource(q8_0)
+    config = ModelConfig.from_dict(source.config, source.generation_config)
+    engine = EngineConfig(kv_cache_memory=budget, block_size=16, max_num_seqs=64)
+    layout = cache_layout(config, engine, torch.bfloat16, torch.device("cpu"))
+    assert layout.num_state_slots >= 32
+    assert layout.num_blocks * 16 >= 4096
+    per_token = KVCache.bytes_per_block(config, 1, torch.bfloat16)
+    assert per_token * 4096 < budget - 32 * KVCache.bytes_per_state_slot(config)
