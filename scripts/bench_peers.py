@@ -22,8 +22,8 @@ cache helps. Per server and level: output tokens/s (every request's tokens over 
 and the resident memory of the server's processes after the load (the sum of their VmRSS). Both servers get the
 same threads and a KV cache of --kv-tokens tokens (llama.cpp `-c`, kvserve --kv-cache-memory of as many tokens,
 and for a hybrid model room for 32 sequences' DeltaNet states as well, as llama.cpp's 32 slots keep theirs beside
-its `-c`; vLLM 2 GiB). With --rounds N the whole sequence runs N times and medians are reported: runs on a shared host vary
-by ~15%, so quote ratios measured minutes apart, not lone tokens/s.
+its `-c`; vLLM 2 GiB). With --rounds N the whole sequence runs N times and medians are reported: runs on a shared
+host vary by ~15%, so quote ratios measured minutes apart, not lone tokens/s.
 
 --tier avx2 starts kvserve with KVSERVE_CPU_TIER=avx2 plus torch's ATEN_CPU_CAPABILITY=avx2 and oneDNN's
 ONEDNN_MAX_CPU_ISA=AVX2 (the whole process computes as on an AVX2 host; its kernels are built first if missing),

@@ -59,7 +59,7 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
   if (layer.output_gate) {  // [q | gate] per head, then k, v
     const auto q_gate = projected.narrow(1, 0, 2 * H * D).view({T, H, 2 * D});
     const auto kv = projected.narrow(1, 2 * H * D, 2 * KVH * D).view({T, 2 * KVH, D});
-    q = q_gate.narrow(2, 0, D).contiguous();  // the kernel reads a row's heads contiguous (q/k norms copy anyway)
+    q = q_gate.narrow(2, 0, D);
     gate = q_gate.narrow(2, D, D);
     k = kv.narrow(1, 0, KVH);
     v = kv.narrow(1, KVH, KVH);
@@ -72,6 +72,8 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
   if (layer.q_norm) {
     q = head_norm(q, *layer.q_norm, eps);
     k = head_norm(k, *layer.k_norm, eps);
+  } else if (gate.defined()) {
+    q = q.contiguous();  // the kernel reads a row's heads contiguous (the norms' outputs are)
   }
   std::optional<at::Tensor> rope_cos = cos, rope_sin = sin;
   if (layer.rotary_dim < D) {  // partial rotary: the first dims rotated here, the kernel rotates none
@@ -87,10 +89,11 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
 }
 
 // x [T, hidden]: the embeddings. k_cache, v_cache [layers of a page, KVH, slots, D]; slots and block_tables (one of
-// each per KV group), seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary tables, [T, 1, D]
-// each, read by index (Layer::rope); conv_state, recurrent_state: the DeltaNet layers' state pools (model/kv_cache.py),
-// states: the step's sequences as they see them (model/deltanet.py's StepStates.table), where there are any. Returns the last block's output and the residual stream it adds to (the
-// final norm adds them), as the Python loop does.
+// each per KV group), seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin:
+// the step's rotary tables, [T, 1, D] each, read by index (Layer::rope); conv_state, recurrent_state: the DeltaNet
+// layers' state pools (model/kv_cache.py), states: the step's sequences as they see them (model/deltanet.py's
+// StepStates.table), where there are any. Returns the last block's output and the residual stream it adds to
+// (the final norm adds them), as the Python loop does.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                                at::Tensor seqs, int64_t block_size, int64_t chunk,
