@@ -28,7 +28,7 @@ typedef int16_t vsword __attribute__((vector_size(VL * sizeof(int16_t))));
 // a*b + c, as the target rounds it (one expression everywhere, so every path rounds alike)
 inline vfloat madd(vfloat a, vfloat b, vfloat c) { return a * b + c; }
 
-inline vfloat to_float(vint q) { return __builtin_convertvector(q, vfloat); }
+inline vfloat as_floats(vint q) { return __builtin_convertvector(q, vfloat); }
 
 // v in every lane
 inline vfloat splat(float v) {
@@ -58,10 +58,10 @@ constexpr float SCALES4[4] = {1.0f, 0x1p-8f, 0x1p-4f, 1.0f}, SCALES8[2] = {0x1p-
 
 inline void unpack4(const uint8_t* chunk, int h, vfloat* wf) {
   const vint w = words(chunk, h);
-  wf[0] = to_float(w & 0x000F);
-  wf[1] = to_float(w & 0x0F00);
-  wf[2] = to_float(w & 0x00F0);
-  wf[3] = to_float(w >> 12);
+  wf[0] = as_floats(w & 0x000F);
+  wf[1] = as_floats(w & 0x0F00);
+  wf[2] = as_floats(w & 0x00F0);
+  wf[3] = as_floats(w >> 12);
 }
 // 5- and 6-bit q (HB high bits) from a group's two planes (quant_gemm.h): each q whole, so SCALES are 1
 template <int HB, int G>
@@ -72,10 +72,10 @@ inline void unpack_high(const uint8_t* group, int c, int h, vfloat* wf) {
   __builtin_memcpy(&b, group + nibble_bytes(G) + high_row(HB, c) * TILE + h * VL, sizeof(b));
   const vint hb = __builtin_convertvector(b, vint) >> high_shift(HB, c);
   constexpr int m = (1 << HB) - 1;
-  wf[0] = to_float((w & 15) | ((hb & m) << 4));
-  wf[2] = to_float(((w >> 4) & 15) | (((hb >> HB) & m) << 4));
-  wf[1] = to_float(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
-  wf[3] = to_float(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
+  wf[0] = as_floats((w & 15) | ((hb & m) << 4));
+  wf[2] = as_floats(((w >> 4) & 15) | (((hb >> HB) & m) << 4));
+  wf[1] = as_floats(((w >> 8) & 15) | (((hb >> (2 * HB)) & m) << 4));
+  wf[3] = as_floats(((w >> 12) & 15) | (((hb >> (3 * HB)) & m) << 4));
 }
 // 4-bit q without a minimum: levels[q] in k order, each whole (SCALES 1), lane by lane
 inline void unpack_levels(const uint8_t* chunk, int h, const int8_t* levels, vfloat* wf) {
@@ -89,8 +89,8 @@ inline void unpack_levels(const uint8_t* chunk, int h, const int8_t* levels, vfl
 }
 inline void unpack8(const uint8_t* chunk, int h, vfloat* wf) {
   const vint w = signed_words(chunk, h);
-  wf[0] = to_float(w << 24);
-  wf[1] = to_float(w >> 8);
+  wf[0] = as_floats(w << 24);
+  wf[1] = as_floats(w >> 8);
 }
 
 // the sum of G float32, in a fixed order: VL-lane vectors added in turn, then a tree

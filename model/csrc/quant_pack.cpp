@@ -8,6 +8,7 @@
 //   hi(q[4c + 1]), hi(q[4c + 3]) (HB bits each, in that order) from bit 4 HB c of the lane's bytes.
 
 #include "kernels.h"
+#include "quant_gemm.h"  // TILE
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -16,8 +17,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int64_t TILE = 16;
 
 // One tile's bytes for one group: rows[j] points at row j's group of q (a padding row's at zeros)
 void pack_group(const uint8_t* const* rows, int64_t bits, int64_t group, uint8_t* out) {
