@@ -69,8 +69,8 @@ else
     stamp="${venv:+$venv/.kvserve-installed}"
     wanted="$(sha256sum pyproject.toml | cut -c1-16)$extras"
     installed="$(cat "$stamp" 2>/dev/null || true)"
-    # The C++ CPU kernels (model/csrc) are compiled here (~1-3 min a tier on 2 cores; an edit recompiles only
-    # what it touched) into this install's own folder: a server start never compiles. A server runs one tier,
+    # The C++ CPU kernels (model/csrc) are compiled here (~75 s a tier on 2 cores; an edit recompiles only
+    # the unit it touched) into this install's own folder: a server start never compiles. A server runs one tier,
     # so `make serve` waits for that one alone; the tests run every tier this CPU can (--test), and
     # KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
     # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
