@@ -63,13 +63,17 @@ class MoeSpec:
 class LinearAttentionSpec:
     """The Gated DeltaNet layers' shape (Qwen3.5, Qwen3-Next: ../shared/MODELS.md §5.3): per value head a
     key_head_dim x value_head_dim float32 state; q and k heads shared by groups of value heads; a causal
-    depthwise convolution of conv_kernel taps over [q, k, v]."""
+    depthwise convolution of conv_kernel taps over [q, k, v]. The value heads are grouped by the key head they
+    read (value head h reads key head h // (value heads / key heads): Hugging Face's order) or tiled (h reads key
+    head h % key heads), as llama.cpp's Qwen3.5 files store them: a GGUF is served in its own order, so that
+    out_proj's K-quant blocks, 256 columns across two value heads, stay as they are."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    tiled_value_heads: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -312,6 +316,7 @@ def linear_attention_spec(cfg: dict) -> LinearAttentionSpec:
         key_head_dim=cfg["linear_key_head_dim"],
         value_head_dim=cfg["linear_value_head_dim"],
         conv_kernel=cfg["linear_conv_kernel_dim"],
+        tiled_value_heads=cfg.get("linear_value_heads_tiled", False),
     )
 
 

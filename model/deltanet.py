@@ -92,7 +92,7 @@ class GatedDeltaNet(nn.Module):
             conv = self.conv.view(spec.conv_dim, spec.conv_kernel)
             return self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
                                recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim,
-                               spec.value_head_dim, self.eps)  # fmt: skip
+                               spec.value_head_dim, self.eps, spec.tiled_value_heads)  # fmt: skip
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
@@ -142,10 +142,9 @@ class GatedDeltaNet(nn.Module):
         spec = self.spec
         q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim))
         group = spec.num_value_heads // spec.num_key_heads
-        q, k = (
-            l2_normalize(h.view(spec.num_key_heads, spec.key_head_dim)).repeat_interleave(group, 0)
-            for h in (q, k)
-        )
+        q, k = (l2_normalize(h.view(spec.num_key_heads, spec.key_head_dim)) for h in (q, k))
+        # value head h reads key head h // group (Hugging Face's order) or, tiled, h % num_key_heads
+        q, k = (h.repeat(group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 0) for h in (q, k))
         q = q * spec.key_head_dim**-0.5
         state.mul_(decay[:, None, None])
         remembered = (state * k[:, :, None]).sum(1)  # [Hv, dv]: what S recalls for this key

@@ -137,5 +137,5 @@ def deltanet_mixer(deltanet, config, layer: int, kernels):
     return kernels.DeltaNetMixer(
         deltanet.in_proj.gemm, deltanet.out.gemm, deltanet.conv.view(spec.conv_dim, spec.conv_kernel),
         deltanet.A_log, deltanet.dt_bias, deltanet.gated_norm, spec.num_key_heads, spec.key_head_dim,
-        spec.value_head_dim, config.linear_layers.index(layer),
+        spec.value_head_dim, spec.tiled_value_heads, config.linear_layers.index(layer),
     )  # fmt: skip

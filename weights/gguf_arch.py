@@ -489,12 +489,17 @@ def key_head_groups(config: dict[str, Any], name: str) -> list[tuple[str, int, s
     return targets
 
 
+def value_heads_tiled(config: dict[str, Any]) -> bool:
+    """Whether llama.cpp's converter stored a Qwen3.5 file's value heads tiled: where key heads are fewer."""
+    return config["linear_num_key_heads"] < config["linear_num_value_heads"]
+
+
 def value_head_order(config: dict[str, Any], name: str) -> Untile | None:
     """How a DeltaNet tensor's value heads are stored (None: as Hugging Face's): in_proj_qkv's v rows and the
     convolution's v channels after q and k, in_proj_z's rows, in_proj_b's and in_proj_a's, A_log and dt_bias (a
     value each), out_proj's columns. The converter reorders only where key heads are fewer than value heads."""
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if key_heads == value_heads:
+    if not value_heads_tiled(config):
         return None
     group, size = value_heads // key_heads, config["linear_value_head_dim"]
     after_qk = 2 * key_heads * config["linear_key_head_dim"]

@@ -47,6 +47,7 @@ from weights.gguf_arch import (
     rope_config,
     tensor_shapes,
     value_head_order,
+    value_heads_tiled,
 )
 from weights.gguf_tokenizer import UnsupportedGGUFError, build_tokenizer
 
@@ -168,9 +169,16 @@ POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.
 class GGUFSource:
     """The model in a GGUF file, read from a memory map. Each tensor read is copied out of the map, and the map's
     pages it touched are let go (madvise): a loader that turns each weight into its own form as it goes holds
-    that form only, never the file's pages besides."""
+    that form only, never the file's pages besides.
 
-    def __init__(self, path: str | Path):
+    A Qwen3.5 file's DeltaNet value heads are served in the file's (llama.cpp's tiled) order, which the config
+    says (`linear_value_heads_tiled`: the model reads each value head's key head accordingly), so that out_proj's
+    K-quant blocks, each across two value heads, stay quantized: in Hugging Face's order they could not be
+    reordered, and out_proj was dequantized to float32 (7x the bytes of Q4_K read at every token).
+    hugging_face_order=True gives every tensor in Hugging Face's order instead (tests set them beside
+    transformers')."""
+
+    def __init__(self, path: str | Path, hugging_face_order: bool = False):
         self.path = Path(path)
         self.name = str(self.path)
         meta, self.tensors, self._map = read_gguf(self.path)  # the tensors' data are views of the map
@@ -178,6 +186,8 @@ class GGUFSource:
         self.family = family_for(meta)
         try:
             self.config = model_config(self.family, meta, self.tensors)
+            if self.family.tiled_value_heads and not hugging_face_order:
+                self.config["linear_value_heads_tiled"] = value_heads_tiled(self.config)
             self.tokenizer, self.tokenizer_config = build_tokenizer(meta)
             self.tokenizer_config["model_max_length"] = self.config["max_position_embeddings"]
             self.shapes = expected_shapes(self.family, self.config)
@@ -491,7 +501,9 @@ def tensor_pieces(
         unpermute = heads.get(target, 0) if family.permute_qk else 0
         norm = kind == "weight" and target.endswith("norm") and target not in family.unshifted
         shift = family.norm_shift if norm else 0.0
-        untile = value_head_order(config, target) if family.tiled_value_heads else None
+        # Qwen3.5's value heads into Hugging Face's order, unless the model reads them as the file has them
+        reorder = family.tiled_value_heads and not config.get("linear_value_heads_tiled")
+        untile = value_head_order(config, target) if reorder else None
         # a tensor stacking every expert's: one piece per expert, of its own Hugging Face tensor
         experts = range(expert_count(config)) if "{e}" in module else [None]
         suffix = "" if short in family.bare else f".{kind}"

@@ -139,7 +139,8 @@ void delta_rule(float* S, int64_t dk, int64_t dv, int64_t n, const float* q, con
 // the last one it keeps). Returns [T, value_dim] in proj's dtype.
 at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
                            at::Tensor norm_w, at::Tensor conv_state, at::Tensor recurrent_state, at::Tensor seqs,
-                           int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps) {
+                           int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps,
+                           bool tiled_value_heads) {
   const int64_t Hv = A_log.size(0), Hk = num_key_heads, dk = key_head_dim, dv = value_head_dim;
   const int64_t C = conv_w.size(0), K = conv_w.size(1), key_dim = Hk * dk, value_dim = Hv * dv;
   TORCH_CHECK(proj.dim() == 2 && proj.is_contiguous() && proj.size(1) == C + value_dim + 2 * Hv, "proj shape");
@@ -226,7 +227,8 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
     at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> beta, decay;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / Hv, h = task % Hv, kh = h / group;
+        // value head h's key head: Hugging Face groups the value heads by key head; llama.cpp's files tile them
+        const int64_t s = task / Hv, h = task % Hv, kh = tiled_value_heads ? h % Hk : h / group;
         const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2], keep_each = sq[5 * s + 4];
         float* S = rs_all + (slot * Hv + h) * dk * dv;  // [dk, dv]
         if (sq[5 * s + 3] != 0) std::fill(S, S + dk * dv, 0.0f);

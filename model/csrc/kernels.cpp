@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_net", &gated_delta_net, "a Gated DeltaNet layer's recurrence for a step (deltanet.cpp)",
         py::arg("proj"), py::arg("conv_w"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_w"),
         py::arg("conv_state"), py::arg("recurrent_state"), py::arg("seqs"), py::arg("num_key_heads"),
-        py::arg("key_head_dim"), py::arg("value_head_dim"), py::arg("eps"), no_gil());
+        py::arg("key_head_dim"), py::arg("value_head_dim"), py::arg("eps"), py::arg("tiled_value_heads"), no_gil());
   m.def("argmax_rows", &argmax_rows, "torch.argmax of each row of [B, V] float32 (argmax.cpp; model/sampling.py)",
         py::arg("x"), no_gil());
   py::class_<QuantSegment>(m, "QuantSegment", py::module_local(), "one format's run of a weight's rows, packed")
@@ -76,13 +76,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DeltaNetMixer>(m, "DeltaNetMixer", py::module_local(), "a Gated DeltaNet token mixer's weights")
       .def(py::init([](QuantGemm in_proj, QuantGemm out, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias,
                        at::Tensor gated_norm, int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim,
-                       int64_t state) {
+                       bool tiled_value_heads, int64_t state) {
              return DeltaNetMixer{std::move(in_proj), std::move(out), conv, A_log, dt_bias, gated_norm,
-                                  num_key_heads, key_head_dim, value_head_dim, state};
+                                  num_key_heads, key_head_dim, value_head_dim, tiled_value_heads, state};
            }),
            py::arg("in_proj"), py::arg("out"), py::arg("conv"), py::arg("A_log"), py::arg("dt_bias"),
            py::arg("gated_norm"), py::arg("num_key_heads"), py::arg("key_head_dim"), py::arg("value_head_dim"),
-           py::arg("state"));
+           py::arg("tiled_value_heads"), py::arg("state"));
   py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
       .def(py::init([](at::Tensor norm1, std::optional<QuantGemm> qkv, std::optional<QuantGemm> o,
                        std::optional<DeltaNetMixer> deltanet, at::Tensor norm2, std::optional<QuantGemm> up,

@@ -24,4 +24,5 @@ at::Tensor uniform_noise(at::Tensor seeds, at::Tensor positions, int64_t vocab_s
 at::Tensor argmax_rows(at::Tensor x);
 at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
                            at::Tensor norm_w, at::Tensor conv_state, at::Tensor recurrent_state, at::Tensor seqs,
-                           int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps);
+                           int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim, double eps,
+                           bool tiled_value_heads);

@@ -135,7 +135,8 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       const DeltaNetMixer& mixer = *layer.deltanet;
       const auto mixed = gated_delta_net(mixer.in_proj(h), mixer.conv, mixer.A_log, mixer.dt_bias, mixer.gated_norm,
                                          (*conv_state)[mixer.state], (*recurrent_state)[mixer.state], *states,
-                                         mixer.num_key_heads, mixer.key_head_dim, mixer.value_head_dim, eps);
+                                         mixer.num_key_heads, mixer.key_head_dim, mixer.value_head_dim, eps,
+                                         mixer.tiled_value_heads);
       out = mixer.out(mixed);
     } else {
       out = layer.o->operator()(attention(layer, h, k_cache, v_cache, slots, block_tables, seqs, block_size, chunk,

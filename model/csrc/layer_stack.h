@@ -51,6 +51,7 @@ struct DeltaNetMixer {
   at::Tensor conv;  // [conv_dim, kernel]
   at::Tensor A_log, dt_bias, gated_norm;  // float32
   int64_t num_key_heads, key_head_dim, value_head_dim;
+  bool tiled_value_heads;  // value head h reads key head h % num_key_heads (llama.cpp's order), else h / group
   int64_t state;
 };
 

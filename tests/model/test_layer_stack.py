@@ -82,6 +82,28 @@ def test_the_stack_gives_the_loops_bits(tiny_model_factory, tier_kernels, arch, 
     assert a.abs().sum() > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_tiled_value_heads_give_the_loops_bits_and_their_own_states(tiny_model_factory, tier_kernels, arch):
+    """A GGUF's Qwen3.5 value heads served as llama.cpp's files store them (each reads key head h % key heads,
+    model/config.py's LinearAttentionSpec): the C++ loop gives the Python loop's bits there too, and the order is
+    read (the same weights read grouped leave other states)."""
+    from tests.helpers.tiny_models import FAMILY_OVERRIDES
+
+    overrides = FAMILY_OVERRIDES.get(arch, {})
+    tiled_path = tiny_model_factory(arch, **overrides, linear_value_heads_tiled=True)
+    states = {}
+    for name, path in (("tiled", tiled_path), ("grouped", tiny_family(tiny_model_factory, arch))):
+        stacked, config = load(path, 4, kernels=tier_kernels, dtype=torch.float32)
+        assert config.linear_attention.tiled_value_heads is (name == "tiled")
+        looped, _ = load(path, 4, stack=False, kernels=tier_kernels, dtype=torch.float32)
+        assert stacked.layer_stack is not None
+        a, cache_a = mixed_step(stacked, config, tier_kernels, torch.float32)
+        b, cache_b = mixed_step(looped, config, tier_kernels, torch.float32)
+        assert torch.equal(a, b) and torch.equal(cache_a.recurrent, cache_b.recurrent)
+        states[name] = cache_a.recurrent
+    assert not torch.equal(states["tiled"], states["grouped"])
+
+
 def test_every_field_of_the_config_is_placed_for_the_stack():
     """covers() is closed: each field of ModelConfig and LayerSpec says what the C++ loop computes of it, so a field
     added for a new family cannot be taken as covered unseen."""

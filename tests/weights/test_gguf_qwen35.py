@@ -136,9 +136,10 @@ def test_metadata_reads_back_as_the_folders_config(qwen35_gguf):
 @pytest.mark.parametrize("kernels", [True, False])
 def test_llama_cpp_gguf_serves_as_transformers_runs_the_folder(qwen35_gguf, kernels):
     model, _, gguf, _ = qwen35_gguf
-    source = GGUFSource(gguf)
+    source = GGUFSource(gguf)  # as served: Qwen3.5's value heads in the file's order
+    hf_order = GGUFSource(gguf, hugging_face_order=True)
     state = model.state_dict()
-    served = as_transformers_holds({name: source.dense(name) for name in source.shapes}, model.config)
+    served = as_transformers_holds({name: hf_order.dense(name) for name in hf_order.shapes}, model.config)
     # every tensor the original's, but those the converter computed on: A_log, as log(-(-exp(A_log))), a rounding
     # or two off; the norms stored as fl(1 + w), given back as fl(fl(1 + w) - 1) (test_gguf_arches.py's Gemma
     # bound), all but DeltaNet's gated norm, stored as it is. Qwen3-Next's projections regrouped exactly.
@@ -187,7 +188,7 @@ def test_q8_0_stays_quantized_and_gives_its_weights_logits(qwen35_gguf):
     assert kinds == ["GGMLBlocks", "GGMLBlocks"]
     original = reference_logits(model)
     model = copy.deepcopy(model)  # the fixture's stays the folder's
-    with_weights(model, source)
+    with_weights(model, GGUFSource(gguf, hugging_face_order=True))
     want = reference_logits(model)
     kernels = QuantizedLinear(cpu_kernels(), PlainLinear())
     ours, bits = served_logits(source, kernels, True)
@@ -204,6 +205,30 @@ def test_q8_0_stays_quantized_and_gives_its_weights_logits(qwen35_gguf):
     # 0.11 with the MoE's routing flips; through the DeltaNet's state the error grows along the prompt)
     error = (ours - original).abs().mean()
     assert error < 0.2 * original.std(), (error, original.std())
+
+
+@pytest.mark.timeout(120)
+def test_value_heads_are_served_in_the_files_order_so_k_quant_blocks_stay(qwen35_gguf):
+    """llama.cpp's converter stores a Qwen3.5 file's value heads tiled where key heads are fewer (here 2 and 4);
+    kvserve serves them in that order (the model reads key head h % 2 for value head h), so every DeltaNet tensor
+    is read as stored and out_proj stays quantized even in a K-quant, whose 256-column blocks span two value heads
+    and could not be put in Hugging Face's order (Q4_K_M's out_proj was dequantized to float32: 7x its bytes read
+    at every token). The logits are transformers' either way (test_llama_cpp_gguf_serves_as_transformers_...)."""
+    from gguf import GGMLQuantizationType
+
+    _, _, _, q8_0 = qwen35_gguf
+    served, hf_order = GGUFSource(q8_0), GGUFSource(q8_0, hugging_face_order=True)
+    tiled = served.family.tiled_value_heads  # Qwen3.5's and Qwen3.5-MoE's files; Qwen3-Next's group by key head
+    assert served.config.get("linear_value_heads_tiled", False) is tiled
+    assert "linear_value_heads_tiled" not in hf_order.config
+    layer = served.config["layer_types"].index("linear_attention")
+    out_proj = f"model.layers.{layer}.linear_attn.out_proj.weight"
+    assert all(piece.exact(GGMLQuantizationType.Q4_K) for piece in served.plan[out_proj])
+    assert all(piece.exact(GGMLQuantizationType.Q4_K) for piece in hf_order.plan[out_proj]) is not tiled
+    assert served.dense(out_proj).shape == hf_order.dense(out_proj).shape
+    if tiled:  # the same columns, in another order
+        assert not torch.equal(served.dense(out_proj), hf_order.dense(out_proj))
+        assert torch.equal(served.dense(out_proj).sort(1).values, hf_order.dense(out_proj).sort(1).values)
 
 
 @pytest.mark.timeout(300)
