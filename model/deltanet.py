@@ -144,7 +144,9 @@ class GatedDeltaNet(nn.Module):
         group = spec.num_value_heads // spec.num_key_heads
         q, k = (l2_normalize(h.view(spec.num_key_heads, spec.key_head_dim)) for h in (q, k))
         # value head h reads key head h // group (Hugging Face's order) or, tiled, h % num_key_heads
-        q, k = (h.repeat(group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 0) for h in (q, k))
+        q, k = (
+            h.repeat(group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 0) for h in (q, k)
+        )
         q = q * spec.key_head_dim**-0.5
         state.mul_(decay[:, None, None])
         remembered = (state * k[:, :, None]).sum(1)  # [Hv, dv]: what S recalls for this key

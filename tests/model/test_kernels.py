@@ -47,6 +47,7 @@ def test_two_source_trees_sharing_a_venv_keep_their_own_builds(tmp_path, monkeyp
     newer = kernels.build(tier)
     assert not trees["b"].exists() and newer.is_dir() and trees["a"].is_dir()
 
+
 def test_every_source_compiles_in_exactly_one_unit(tmp_path):
     """The unity build's units hold every .cpp of model/csrc once (a source left out would fail only when its
     module loads, one in two units twice over at link), and a unit file is rewritten only when its text changes,
@@ -62,7 +63,6 @@ def test_every_source_compiles_in_exactly_one_unit(tmp_path):
     written = [p.stat().st_mtime_ns for p in paths]
     kernels.write_units(tmp_path)
     assert [p.stat().st_mtime_ns for p in paths] == written
-
 
 
 def transformers_rms_norm(x, weight, eps):

@@ -218,7 +218,8 @@ def test_value_heads_are_served_in_the_files_order_so_k_quant_blocks_stay(qwen35
 
     _, _, _, q8_0 = qwen35_gguf
     served, hf_order = GGUFSource(q8_0), GGUFSource(q8_0, hugging_face_order=True)
-    tiled = served.family.tiled_value_heads  # Qwen3.5's and Qwen3.5-MoE's files; Qwen3-Next's group by key head
+    # Qwen3.5's and Qwen3.5-MoE's files; Qwen3-Next's group their heads by key head
+    tiled = served.family.tiled_value_heads
     assert served.config.get("linear_value_heads_tiled", False) is tiled
     assert "linear_value_heads_tiled" not in hf_order.config
     layer = served.config["layer_types"].index("linear_attention")
