@@ -8,6 +8,8 @@ switched later.
 import enum
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from model.attention import TorchAttention, min_query_len_for_invariance
 from model.attention_cpu import CpuKernelAttention
 from model.config import ModelConfig
 from model.cpu_tier import CpuTier
+from model.huge_pages import on_huge_pages
 from model.kv_cache import KVCache
 from model.linear import Linear, OneDnnLinear, PlainLinear
 from model.loader import load_model, model_name, stores_quantized
@@ -95,6 +98,12 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         layout.num_snapshots,
         layout.num_draft_slots,
     )
+    if device.type == "cpu":  # what every step streams, onto 2 MiB pages (model/huge_pages.py)
+        packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+        streamed = [*model.parameters(), *model.buffers(), *packed, *kv_cache.pools()]
+        threading.Thread(
+            target=move_to_huge_pages, args=(streamed,), name="kvserve-huge-pages", daemon=True
+        ).start()
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size)
     else:
@@ -118,6 +127,15 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     if cpu_kernels is not None:
         sampler = SamplerKernels(cpu_kernels.uniform_noise, cpu_kernels.argmax_rows)
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
+    """on_huge_pages, on a thread of its own: the kernel copies the pages (~0.5 GB/s measured, 2.8 GB in ~5 s
+    on the Qwen3.6-35B-A3B cut), and the server answers meanwhile, a little slower, rather than starting later.
+    A page moves under the running kernels safely: the values never change."""
+    start = time.monotonic()
+    moved = on_huge_pages(tensors)
+    log.info("%.2f GiB of weights and cache on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:

@@ -1,0 +1,51 @@
+"""model/huge_pages.py: which 2 MiB frames are asked for, and that moving them keeps every value."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.huge_pages import HUGE_PAGE, frames_to_move, on_huge_pages
+
+MiB = 1 << 20
+
+
+def test_a_frame_is_moved_when_the_tensors_fill_half_of_it():
+    base = 100 * HUGE_PAGE
+    # one tensor over frames 100-102 whose last quarter of frame 102 is someone else's
+    assert frames_to_move({(base, 2 * HUGE_PAGE + 3 * MiB // 2)}) == [100, 101, 102]
+    # a tensor ending a quarter into a frame leaves that frame alone
+    assert frames_to_move({(base, HUGE_PAGE + MiB // 2)}) == [100]
+    # small neighbours (an MoE layer's experts) fill a frame together
+    experts = {(base + i * 600 * 1024, 600 * 1024) for i in range(4)}
+    assert frames_to_move(experts) == [100]
+    # one small tensor alone does not move a frame; an empty one counts for nothing
+    assert frames_to_move({(base + 5, 64 * 1024), (base + 3 * HUGE_PAGE, 0)}) == []
+
+
+def anon_huge_bytes(start: int, end: int) -> int:
+    """AnonHugePages of the mappings overlapping [start, end), from /proc/self/smaps."""
+    total, overlapping = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlapping = lo < end and start < hi
+        elif head == "AnonHugePages:" and overlapping:
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_moving_keeps_the_values_and_what_it_says_it_moved_is_on_huge_pages():
+    weights = torch.arange(3 * HUGE_PAGE // 4, dtype=torch.float32)  # 6 MiB
+    before = weights.clone()
+    moved = on_huge_pages([weights, torch.empty(4, device="meta")])
+    assert torch.equal(weights, before)
+    start = weights.data_ptr()
+    assert moved % HUGE_PAGE == 0 and moved <= len(frames_to_move({(start, 6 * MiB)})) * HUGE_PAGE
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and "[never]" in mode.read_text():
+        assert moved == 0
+    assert anon_huge_bytes(start, start + 6 * MiB) >= moved
