@@ -28,7 +28,9 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> int:
     by side (an MoE layer's experts) share frames, and a frame mostly of other memory is left alone."""
     if not sys.platform.startswith("linux"):
         return 0
-    storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
+    # strided CPU tensors only: a meta tensor has no memory, oneDNN's packed weights (layout torch._mkldnn) no
+    # storage Python can see
+    storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu" and t.layout == torch.strided]
     frames = frames_to_move({(s.data_ptr(), s.nbytes()) for s in storages})
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

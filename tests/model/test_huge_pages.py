@@ -41,7 +41,14 @@ def anon_huge_bytes(start: int, end: int) -> int:
 def test_moving_keeps_the_values_and_what_it_says_it_moved_is_on_huge_pages():
     weights = torch.arange(3 * HUGE_PAGE // 4, dtype=torch.float32)  # 6 MiB
     before = weights.clone()
-    moved = on_huge_pages([weights, torch.empty(4, device="meta")])
+    # what else a model holds is passed over: a weight dropped to the meta device, oneDNN's packed weight
+    packed = (
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64), 1)
+        if torch.backends.mkldnn.is_available()
+        else None
+    )
+    others = [torch.empty(4, device="meta"), *([packed] if packed is not None else [])]
+    moved = on_huge_pages([weights, *others])
     assert torch.equal(weights, before)
     start = weights.data_ptr()
     assert moved % HUGE_PAGE == 0 and moved <= len(frames_to_move({(start, 6 * MiB)})) * HUGE_PAGE
