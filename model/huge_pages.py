@@ -1,13 +1,15 @@
-"""The memory a decode step streams (weights, K/V, DeltaNet states) on 2 MiB pages where the kernel allows it.
+"""The weights a decode step streams, on 2 MiB pages where the kernel allows it.
 
 A one-row GEMM reads each weight byte once from memory; on 4 KiB pages every 4 KiB is also a TLB miss and a
 stop for the hardware prefetcher. Measured on an AMD EPYC (Zen 3) VM, 2 threads, Qwen3.5's ~1.5B shape at
-Q4_K_M, half the layers' one-row GEMMs on 2 MiB pages against the other half on 4 KiB pages, interleaved in one
-process: gate_up 1.06-1.10x and down 1.08-1.16x faster. Linux gives anonymous memory 2 MiB pages (transparent
-huge pages) where a range asks for them (MADV_HUGEPAGE) when THP is `madvise` (most distributions' default) or
-`always`; MADV_COLLAPSE (Linux 6.1) moves memory already written onto them now, rather than whenever khugepaged
-passes. Every step is best effort: a kernel without THP or without room for 2 MiB pages leaves the pages as they
-were, and the values are never touched.
+Q4_K_M, in one process with half the layers' weights on 2 MiB pages, each half timed right after the other
+(paired ratios, median and quartiles of 190): one-row gate_up 1.06x (1.03-1.10) faster, down 1.10x
+(1.03-1.16); whole decode steps of two engines in one process, 22 pairs: 1.10x (1.03-1.14) on that shape, no
+change (0.99x, 0.88-1.04) on the Qwen3.6-35B-A3B cut, whose experts are read 1.7 MiB at a time. Linux gives anonymous memory
+2 MiB pages (transparent huge pages) where a range asks for them (MADV_HUGEPAGE) when THP is `madvise` (most
+distributions' default) or `always`; MADV_COLLAPSE (Linux 6.1) moves memory already written onto them now,
+rather than whenever khugepaged passes. Every step is best effort: a kernel without THP or without room for 2 MiB
+pages leaves the pages as they were, and the values are never touched.
 """
 
 import ctypes

@@ -56,10 +56,6 @@ class KVCache:
             layers |= {i: (self.conv[j], self.recurrent[j]) for j, i in enumerate(config.linear_layers)}
         self._layers = [layers[i] for i in range(config.num_layers)]  # views made once
 
-    def pools(self) -> list[torch.Tensor]:
-        """Every pool: K and V, and a hybrid's DeltaNet states."""
-        return [self.k, self.v, *((self.conv, self.recurrent) if hasattr(self, "conv") else ())]
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (K, V) pools, or a DeltaNet layer's (convolution, recurrent) state pools."""
         return self._layers[i]
