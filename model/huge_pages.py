@@ -5,11 +5,12 @@ stop for the hardware prefetcher. Measured on an AMD EPYC (Zen 3) VM, 2 threads,
 Q4_K_M, in one process with half the layers' weights on 2 MiB pages, each half timed right after the other
 (paired ratios, median and quartiles of 190): one-row gate_up 1.06x (1.03-1.10) faster, down 1.10x
 (1.03-1.16); whole decode steps of two engines in one process, 22 pairs: 1.10x (1.03-1.14) on that shape, no
-change (0.99x, 0.88-1.04) on the Qwen3.6-35B-A3B cut, whose experts are read 1.7 MiB at a time. Linux gives anonymous memory
-2 MiB pages (transparent huge pages) where a range asks for them (MADV_HUGEPAGE) when THP is `madvise` (most
-distributions' default) or `always`; MADV_COLLAPSE (Linux 6.1) moves memory already written onto them now,
-rather than whenever khugepaged passes. Every step is best effort: a kernel without THP or without room for 2 MiB
-pages leaves the pages as they were, and the values are never touched.
+change (0.99x, 0.88-1.04) on the Qwen3.6-35B-A3B cut, whose experts are read 1.7 MiB at a time.
+
+Linux gives anonymous memory 2 MiB pages (transparent huge pages) where a range asks for them (MADV_HUGEPAGE)
+when THP is `madvise` (most distributions' default) or `always`; MADV_COLLAPSE (Linux 6.1) moves memory already
+written onto them now, rather than whenever khugepaged passes. Every step is best effort: a kernel without THP
+or without room for 2 MiB pages leaves the pages as they were, and the values are never touched.
 """
 
 import ctypes

@@ -79,6 +79,12 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
+    if device.type == "cpu":  # the weights every step streams, onto 2 MiB pages (model/huge_pages.py), beside
+        # what start-up does next (the cache's zeroing among it)
+        weights = [*model.parameters(), *model.buffers()]
+        threading.Thread(
+            target=move_to_huge_pages, args=(weights,), name="kvserve-huge-pages", daemon=True
+        ).start()
     # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
     # by the kernel or padded. On GPUs kvserve does not make them so.
     gemms_invariant = invariant or all(
@@ -98,11 +104,6 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         layout.num_snapshots,
         layout.num_draft_slots,
     )
-    if device.type == "cpu":  # the weights every step streams, onto 2 MiB pages (model/huge_pages.py)
-        weights = [*model.parameters(), *model.buffers()]
-        threading.Thread(
-            target=move_to_huge_pages, args=(weights,), name="kvserve-huge-pages", daemon=True
-        ).start()
     if cpu_kernels is not None:  # batch-invariant as it is
         attention = CpuKernelAttention(cpu_kernels, config.block_size)
     else:
