@@ -112,9 +112,11 @@ def test_claude_code_against_kvserve(claude, new_engine, default_model_dir, serv
     home.mkdir()
     workdir.mkdir()
     (workdir / "notes.txt").write_text("The kettle is in the second cupboard.\n")
-    # CLAUDE_CODE_EXTRA_BODY goes into every request: greedy replies, each ending at its first blank line, as
-    # the small model left alone may write until the output limit, which Claude Code fails as an error.
-    short = json.dumps({"temperature": 0, "stop_sequences": ["\n\n"]})
+    # CLAUDE_CODE_EXTRA_BODY goes into every request: greedy replies, each ending at its first sentence or blank
+    # line, as the small model left alone may write until the output limit, which Claude Code fails as an error.
+    # (A blank line alone was not enough: Claude Code's prompt holds this folder's path and today's date, and on
+    # some of them the greedy reply ran 256 tokens of sentences.)
+    short = json.dumps({"temperature": 0, "stop_sequences": ["\n\n", ". ", ".\n"]})
     with serve_app(server) as url:
         # The session: Claude Code's own requests, the model free to answer or to call a tool.
         status, result, stderr = run_claude(

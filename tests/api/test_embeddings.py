@@ -5,6 +5,7 @@ clear 400 in OpenAI's error shape, never a 500, while other requests carry on.""
 import asyncio
 import base64
 import importlib
+import json
 import math
 import struct
 import sys
@@ -281,10 +282,15 @@ def test_a_drain_that_aborts_an_embedding_answers_503(
 
     from server.api.app import drain
 
-    engine = new_engine(make_embedder(qwen3_dir, tmp_path / "tiny-qwen3-embedding"), max_num_seqs=1)
+    model = make_embedder(qwen3_dir, tmp_path / "tiny-qwen3-embedding")
+    # A generation that outlasts the drain's 0.3 s on any host: 240 tokens (the tiny model's context allowed
+    # no more) took less than that on a Zen 4, which then served the embedding before the drain ended.
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    engine = new_engine(model, max_num_seqs=1)
     url, app = start_server(engine, shutdown_timeout=0.3)
     answers = []
-    long = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    long = {"prompt": "hello", "max_tokens": 8000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=long):
         wait_for(lambda: engine.stats().num_running == 1, what="the generation running")
         waiting = threading.Thread(
