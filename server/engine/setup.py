@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +80,6 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         ", small batches padded for batch invariance" if invariant else "",
         "kvserve's C++ CPU kernels" if cpu_kernels else "PyTorch ops",
     )
-    if device.type == "cpu":  # the weights every step streams, onto 2 MiB pages (model/huge_pages.py), beside
-        # what start-up does next (the cache's zeroing among it)
-        weights = [*model.parameters(), *model.buffers()]
-        threading.Thread(
-            target=move_to_huge_pages, args=(weights,), name="kvserve-huge-pages", daemon=True
-        ).start()
     # Every step op batch-invariant: GEMMs padded or all quantized (the kernel is invariant as it is), attention
     # by the kernel or padded. On GPUs kvserve does not make them so.
     gemms_invariant = invariant or all(
@@ -129,15 +124,27 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
 
 
-def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """on_huge_pages, on a thread of its own: the kernel copies the pages (~0.5 GB/s measured here: 0.9 GB of
-    Qwen3.5 ~1.5B's Q4_K_M weights in ~2 s), and the server answers meanwhile, a little slower, rather than
-    starting later. A page moves under the running kernels safely: the values never change. The K/V and DeltaNet
-    states stay on 4 KiB pages: a step reads a few MiB of them at one token, and copying a 2 GiB cache of zeros
-    would only delay the weights."""
-    start = time.monotonic()
-    moved = on_huge_pages(tensors)
-    log.info("%.2f GiB of weights on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
+def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> None:
+    """The weights every step streams, onto 2 MiB pages (model/huge_pages.py), on a thread of its own, a frame
+    at a time while the engine is idle (busy() false). The kernel copies the pages at 0.3-0.5 GB/s (0.9 GB of
+    Qwen3.5 ~1.5B's Q4_K_M weights in ~2 s, 2.2 GB of a Qwen3.6 MoE cut in 7 s), a core's work that slows every
+    step beside it: moved beside running requests, the first ones after start ran 2-3x slower (Zen 4, 2 cores,
+    the MoE cut), and moved a frame every 50 ms, 1.2x slower for a minute. Idle, it costs no request anything;
+    a server busy without a pause keeps 4 KiB pages until its first quiet moment. A page moves under running
+    kernels safely: the values never change. The K/V and DeltaNet states stay on 4 KiB pages: a step reads a
+    few MiB of them at one token."""
+    weights = [*model.parameters(), *model.buffers()]
+
+    def wait_while_busy() -> None:
+        while busy():
+            time.sleep(0.005)
+
+    def move() -> None:
+        start = time.monotonic()
+        moved = on_huge_pages(weights, wait_while_busy)
+        log.info("%.2f GiB of weights on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
+
+    threading.Thread(target=move, name="kvserve-huge-pages", daemon=True).start()
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:

@@ -56,3 +56,37 @@ def test_moving_keeps_the_values_and_what_it_says_it_moved_is_on_huge_pages():
     if mode.exists() and "[never]" in mode.read_text():
         assert moved == 0
     assert anon_huge_bytes(start, start + 6 * MiB) >= moved
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_the_server_moves_the_weights_only_while_its_engine_is_idle(caplog):
+    """server/engine/setup.py's move: each frame waits for busy() to be false (moving beside running requests
+    slowed them 2-3x), then goes on at full pace."""
+    import logging
+    import threading
+    import time
+
+    from server.engine.setup import move_to_huge_pages
+
+    model = torch.nn.Linear(1024, 1536, bias=False)  # 6 MiB of weights
+    start = model.weight.data_ptr()
+    frames = frames_to_move({(start, model.weight.nbytes)})
+    assert frames
+    idle, checks = threading.Event(), []
+    before = anon_huge_bytes(start, start + model.weight.nbytes)  # THP `always` may have given some already
+
+    def busy() -> bool:
+        checks.append(anon_huge_bytes(start, start + model.weight.nbytes))
+        return not idle.is_set()
+
+    with caplog.at_level(logging.INFO, logger="server.engine.setup"):
+        move_to_huge_pages(model, busy)
+        time.sleep(0.3)
+        assert len(checks) > 10 and set(checks) == {before}  # polled, and nothing moved while busy
+        polled = len(checks)
+        idle.set()
+        deadline = time.monotonic() + 30
+        while not any("on 2 MiB pages" in r.message for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert any("on 2 MiB pages" in r.message for r in caplog.records)
+    assert len(checks) - polled >= len(frames) - 1  # idle: each remaining frame asked once, then moved
