@@ -90,3 +90,23 @@ def test_the_server_moves_the_weights_only_while_its_engine_is_idle(caplog):
             time.sleep(0.05)
     assert any("on 2 MiB pages" in r.message for r in caplog.records)
     assert len(checks) - polled >= len(frames) - 1  # idle: each remaining frame asked once, then moved
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_under_a_load_without_pause_the_move_goes_on_a_frame_a_second(caplog):
+    import logging
+    import time
+
+    from server.engine.setup import move_to_huge_pages
+
+    model = torch.nn.Linear(1024, 1536, bias=False)
+    frames = frames_to_move({(model.weight.data_ptr(), model.weight.nbytes)})
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="server.engine.setup"):
+        move_to_huge_pages(model, busy=lambda: True)
+        while (
+            not any("on 2 MiB pages" in r.message for r in caplog.records) and time.monotonic() < start + 30
+        ):
+            time.sleep(0.05)
+    assert any("on 2 MiB pages" in r.message for r in caplog.records)
+    assert time.monotonic() - start >= 0.9 * len(frames)  # each frame waited its second for a quiet moment
