@@ -124,8 +124,11 @@ def _q6_k(b, N, K):  # ql[128], qh[64], int8 scales[16], d: w = d sc (q - 32) = 
     q = (low | (high.flatten(-2) << 4)).reshape(N, K)  # 0..63
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(N, -1)
     d = _half(b, 208)
-    # the minimum's sub-scale is the scale's own (one tensor: no bytes more); -32 d exact unless it overflows,
-    # and (d sc) q + (-32 d) sc is d sc (q - 32) exactly in float32 (24 significant bits at most)
+    # the minimum's sub-scale is the scale's own (one tensor: no bytes more), its super-block's -32 d, and
+    # (d sc) q + (-32 d) sc is d sc (q - 32) exactly in float32 (24 significant bits at most). The kernels take
+    # m as -32 d (model/csrc/quant_gemm.h, Q6_K_GROUP): a d whose -32 d is no float16 is dequantized instead
+    if d.numel() and d.float().abs().max() * 32 > torch.finfo(torch.float16).max:
+        raise NotExactError(f"Q6_K scales up to {d.float().abs().max():.0f}: -32 d is no float16")
     return QuantizedTensor(6, q, sc, sc, d, (-32 * d.float()).half(), group=16, kind="Q6_K")
 
 

@@ -41,6 +41,8 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
               "a quantized form no kernel runs: 4 bits in groups of 32 (with a minimum, or IQ4's levels), 5 bits in "
               "groups of 32 or 6 in groups of 16 with minimums, 8 in groups of 32 without");
   TORCH_CHECK(K % s.group == 0, "K must be a multiple of the group");
+  TORCH_CHECK(s.group != Q6_K_GROUP || (s.supers && s.mins && s.mins->is_same(s.scales)),
+              "groups of 16 are Q6_K's: int8 sub-scales that are their own sub-minimums, super-blocks of 256");
   const int64_t tiles = (s.n + TILE - 1) / TILE, groups = K / s.group;
   TORCH_CHECK(s.packed.scalar_type() == at::kByte && s.packed.is_contiguous() &&
                   s.packed.numel() == tiles * groups * TILE * s.group * s.bits / 8,

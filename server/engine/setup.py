@@ -124,7 +124,7 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
 
 
-def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> None:
+def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> threading.Thread:
     """The weights every step streams, onto 2 MiB pages (model/huge_pages.py), on a thread of its own, a frame
     at a time when the engine is idle (busy() false). The kernel copies the pages at 0.3-0.5 GB/s (0.9 GB of
     Qwen3.5 ~1.5B's Q4_K_M weights in ~2 s, 2.2 GB of a Qwen3.6 MoE cut in 7 s), a core's work that slows every
@@ -145,7 +145,9 @@ def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> None
         moved = on_huge_pages(weights, wait_for_a_quiet_moment)
         log.info("%.2f GiB of weights on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
 
-    threading.Thread(target=move, name="kvserve-huge-pages", daemon=True).start()
+    thread = threading.Thread(target=move, name="kvserve-huge-pages", daemon=True)
+    thread.start()
+    return thread
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:

@@ -180,6 +180,24 @@ def test_mxfp4_scales_no_float16_holds_are_dequantized_exactly():
 
 
 @pytest.mark.timeout(60)
+def test_q6_k_scales_whose_minimum_is_no_float16_are_dequantized_exactly():
+    """The kernels take a Q6_K group's minimum as -32 d (model/csrc/quant_gemm.h): a d above 2047 (no real
+    checkpoint's), whose -32 d overflows float16, cannot be kept so: that weight is dequantized instead, exactly.
+    One just inside stays quantized and multiplies as gguf-py dequantizes it."""
+    blocks = random_blocks("Q6_K", 4, 256, seed=11)
+    blocks[0, 208:210] = np.array([2048.0], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="no float16"):
+        from_gguf_blocks("Q6_K", torch.from_numpy(blocks), (4, 256))
+    dense = gguf_weight("Q6_K", torch.from_numpy(blocks), (4, 256))
+    assert isinstance(dense, torch.Tensor) and torch.equal(
+        dense.double(), torch.from_numpy(reference("Q6_K", blocks))
+    )
+    blocks[0, 208:210] = np.array([-2047.0], dtype=np.float16).view(np.uint8)
+    qt = from_gguf_blocks("Q6_K", torch.from_numpy(blocks), (4, 256))
+    assert torch.equal(qt.dequantize().double(), torch.from_numpy(reference("Q6_K", blocks)))
+
+
+@pytest.mark.timeout(60)
 def test_wrong_sizes_and_types_are_refused():
     with pytest.raises(ValueError, match="not kept quantized"):
         from_gguf_blocks("Q3_K", torch.zeros(1, 110, dtype=torch.uint8), (1, 256))
