@@ -56,3 +56,27 @@ def test_moving_keeps_the_values_and_what_it_says_it_moved_is_on_huge_pages():
     if mode.exists() and "[never]" in mode.read_text():
         assert moved == 0
     assert anon_huge_bytes(start, start + 6 * MiB) >= moved
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_packed_weights_are_written_onto_huge_pages_and_the_move_does_not_wait_on_them():
+    """model/csrc/quant_pack.cpp asks for 2 MiB pages before it writes a packed weight, so the frames wholly inside
+    it are on them from the start; the move then finds them there in microseconds and does not wait for a quiet
+    moment before the next (only before the first, and after the two edge frames the pack could not ask for)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    from model.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built here")
+    q = torch.randint(0, 16, (8192, 3072), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = kernels.pack_quant(q, 4, 32)  # 12 MiB
+    start, end = packed.data_ptr(), packed.data_ptr() + packed.nbytes
+    interior = (end // HUGE_PAGE) - (start + HUGE_PAGE - 1) // HUGE_PAGE
+    assert interior >= 5
+    assert anon_huge_bytes(start, end) >= interior * HUGE_PAGE
+    waits = []
+    on_huge_pages([packed], lambda: waits.append(1))
+    assert 1 <= len(waits) <= 3 < len(frames_to_move({(start, packed.nbytes)}))
