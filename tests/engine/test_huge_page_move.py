@@ -2,6 +2,7 @@
 
 import ctypes
 import logging
+import mmap
 import sys
 import threading
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.huge_pages import HUGE_PAGE, frames_to_move
+from model.huge_pages import frames_to_move
 from server.engine.setup import move_to_huge_pages
 
 
@@ -47,17 +48,20 @@ def test_the_server_moves_the_weights_only_while_its_engine_is_idle(caplog):
 
 
 def on_small_pages(rows: int, cols: int) -> torch.nn.Linear:
-    """A Linear whose weight is written on 4 KiB pages, whatever the host's THP mode (`always` would give a fresh
-    6 MiB 2 MiB pages at once): each of its frames is work for the move."""
-    weight = torch.empty(rows, cols)
+    """A Linear whose weight is written on 4 KiB pages in memory of its own, whatever the host's THP mode and
+    whatever the process allocated before (a 6 MiB torch.empty can reuse memory already on 2 MiB pages, which the
+    move then finds there in microseconds): each of its frames is work for the move."""
+    size = rows * cols * 4
+    memory = mmap.mmap(-1, size)  # a fresh anonymous mapping: nothing written yet
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = -(-weight.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (weight.data_ptr() + weight.nbytes) // HUGE_PAGE * HUGE_PAGE
-    libc.madvise(start, end - start, 15)  # MADV_NOHUGEPAGE, before anything is written
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    assert libc.madvise(address, size, 15) == 0  # MADV_NOHUGEPAGE, before anything is written
+    weight = torch.frombuffer(memory, dtype=torch.float32).view(rows, cols)
     weight.normal_()
     model = torch.nn.Linear(cols, rows, bias=False)
     model.weight = torch.nn.Parameter(weight)
+    model.memory = memory  # kept as long as the weight
     return model
 
 
