@@ -15,7 +15,6 @@ or without room for 2 MiB pages leaves the pages as they were, and the values ar
 
 import ctypes
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -24,9 +23,6 @@ import torch
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # include/uapi/asm-generic/mman-common.h
 MADV_COLLAPSE = 25
-# seconds a frame's madvise takes beyond which the kernel copied it (2 MiB at the 0.3-0.5 GB/s it copies: 4-7 ms;
-# a frame already on a 2 MiB page: microseconds)
-COPIED_IN = 0.0005
 
 
 def on_huge_pages(tensors: list[torch.Tensor], before_each_frame: Callable[[], None] = lambda: None) -> int:
@@ -34,10 +30,7 @@ def on_huge_pages(tensors: list[torch.Tensor], before_each_frame: Callable[[], N
 
     A 2 MiB frame is asked for when at least half of it holds these tensors' bytes: small tensors allocated side
     by side (an MoE layer's experts) share frames, and a frame mostly of other memory is left alone.
-    before_each_frame may wait: the kernel moves a frame under the process's memory-map lock, a few ms each. It is
-    called before the first frame and after each that took the kernel real work (COPIED_IN): a frame already on a
-    2 MiB page (the quantized weights are packed onto them: model/csrc/quant_pack.cpp) or one it cannot move
-    answers in microseconds, and waiting before each of those held a busy server's move a second a frame."""
+    before_each_frame may wait: the kernel moves a frame under the process's memory-map lock, a few ms each."""
     if not sys.platform.startswith("linux"):
         return 0
     # strided CPU tensors only: a meta tensor has no memory, oneDNN's packed weights (layout torch._mkldnn) no
@@ -46,14 +39,11 @@ def on_huge_pages(tensors: list[torch.Tensor], before_each_frame: Callable[[], N
     frames = frames_to_move({(s.data_ptr(), s.nbytes()) for s in storages})
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    moved, worked = 0, True
+    moved = 0
     for frame in frames:  # one at a time, so that a frame that cannot move fails alone
-        if worked:
-            before_each_frame()
-        start = time.perf_counter()
+        before_each_frame()
         libc.madvise(frame * HUGE_PAGE, HUGE_PAGE, MADV_HUGEPAGE)
         moved += HUGE_PAGE * (libc.madvise(frame * HUGE_PAGE, HUGE_PAGE, MADV_COLLAPSE) == 0)
-        worked = time.perf_counter() - start > COPIED_IN
     return moved
 
 

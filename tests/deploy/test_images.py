@@ -179,7 +179,9 @@ def test_cpu_image_serves_turns_healthy_and_drains_on_stop(oci_engine, run_flags
         lines: list[str] = []
 
         def stream() -> None:
-            request = {**body, "max_tokens": 16}
+            # long enough to be running when the stop arrives: 16 tokens took 0.1 s, less than `podman stop` takes
+            # to signal, and the drain then found no request in flight (red in make test)
+            request = {**body, "max_tokens": 1500}
             with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
                 lines.extend(line for line in r.iter_lines() if line)
 
