@@ -12,27 +12,45 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <cstring>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace {
 
-// Asks Linux for 2 MiB pages under the frames wholly inside [p, p + n) before anything is written there, so that
-// the first writes fault them in whole (transparent huge pages where the system allows; MADV_HUGEPAGE is a hint,
-// its failure harmless). The packed weights are most of what a decode step streams: on 4 KiB pages they waited
-// for model/huge_pages.py's move, which copies each frame again and, beside running requests, a frame a second
-// (Qwen3.5 ~1.5B's 888 MiB: seven minutes of a busy server's steps on 4 KiB pages)
-void ask_huge_pages(void* p, size_t n) {
+// Bytes for a packed weight, in memory of their own from a 2 MiB boundary (mmap) with 2 MiB pages asked for
+// (MADV_HUGEPAGE) before anything is written there, so that the first writes fault its whole frames in as 2 MiB
+// pages (transparent huge pages where the system allows; the hint's failure is harmless). The packed weights are
+// most of what a decode step streams, and the allocator's memory is no place for them: a buffer of less than
+// glibc's mmap threshold (raised up to 32 MiB by the load's own freed temporaries) comes from memory already
+// faulted in on 4 KiB pages, which the hint does not change. So it was for Qwen3.5 ~1.5B's Q4_K_M: 104 of its
+// 888 MiB on 2 MiB pages after load, and a busy server's decode steps 1.4x slower (38 against 27 ms, Zen 4)
+// for the minutes model/huge_pages.py's move took to copy them, a frame a second. The last partial frame stays
+// on 4 KiB pages: a 2 MiB page there would be mostly empty. Less than a frame: the allocator's memory.
+at::Tensor empty_on_huge_pages(int64_t n) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t HUGE = uintptr_t{2} << 20;
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p), begin = (at + HUGE - 1) & ~(HUGE - 1), end = (at + n) & ~(HUGE - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  constexpr size_t HUGE = size_t{2} << 20;
+  const size_t bytes = static_cast<size_t>(n), whole = bytes / HUGE * HUGE;
+  if (whole > 0) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE)), used = (bytes + page - 1) / page * page;
+    void* raw = mmap(nullptr, used + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw != MAP_FAILED) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw), at = (begin + HUGE - 1) & ~(HUGE - 1);
+      if (at > begin) munmap(raw, at - begin);  // the slack before the boundary and after the buffer
+      if (begin + HUGE > at) munmap(reinterpret_cast<void*>(at + used), begin + HUGE - at);
+      madvise(reinterpret_cast<void*>(at), whole, MADV_HUGEPAGE);
+      return at::from_blob(reinterpret_cast<void*>(at), {n}, [used](void* p) { munmap(p, used); },
+                           at::TensorOptions().dtype(at::kByte));
+    }
+  }
 #endif
+  return at::empty({n}, at::TensorOptions().dtype(at::kByte));
 }
 
 // One tile's bytes for one group: rows[j] points at row j's group of q (a padding row's at zeros)
@@ -72,10 +90,9 @@ at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group) {
   q = q.contiguous();
   const int64_t N = q.size(0), K = q.size(1), T = (N + TILE - 1) / TILE, G = K / group;
   const int64_t bytes = 2 * group * bits;
-  auto packed = at::empty({T, G, bytes}, q.options().dtype(at::kByte));
+  auto packed = empty_on_huge_pages(T * G * bytes).view({T, G, bytes});
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   auto* out = packed.data_ptr<uint8_t>();
-  ask_huge_pages(out, packed.numel());
   const std::vector<uint8_t> zeros(group, 0);  // the padding rows' q
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     const uint8_t* rows[TILE];

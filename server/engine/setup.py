@@ -127,8 +127,8 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
 def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> threading.Thread:
     """The weights every step streams, onto 2 MiB pages (model/huge_pages.py), on a thread of its own, a frame
     at a time when the engine is idle (busy() false). The quantized weights are packed onto them already
-    (model/csrc/quant_pack.cpp): what is left to copy is the rest (dense weights, scales, a packed weight's edge
-    frames). The kernel copies the pages at 0.3-0.5 GB/s (0.9 GB of
+    (model/csrc/quant_pack.cpp): what is left to copy is the rest (dense weights, scales, a packed weight's last
+    partial frame). The kernel copies the pages at 0.3-0.5 GB/s (0.9 GB of
     Qwen3.5 ~1.5B's Q4_K_M weights in ~2 s, 2.2 GB of a Qwen3.6 MoE cut in 7 s), a core's work that slows every
     step beside it: moved beside running requests, the first ones after start ran 2-3x slower (Zen 4, 2 cores,
     the MoE cut), and a frame every 50 ms, 1.2x slower for a minute. So a frame waits for a quiet moment, and

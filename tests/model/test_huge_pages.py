@@ -58,10 +58,20 @@ def test_moving_keeps_the_values_and_what_it_says_it_moved_is_on_huge_pages():
     assert anon_huge_bytes(start, start + 6 * MiB) >= moved
 
 
+def mapped(start: int, end: int) -> bool:
+    """Whether any mapping of this process overlaps [start, end)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo < end and start < hi:
+            return True
+    return False
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_packed_weights_are_written_onto_huge_pages():
-    """model/csrc/quant_pack.cpp asks for 2 MiB pages before it writes a packed weight, so the frames wholly inside
-    it are on them from the start, not after the move copies them."""
+    """model/csrc/quant_pack.cpp writes a packed weight into memory of its own (not the allocator's, which may
+    hand out memory already written on 4 KiB pages), from a 2 MiB boundary, with 2 MiB pages asked for first: its
+    whole frames are on them from the start, and the memory goes back to the system with the tensor."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this kernel gives no transparent huge pages")
@@ -70,10 +80,32 @@ def test_packed_weights_are_written_onto_huge_pages():
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
+    size = 12 * MiB
     q = torch.randint(0, 16, (8192, 3072), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = kernels.pack_quant(q, 4, 32)  # 12 MiB
+    packed = kernels.pack_quant(q, 4, 32)
     start, end = packed.data_ptr(), packed.data_ptr() + packed.nbytes
-    interior = (end // HUGE_PAGE) - (start + HUGE_PAGE - 1) // HUGE_PAGE
-    assert interior >= 5
-    # Linux grants a 2 MiB page at fault time where it has one free (in the full suite 4 of 5 here): most, not all
-    assert anon_huge_bytes(start, end) >= interior // 2 * HUGE_PAGE
+    assert packed.nbytes == size and start % HUGE_PAGE == 0
+    # Linux grants a 2 MiB page at fault time where it has one free: most, not all
+    assert anon_huge_bytes(start, end) >= size // HUGE_PAGE // 2 * HUGE_PAGE
+    del packed
+    assert not mapped(start, end)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_a_weight_packed_into_memory_of_its_own_holds_the_same_bytes(bits):
+    """Packing is per tile of 16 rows: a weight over 2 MiB (its own mapping, a partial last frame) packs into the
+    bytes of its halves (each under 2 MiB: the allocator's memory) one after the other."""
+    from model.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built here")
+    group = 16 if bits == 6 else 32
+    q = torch.randint(
+        0, 1 << bits, (4112, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    whole = kernels.pack_quant(q, bits, group)
+    assert whole.nbytes > HUGE_PAGE
+    halves = [kernels.pack_quant(q[:2048], bits, group), kernels.pack_quant(q[2048:], bits, group)]
+    assert all(h.nbytes < HUGE_PAGE for h in halves)
+    assert torch.equal(whole, torch.cat(halves))
