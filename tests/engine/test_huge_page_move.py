@@ -46,7 +46,7 @@ def test_the_server_moves_the_weights_only_while_its_engine_is_idle(caplog):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_under_a_load_without_pause_the_move_goes_on_a_frame_a_second(caplog):
-
+    """Under a load without pauses each frame waits its second for a quiet moment, then moves."""
     model = torch.nn.Linear(1024, 1536, bias=False)
     frames = frames_to_move({(model.weight.data_ptr(), model.weight.nbytes)})
     start = time.monotonic()
