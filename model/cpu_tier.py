@@ -2,7 +2,9 @@
 numbers each tier computes in.
 
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
-instruction, so activations and dense weights are bfloat16 there. Everywhere else bfloat16
+instruction, so activations and dense weights are bfloat16 there (with --gemm-activations int8 its quantized
+GEMMs round them to int8 per group of 32 instead, as llama.cpp does, and take AVX512-VNNI's four byte products an
+instruction, twice the pairs': quant_gemm_i8.cpp). Everywhere else bfloat16
 arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs
 multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones
 (baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of 16 x 16 x 64 int8 products is one
@@ -68,13 +70,13 @@ TIERS = (
     ),
     CpuTier(
         "avx512bf16",
-        (*_AVX512, "avx512_bf16", *_AVX2),
-        _m((*_AVX512, "avx512_bf16", *_AVX2)),
+        (*_AVX512, "avx512_bf16", "avx512_vnni", *_AVX2),
+        _m((*_AVX512, "avx512_bf16", "avx512_vnni", *_AVX2)),
         torch.bfloat16,
         torch.bfloat16,
         "avx512",
         "AVX512_CORE_BF16",
-        "AVX-512 with bfloat16 pair products: bfloat16 activations and KV cache",
+        "AVX-512 with bfloat16 pair products (and VNNI): bfloat16 activations and KV cache",
     ),
     CpuTier(
         "avx512",

@@ -35,10 +35,9 @@ SOURCES = Path(__file__).parent / "csrc"
 # ~280 CPU-seconds a tier on 2-core Zen 3, most of a first `make serve`; these two: ~130, side by side). The
 # quantized GEMM's templates, the longest, are one unit; the rest, the other.
 UNITS = (
-    ("quant_gemm_i16.cpp",),
+    ("quant_gemm_i16.cpp", "quant_gemm_i8.cpp"),
     ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp",
-     "quant_gemm_amx.cpp", "quant_gemm_f32.cpp", "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp",
-     "argmax.cpp", "deltanet.cpp"),
+     "quant_gemm_amx.cpp", "quant_gemm_f32.cpp", "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp", "deltanet.cpp"),
 )  # fmt: skip
 FAILED = "FAILED"  # a build folder holding this file records why the build failed
 TREE = "TREE"  # and this one, which source tree built it (a hash of its path)

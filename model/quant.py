@@ -220,10 +220,11 @@ class QuantizedLinear:
 
     keeps_quantized = True
 
-    def __init__(self, kernels, dense, bits: int | None = None):
+    def __init__(self, kernels, dense, bits: int | None = None, int8_activations: bool = False):
         self.kernels = kernels  # the compiled module (model/kernels.py)
         self.dense = dense
         self.bits = bits
+        self.int8_activations = int8_activations  # bfloat16 activations rounded to int8 (kernels.gemm_int8)
 
     def prepare(self, layer) -> None:
         source = layer.quantized
@@ -247,7 +248,7 @@ class QuantizedLinear:
         bias = layer.bias.float() if layer.bias is not None else None
         # The kernel's argument after x, one object read once per GEMM: the buffers above (and a missing
         # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
-        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features)
+        layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features, self.int8_activations)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
         layer.quantized = None
 

@@ -128,6 +128,15 @@ MODEL_FLAGS = (
         help="the instructions and numbers to run with on CPU (auto: the best this CPU has; see the README)",
     ),
     Flag(
+        "--gemm-activations",
+        ENGINE.gemm_activations,
+        choices=("auto", "int8"),
+        env=True,
+        help="the quantized GEMMs' activations on CPU: auto, the tier's own (bfloat16 with AVX512-BF16, int16 per "
+        "32 with AVX2); int8, rounded to 8 bits per 32 as llama.cpp does: ~1.4x the GEMMs' rate at many rows "
+        "(prefill, many streams) with AVX512-VNNI and BF16, further from float32 (README, CPU tiers)",
+    ),
+    Flag(
         "--speculative-config",
         "auto",
         env=True,

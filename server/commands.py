@@ -61,6 +61,7 @@ def engine_config(args, **overrides):
         quantization=args.quantization,
         cpu_kernels=args.cpu_kernels,
         cpu_tier=args.cpu_tier,
+        gemm_activations=args.gemm_activations,
         speculative=speculative_config(args.speculative_config),
         task=args.task,
         pooling=args.pooling,

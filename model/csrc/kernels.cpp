@@ -35,6 +35,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("gemm_float32_as") = "float32";
 #endif
+  // whether a GEMM asked for int8 activations (QuantGemm.int8) gets them: bfloat16 ones, with VNNI
+#if defined(INT8_ACTIVATIONS)
+  m.attr("gemm_int8") = true;
+#else
+  m.attr("gemm_int8") = false;
+#endif
   m.def("quant_rows", &quant_rows, "rows of a quantized weight, dequantized to float32", py::arg("gemm"),
         py::arg("ids"), py::arg("K"));
   m.def("pack_quant", &pack_quant, "q [N, K] in the kernel's packed layout (quant_pack.cpp)", py::arg("q"),
@@ -56,10 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("supers"), py::arg("super_mins"),
            py::arg("bits"), py::arg("group"), py::arg("n"), py::arg("levels") = py::none());
   py::class_<QuantGemm>(m, "QuantGemm", py::module_local(), "a GEMM on quantized weights: its segments, bias, width")
-      .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n) {
-             return QuantGemm{std::move(segments), bias, n};
+      .def(py::init([](std::vector<QuantSegment> segments, std::optional<at::Tensor> bias, int64_t n, bool int8) {
+             return QuantGemm{std::move(segments), bias, n, int8};
            }),
-           py::arg("segments"), py::arg("bias"), py::arg("n"));
+           py::arg("segments"), py::arg("bias"), py::arg("n"), py::arg("int8") = false);
   py::class_<MoeFfn>(m, "MoeFfn", py::module_local(), "a sparse MoE FFN on quantized experts (moe.cpp)")
       .def(py::init([](at::Tensor router, std::vector<QuantGemm> up, std::vector<QuantGemm> down, int64_t top_k,
                        bool renormalize, std::optional<QuantGemm> shared_up, std::optional<QuantGemm> shared_down,

@@ -6,6 +6,12 @@
 #include <optional>
 #include <vector>
 
+// The tier whose quantized GEMMs can round bfloat16 activations to int8 (quant_gemm_i8.cpp, QuantGemm.int8):
+// AVX512-VNNI with BF16, not AMX's (whose tier keeps float32 activations, int16 in the GEMMs)
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && !defined(__AMX_INT8__)
+#define INT8_ACTIVATIONS 1
+#endif
+
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                               at::Tensor seqs, int64_t block_size, double scale, int64_t window, double softcap,
                               int64_t chunk,

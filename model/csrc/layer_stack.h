@@ -20,6 +20,7 @@ struct QuantGemm {
   std::vector<QuantSegment> segments;
   std::optional<at::Tensor> bias;
   int64_t n;  // output features
+  bool int8 = false;  // bfloat16 activations rounded to int8 where the tier has that kernel (quant_gemm_i8.cpp)
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

@@ -9,10 +9,11 @@
 // super-block of 256: exact float32 products either way (quant_gemm.h, Packed). A group's sum runs on the exact
 // integers, sum_k x_k q_k in float32, then times d (plus m * sum_k x_k, the sum of x per group computed once per
 // row of x for every output): nothing is rounded to a 16-bit weight. The kernels, by what the CPU multiplies
-// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 without AMX (quant_gemm_bf16.cpp); float32
-// ones as int16 per group of 32 with AVX2 (quant_gemm_i16.cpp; many rows on AMX's int8 tiles where the CPU has
-// them, with the same integer sums: quant_gemm_amx.cpp), as they are elsewhere (quant_gemm_f32.cpp). bfloat16 ones
-// are widened to float32 first where the CPU has no bfloat16 arithmetic, or has AMX.
+// natively (model/cpu_tier.py): bfloat16 activations on AVX512-BF16 without AMX (quant_gemm_bf16.cpp; or, where
+// a GEMM asks for it, rounded to int8 per group of 32 with VNNI: quant_gemm_i8.cpp); float32 ones as int16 per
+// group of 32 with AVX2 (quant_gemm_i16.cpp; many rows on AMX's int8 tiles where the CPU has them, with the same
+// integer sums: quant_gemm_amx.cpp), as they are elsewhere (quant_gemm_f32.cpp). bfloat16 ones are widened to
+// float32 first where the CPU has no bfloat16 arithmetic, or has AMX.
 //
 // Layout (model/quant.py packs it): output rows in tiles of 16 (one vector lane each), K in groups:
 //   4-bit: [tiles, groups, group / 4 chunks, 32 bytes]; chunk c, byte 2j + i holds lane j's q[4c + i] (low
@@ -126,12 +127,25 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
   const bool bf16 = false;
 #endif
   x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
+#if defined(INT8_ACTIVATIONS)
+  // bfloat16 x rounded to int8 where the GEMM asks for it (EngineConfig.gemm_activations), once for every segment
+  const bool int8 = bf16 && gemm.int8;
+  const Int8Activations x8 = int8 ? round_activations(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, K)
+                                  : Int8Activations{};
+#endif
   int64_t n0 = 0;
   for (const QuantSegment& s : gemm.segments) {
     TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
     const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
     const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
                    out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
+#if defined(INT8_ACTIVATIONS)
+    if (int8) {
+      gemm_i8(w, x8, M, o);
+      n0 += s.n;
+      continue;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (bf16) {
       gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);

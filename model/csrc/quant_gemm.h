@@ -1,8 +1,9 @@
 // The quantized GEMMs' shared parts (quant_gemm.cpp has the layout and the entry points): the packed weights of
 // one GEMM, float16 scales, the outputs' stores, and the loop over tiles and blocks of rows that each kernel
-// (quant_gemm_bf16.cpp, quant_gemm_f32.cpp) runs in.
+// (quant_gemm_bf16.cpp, quant_gemm_i8.cpp, quant_gemm_i16.cpp, quant_gemm_f32.cpp) runs in.
 #pragma once
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -320,8 +321,9 @@ void run_tiles(const Kernel& kernel, const Packed& w, int64_t M, const Output& o
   });
 }
 
-// The kernels, each over x [M, K] (row-major): float32 activations as int16 (AVX2) or as they are (baseline);
-// bfloat16 ones as they are where the CPU multiplies them (AVX512-BF16; on AMX's tiles where it has them)
+// The kernels, each over x [M, K] (row-major): float32 activations as int16 (AVX2; on AMX's tiles where it has
+// them) or as they are (baseline); bfloat16 ones as they are where the CPU multiplies them (AVX512-BF16), or
+// rounded to int8 (with VNNI too, where a GEMM asks for it)
 #if defined(__AVX2__)
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out);
 #else
@@ -329,6 +331,16 @@ void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out);
 #endif
 #if defined(__AVX512BF16__)
 void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
+#endif
+#if defined(INT8_ACTIVATIONS)
+// bfloat16 x rounded to int8 per row and 32 activations (quant_gemm_i8.cpp): once for every segment of a GEMM
+struct Int8Activations {
+  std::vector<int32_t> quads;      // [M, K / 4]: four int8 a word
+  std::vector<float> step;         // [M, K / 32]
+  std::vector<int32_t> half_sums;  // [M, K / 16]: the sum of each 16 xq
+};
+Int8Activations round_activations(const c10::BFloat16* x, int64_t M, int64_t K);
+void gemm_i8(const Packed& w, const Int8Activations& x, int64_t M, const Output& out);
 #endif
 #if defined(__AMX_INT8__)
 // x as gemm_i16 rounds it: xq [M, K] int16, step [M, K / 32], xsum [M, K / group] (with a minimum)

@@ -68,13 +68,16 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     invariant = invariant and device.type == "cpu"
     dense = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
     linear = dense(batch_invariant=invariant)
+    int8 = False
     if weights is not WeightFormat.DENSE:
-        linear = QuantizedLinear(cpu_kernels, linear, weights.quantize_to)
+        int8 = select_gemm_activations(config.gemm_activations, cpu_kernels, dtype)
+        linear = QuantizedLinear(cpu_kernels, linear, weights.quantize_to, int8_activations=int8)
     ops = Ops.with_kernels(linear, cpu_kernels)
     log.info("loading %s on %s in %s", model_name(model), device, str(dtype).removeprefix("torch."))
     model, model_config = load_model(model, dtype, device, ops)
     log.info(
-        "GEMMs: %s%s%s; attention and RMSNorm: %s",
+        "GEMMs: %s%s%s%s; attention and RMSNorm: %s",
+        "the quantized ones' activations rounded to int8 per 32; " if int8 else "",
         describe_weights(model) if weights is not WeightFormat.DENSE else "",
         "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
@@ -300,6 +303,22 @@ def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
     if module is None and mode == "on":
         raise RuntimeError("--cpu-kernels on: the C++ kernels could not be built at install (see the log)")
     return module
+
+
+def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
+    """Whether the quantized GEMMs round their activations to int8 (`int8`: where the tier's kernels can, its
+    bfloat16 activations; elsewhere the tier's own, with a warning) or multiply the tier's own (`auto`)."""
+    if mode not in ("auto", "int8"):
+        raise ValueError(f"unknown --gemm-activations {mode!r}: use auto or int8")
+    if mode == "auto":
+        return False
+    if cpu_kernels is None or not cpu_kernels.gemm_int8 or dtype != torch.bfloat16:
+        log.warning(
+            "--gemm-activations int8: this tier's kernels have none (AVX512-VNNI with BF16, bfloat16 activations); "
+            "the quantized GEMMs take the tier's own activations"
+        )
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import pytest
 from server.bench.offline import DEFAULT_QUALITY_TEXT, bench_quality
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
+from server.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +47,36 @@ def test_quality_against_float32_with_the_same_weights(quantized, default_model_
     assert result["mean_kld"] <= 0.005 and result["top1_agreement"] >= 0.98
     assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.02
     assert "Paris" in result["france"]
+
+
+@pytest.mark.timeout(600)
+def test_int8_activations_trade_some_fidelity_and_keep_a_token_s_bits(default_model_dir):
+    """--gemm-activations int8 on a tier with the kernel (AVX512-VNNI and BF16; the tier's own elsewhere, with a
+    warning): llama.cpp's regime, further from float32 than bfloat16's (measured 0.0035 mean KL divergence and
+    95.8% top-1 agreement on the shipped text; bfloat16 0.00058, 98.3%), perplexity within 1%, Paris still; and
+    a prompt's greedy tokens the same alone and beside others."""
+
+    def engine(**kw) -> Engine:
+        return Engine(str(default_model_dir), EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=4, **kw))
+
+    int8 = engine(gemm_activations="int8")
+    reference = engine(dtype="float32", quantization="none")
+    result = bench_quality(int8, reference, DEFAULT_QUALITY_TEXT.read_text(), window=512)
+    print(result)
+    assert result["mean_kld"] <= 0.01 and result["top1_agreement"] >= 0.93
+    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.01
+    assert "Paris" in result["france"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {f"p{i}": int8.tokenizer.encode(f"Question {i}: what is {i} + {i}? Answer:") for i in range(4)}
+
+    def run(group: dict) -> dict:
+        tokens = {rid: [] for rid in group}
+        for rid, ids in group.items():
+            int8.add_request(rid, ids, params)
+        while int8.has_work():
+            for out in int8.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    together = run(prompts)
+    assert all(run({rid: ids}) == {rid: together[rid]} for rid, ids in prompts.items())

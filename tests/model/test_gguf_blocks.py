@@ -7,7 +7,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from model import cpu_tier
 from model.gguf_blocks import BLOCKS, from_gguf_blocks, gguf_weight
+from model.kernels import load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
 from tests.helpers.gguf_blocks import random_blocks
@@ -25,10 +27,11 @@ def weight(type_name: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTens
     return from_gguf_blocks(type_name, torch.from_numpy(blocks), (N, K)), reference(type_name, blocks)
 
 
-def layer_for(qt, kernels) -> Linear:
+def layer_for(qt, kernels, int8_activations: bool = False) -> Linear:
     segments = qt if isinstance(qt, list) else [qt]
     N, K = sum(s.shape[0] for s in segments), segments[0].shape[1]
-    layer = Linear(K, N, False, QuantizedLinear(kernels, PlainLinear()), rows=True)
+    method = QuantizedLinear(kernels, PlainLinear(), int8_activations=int8_activations)
+    layer = Linear(K, N, False, method, rows=True)
     layer.quantized = qt
     layer.method.prepare(layer)
     return layer
@@ -38,7 +41,7 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
     """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
     over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
     they add: |x| times |d| (128 + max |q|) and |m| per group (the bfloat16 kernel adds 128 d to a 4-bit q and
-    takes it back with the minimum). int16 activations add their own rounding, half a step per input."""
+    takes it back with the minimum). int16 and int8 activations add their own rounding, half a step per input."""
     M, K = x.shape
     d, m = qt.scales()
     G = qt.group
@@ -48,8 +51,9 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
         per_group = per_group + m.double().abs()
     xg = x.double().abs().view(M, K // G, G).sum(-1)  # [M, groups]
     bound = xg @ per_group.T * (K / G + 64) * 2.0**-24
-    if activations == "int16":
-        half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / 32767 / 2  # [M, K / 32]
+    if activations in ("int16", "int8"):
+        largest = 32767 if activations == "int16" else 127
+        half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / largest / 2  # [M, K / 32]
         w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
         bound = bound + half_step @ w.T
     return bound
@@ -112,14 +116,68 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
     assert torch.equal(layer.rows(ids, torch.float32).double(), torch.from_numpy(ref)[ids])
 
 
+def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 kernel rounds it (model/csrc/quant_gemm_i8.cpp), in float64: per row and 32, the step
+    s = a / 127 of the group's largest magnitude a, xq = x (127 / a) rounded to nearest, ties to even, in float32
+    (a group below 2^-100 scaled up by 2^100 first)."""
+    M, K = x.shape
+    groups = x.float().view(M, K // 32, 32)
+    a = groups.abs().amax(-1, keepdim=True)
+    up = torch.where(a < 2.0**-100, 2.0**100, 1.0)
+    # a tensor's quotient, IEEE's: torch takes 127 / a as 127 times a's reciprocal, an ulp off at times
+    scale = torch.where(a > 0, torch.full_like(a, 127.0) / (a * up), 0.0)
+    xq = torch.round(groups * up * scale)
+    assert xq.abs().max() <= 127
+    return (xq.double() * (a / 127).double()).view(M, K)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("avx512bf16" not in [t.name for t in cpu_tier.runnable()], reason="AVX512-BF16 and VNNI")
+@pytest.mark.parametrize("type_name", [*NEW_TYPES, "Q4_0", "Q4_1", "Q8_0"])
+def test_int8_activations_times_the_file_weights(type_name):
+    """With --gemm-activations int8 the avx512bf16 tier rounds bfloat16 activations to int8 per group of 32: the
+    result is x so rounded times the file's exact weights, up to float32's sums alone (a bound thousands of times
+    tighter than the rounding's own). Rows of every scale: tiny groups (down to bfloat16's subnormals), a zero
+    row, large values; a group holding an infinity or a NaN makes its row NaN and leaves the others as they are."""
+    kernels = load("avx512bf16")
+    assert kernels.gemm_int8
+    N, K = 40, 512
+    qt, ref = weight(type_name, N, K, seed=5)
+    layer = layer_for(qt, kernels, int8_activations=True)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(6))
+    x[1] *= 1e-33  # groups below 2^-100 (whose steps stay normal floats)
+    x[2, :64] *= 1e-39  # two groups of subnormals beside normal ones
+    x[3] = 0.0
+    x[4] *= 3e4
+    x[5, 100] = 1e-30  # one tiny value in a group of ordinary ones: rounded to 0
+    x = x.to(torch.bfloat16)
+    xr = rounded_to_int8(x)
+    exact = xr @ torch.from_numpy(ref).T
+    with torch.inference_mode():
+        logits = layer.logits(x)
+    bound = error_bound(xr, qt, "float32 sums")
+    assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
+    assert (logits[1] != 0).any() and (logits[2] != 0).any() and (logits[3] == 0).all()
+    poisoned = x.clone()
+    poisoned[7, 40] = float("inf")
+    poisoned[8, 300] = float("nan")
+    with torch.inference_mode():
+        out = layer.logits(poisoned)
+    assert out[7].isnan().all() and out[8].isnan().all()
+    assert torch.equal(out[[0, 1, 2, 3, 4, 5, 6, 9, 10]], logits[[0, 1, 2, 3, 4, 5, 6, 9, 10]])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype):
+@pytest.mark.parametrize(
+    "int8", [False, True]
+)  # --gemm-activations int8 (the tier's own where it has no kernel)
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name, dtype, int8):
     """Batches of 1..40 rows take every kernel path (packed tiles, blocks of rows, tiles unpacked once): each
     row's bits are those it gets alone."""
     qt, _ = weight(type_name, 40, 512, seed=7)
-    layer = layer_for(qt, tier_kernels)
+    layer = layer_for(qt, tier_kernels, int8_activations=int8)
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer.logits(x[i : i + 1]) for i in range(40)])
@@ -130,7 +188,8 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tier_kernels, type_name
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_fused_layer_of_mixed_formats_keeps_each_part_as_it_is(tier_kernels, dtype):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_fused_layer_of_mixed_formats_keeps_each_part_as_it_is(tier_kernels, dtype, int8):
     """q and k in Q4_K, v in Q6_K (a Q4_K_M file's "more bits" layers): one segment per run of a format, each
     writing its own columns, with the same bits as each part multiplied alone."""
     q, _ = weight("Q4_K", 48, 256, seed=1)
@@ -138,10 +197,10 @@ def test_a_fused_layer_of_mixed_formats_keeps_each_part_as_it_is(tier_kernels, d
     v, _ = weight("Q6_K", 24, 256, seed=3)
     segments = QuantizedTensor.segments([q, k, v])
     assert [s.kind for s in segments] == ["Q4_K", "Q6_K"] and segments[0].shape == (64, 256)
-    fused = layer_for(segments, tier_kernels)
+    fused = layer_for(segments, tier_kernels, int8)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     with torch.inference_mode():
-        apart = torch.cat([layer_for(p, tier_kernels).logits(x) for p in (q, k, v)], dim=1)
+        apart = torch.cat([layer_for(p, tier_kernels, int8).logits(x) for p in (q, k, v)], dim=1)
         assert torch.equal(fused.logits(x), apart)
         assert torch.equal(fused(x), apart.to(dtype))
         ids = torch.tensor([0, 63, 64, 87, 50])

@@ -52,12 +52,15 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(kind):
         assert np.array_equal(ours, reference)
 
 
-def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[M, N]: how far x W^T may move when each group of 32 of a row of x is rounded to int16 against the group's
-    largest magnitude (half a step, max|x| / 32767 / 2, at most per input)."""
+ROUNDED_TO = {"int16": 32767, "int8": 127}  # integer activations (kernels.gemm_*_as): their largest magnitude
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, activations: str) -> torch.Tensor:
+    """[M, N]: how far x W^T may move when each group of 32 of a row of x is rounded to int16 or int8 against the
+    group's largest magnitude (half a step, max|x| / 32767 / 2 or max|x| / 127 / 2, at most per input)."""
     M, K = x.shape
     groups = x.double().view(M, K // 32, 32)
-    half_step = groups.abs().amax(-1) / 32767 / 2  # [M, G]
+    half_step = groups.abs().amax(-1) / ROUNDED_TO[activations] / 2  # [M, G]
     return half_step @ w.double().abs().view(-1, K // 32, 32).sum(-1).T  # [M, N]
 
 
@@ -67,7 +70,8 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each tier's activations, on every tier
 def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype):
     """The weights are the file's exact values on every tier; the activations are what the tier multiplies
-    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, or int16 per group of 32 with AVX2."""
+    natively (kernels.gemm_*_as): bfloat16 and float32 as they are, or int16 per group of 32 with AVX2, or
+    int8 (bfloat16 ones with AVX512-VNNI)."""
     qt, _ = gguf_weight(kind, N, K, seed=N + K)
     layer = layer_for(qt, kernels=tier_kernels)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -79,8 +83,8 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     scale = exact.abs().max()
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
     allowed = 1e-5 * scale  # float32 sums
-    if activations == "int16":
-        allowed = allowed + int16_rounding_bound(x, qt.dequantize())
+    if activations in ROUNDED_TO:
+        allowed = allowed + rounding_bound(x, qt.dequantize(), activations)
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
 
