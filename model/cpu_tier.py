@@ -6,8 +6,8 @@ instruction, so activations and dense weights are bfloat16 there (with --gemm-ac
 GEMMs round them to int8 per group of 32 instead, as llama.cpp does, and take AVX512-VNNI's four byte products an
 instruction, twice the pairs': quant_gemm_i8.cpp). Everywhere else bfloat16
 arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs
-multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp) or float32 ones
-(baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of 16 x 16 x 64 int8 products is one
+multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp; on the avx2 tier,
+with --gemm-activations int8, int8 ones: vpmaddubsw) or float32 ones (baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of 16 x 16 x 64 int8 products is one
 instruction: there a GEMM of many rows runs on tiles, each int16 activation as two bytes, with the same integer
 sums as the vectors that run a decode step's few rows (quant_gemm_amx.cpp), so its bits are the avx512 tier's.
 The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to

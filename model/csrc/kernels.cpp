@@ -35,11 +35,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("gemm_float32_as") = "float32";
 #endif
-  // whether a GEMM asked for int8 activations (QuantGemm.int8) gets them: bfloat16 ones, with VNNI
-#if defined(INT8_ACTIVATIONS)
-  m.attr("gemm_int8") = true;
+  // which activations a GEMM asked for int8 ones (QuantGemm.int8) has rounded: bfloat16 ones with VNNI, any with
+  // AVX2 alone, none elsewhere
+#if defined(INT8_ACTIVATIONS) && defined(__AVX512F__)
+  m.attr("gemm_int8") = py::make_tuple("bfloat16");
+#elif defined(INT8_ACTIVATIONS)
+  m.attr("gemm_int8") = py::make_tuple("bfloat16", "float32");
 #else
-  m.attr("gemm_int8") = false;
+  m.attr("gemm_int8") = py::tuple();
 #endif
   m.def("quant_rows", &quant_rows, "rows of a quantized weight, dequantized to float32", py::arg("gemm"),
         py::arg("ids"), py::arg("K"));

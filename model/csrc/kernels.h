@@ -6,9 +6,10 @@
 #include <optional>
 #include <vector>
 
-// The tier whose quantized GEMMs can round bfloat16 activations to int8 (quant_gemm_i8.cpp, QuantGemm.int8):
-// AVX512-VNNI with BF16, not AMX's (whose tier keeps float32 activations, int16 in the GEMMs)
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && !defined(__AMX_INT8__)
+// The tiers whose quantized GEMMs can round activations to int8 (quant_gemm_i8.cpp, QuantGemm.int8): AVX512-VNNI
+// with BF16 (bfloat16 ones), not AMX's, whose tier keeps int16; and AVX2 alone (any), not the avx512 tier's
+#if (defined(__AVX512VNNI__) && defined(__AVX512BF16__) && !defined(__AMX_INT8__)) || \
+    (defined(__AVX2__) && !defined(__AVX512F__))
 #define INT8_ACTIVATIONS 1
 #endif
 

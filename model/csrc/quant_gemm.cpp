@@ -128,10 +128,17 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
 #endif
   x = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();  // exact from bfloat16
 #if defined(INT8_ACTIVATIONS)
-  // bfloat16 x rounded to int8 where the GEMM asks for it (EngineConfig.gemm_activations), once for every segment
+  // x rounded to int8 where the GEMM asks for it (EngineConfig.gemm_activations), once for every segment:
+  // bfloat16 x with VNNI (float32 models there keep int16), any with AVX2 alone
+#if defined(__AVX512F__)
   const bool int8 = bf16 && gemm.int8;
-  const Int8Activations x8 = int8 ? round_activations(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, K)
-                                  : Int8Activations{};
+#else
+  const bool int8 = gemm.int8;
+#endif
+  Int8Activations x8;
+  if (int8)
+    x8 = bf16 ? round_activations(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, K)
+              : round_activations(x.data_ptr<float>(), M, K);
 #endif
   int64_t n0 = 0;
   for (const QuantSegment& s : gemm.segments) {

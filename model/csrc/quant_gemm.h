@@ -333,13 +333,14 @@ void gemm_f32(const Packed& w, const float* x, int64_t M, const Output& out);
 void gemm_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
 #endif
 #if defined(INT8_ACTIVATIONS)
-// bfloat16 x rounded to int8 per row and 32 activations (quant_gemm_i8.cpp): once for every segment of a GEMM
+// x rounded to int8 per row and 32 activations (quant_gemm_i8.cpp): once for every segment of a GEMM
 struct Int8Activations {
   std::vector<int32_t> quads;      // [M, K / 4]: four int8 a word
   std::vector<float> step;         // [M, K / 32]
   std::vector<int32_t> half_sums;  // [M, K / 16]: the sum of each 16 xq
 };
 Int8Activations round_activations(const c10::BFloat16* x, int64_t M, int64_t K);
+Int8Activations round_activations(const float* x, int64_t M, int64_t K);
 void gemm_i8(const Packed& w, const Int8Activations& x, int64_t M, const Output& out);
 #endif
 #if defined(__AMX_INT8__)

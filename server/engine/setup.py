@@ -312,10 +312,11 @@ def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
         raise ValueError(f"unknown --gemm-activations {mode!r}: use auto or int8")
     if mode == "auto":
         return False
-    if cpu_kernels is None or not cpu_kernels.gemm_int8 or dtype != torch.bfloat16:
+    if cpu_kernels is None or str(dtype).removeprefix("torch.") not in cpu_kernels.gemm_int8:
         log.warning(
-            "--gemm-activations int8: this tier's kernels have none (AVX512-VNNI with BF16, bfloat16 activations); "
-            "the quantized GEMMs take the tier's own activations"
+            "--gemm-activations int8: this tier's kernels round no %s activations (AVX512-VNNI with BF16 does "
+            "bfloat16 ones, AVX2 alone any); the quantized GEMMs take the tier's own",
+            str(dtype).removeprefix("torch."),
         )
         return False
     return True

@@ -275,8 +275,8 @@ def test_the_kv_cache_holds_bfloat16_unless_asked_otherwise():
 
 
 def test_int8_activations_are_asked_for_and_taken_only_where_a_kernel_has_them(caplog):
-    """--gemm-activations int8 is the avx512bf16 tier's kernel (AVX512-VNNI with BF16) on bfloat16 activations;
-    anywhere else the GEMMs keep the tier's own, and the log says so."""
+    """--gemm-activations int8 is the avx512bf16 tier's kernel on bfloat16 activations (AVX512-VNNI with BF16)
+    and the avx2 tier's on any; anywhere else the GEMMs keep the tier's own, and the log says so."""
     import logging
 
     from server.engine.setup import select_gemm_activations
@@ -285,12 +285,13 @@ def test_int8_activations_are_asked_for_and_taken_only_where_a_kernel_has_them(c
     assert select_gemm_activations("auto", built["generic"], torch.float32) is False
     with pytest.raises(ValueError, match="auto or int8"):
         select_gemm_activations("int4", built["generic"], torch.float32)
+    rounds = {"avx512bf16": ("bfloat16",), "avx2": ("bfloat16", "float32")}
     for name, module in built.items():
-        assert module.gemm_int8 == (name == "avx512bf16")
+        assert tuple(module.gemm_int8) == rounds.get(name, ())
         with caplog.at_level(logging.WARNING):
             caplog.clear()
             taken = select_gemm_activations("int8", module, cpu_tier.BY_NAME[name].dtype)
-        assert taken == (name == "avx512bf16") and (taken or "take the tier's own" in caplog.text)
+        assert taken == (name in rounds) and (taken or "take the tier's own" in caplog.text)
     assert select_gemm_activations("int8", None, torch.bfloat16) is False  # PyTorch ops
     if "avx512bf16" in built:
         assert select_gemm_activations("int8", built["avx512bf16"], torch.float32) is False

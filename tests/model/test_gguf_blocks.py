@@ -132,15 +132,15 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif("avx512bf16" not in [t.name for t in cpu_tier.runnable()], reason="AVX512-BF16 and VNNI")
+@pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable() if t.name in ("avx512bf16", "avx2")])
 @pytest.mark.parametrize("type_name", [*NEW_TYPES, "Q4_0", "Q4_1", "Q8_0"])
-def test_int8_activations_times_the_file_weights(type_name):
-    """With --gemm-activations int8 the avx512bf16 tier rounds bfloat16 activations to int8 per group of 32: the
+def test_int8_activations_times_the_file_weights(tier, type_name):
+    """With --gemm-activations int8 the avx512bf16 tier rounds bfloat16 activations to int8 per group of 32, the
+    avx2 tier float32 ones too (the signed bytes of IQ4's levels and Q8_0 giving x their sign there): the
     result is x so rounded times the file's exact weights, up to float32's sums alone (a bound thousands of times
     tighter than the rounding's own). Rows of every scale: tiny groups (down to bfloat16's subnormals), a zero
     row, large values; a group holding an infinity or a NaN makes its row NaN and leaves the others as they are."""
-    kernels = load("avx512bf16")
-    assert kernels.gemm_int8
+    kernels = load(tier)
     N, K = 40, 512
     qt, ref = weight(type_name, N, K, seed=5)
     layer = layer_for(qt, kernels, int8_activations=True)
@@ -150,7 +150,7 @@ def test_int8_activations_times_the_file_weights(type_name):
     x[3] = 0.0
     x[4] *= 3e4
     x[5, 100] = 1e-30  # one tiny value in a group of ordinary ones: rounded to 0
-    x = x.to(torch.bfloat16)
+    x = x.to(getattr(torch, kernels.gemm_int8[-1]))  # float32 where the tier takes it
     xr = rounded_to_int8(x)
     exact = xr @ torch.from_numpy(ref).T
     with torch.inference_mode():
