@@ -7,6 +7,7 @@ from server.bench.offline import DEFAULT_QUALITY_TEXT, bench_quality
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
+from tests.helpers.engine_runs import alone, run
 
 pytestmark = pytest.mark.slow
 
@@ -68,15 +69,4 @@ def test_int8_activations_trade_some_fidelity_and_keep_a_token_s_bits(default_mo
     assert "Paris" in result["france"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {f"p{i}": int8.tokenizer.encode(f"Question {i}: what is {i} + {i}? Answer:") for i in range(4)}
-
-    def run(group: dict) -> dict:
-        tokens = {rid: [] for rid in group}
-        for rid, ids in group.items():
-            int8.add_request(rid, ids, params)
-        while int8.has_work():
-            for out in int8.step():
-                tokens[out.request_id] += out.new_token_ids
-        return tokens
-
-    together = run(prompts)
-    assert all(run({rid: ids}) == {rid: together[rid]} for rid, ids in prompts.items())
+    assert run(int8, prompts, params) == alone(int8, prompts, params)
