@@ -306,8 +306,8 @@ def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
 
 
 def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
-    """Whether the quantized GEMMs round their activations to int8 (`int8`: where the tier's kernels can, its
-    bfloat16 activations; elsewhere the tier's own, with a warning) or multiply the tier's own (`auto`)."""
+    """Whether the quantized GEMMs round their activations to int8 (`int8`: where the tier's kernels round this
+    dtype's, kernels.gemm_int8; elsewhere the tier's own, with a warning) or multiply the tier's own (`auto`)."""
     if mode not in ("auto", "int8"):
         raise ValueError(f"unknown --gemm-activations {mode!r}: use auto or int8")
     if mode == "auto":
