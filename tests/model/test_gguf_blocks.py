@@ -116,19 +116,31 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
     assert torch.equal(layer.rows(ids, torch.float32).double(), torch.from_numpy(ref)[ids])
 
 
-def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 kernel rounds it (model/csrc/quant_gemm_i8.cpp), in float64: per row and 32, the step
-    s = a / 127 of the group's largest magnitude a, xq = x (127 / a) rounded to nearest, ties to even, in float32
-    (a group below 2^-100 scaled up by 2^100 first)."""
+def rounded_to(x: torch.Tensor, largest: int) -> torch.Tensor:
+    """x [M, K] as the int8 (largest 127: model/csrc/quant_gemm_i8.cpp) or int16 (32767: quant_gemm_i16.cpp)
+    kernel rounds it, in float64: per row and 32, the step s = a / largest of the group's largest magnitude a,
+    xq = x (largest / a) rounded to nearest, ties to even, in float32 (a group below 2^-100 scaled up by 2^100
+    first)."""
     M, K = x.shape
     groups = x.float().view(M, K // 32, 32)
     a = groups.abs().amax(-1, keepdim=True)
     up = torch.where(a < 2.0**-100, 2.0**100, 1.0)
-    # a tensor's quotient, IEEE's: torch takes 127 / a as 127 times a's reciprocal, an ulp off at times
-    scale = torch.where(a > 0, torch.full_like(a, 127.0) / (a * up), 0.0)
+    # a tensor's quotient, IEEE's: torch takes largest / a as largest times a's reciprocal, an ulp off at times
+    scale = torch.where(a > 0, torch.full_like(a, float(largest)) / (a * up), 0.0)
     xq = torch.round(groups * up * scale)
-    assert xq.abs().max() <= 127
-    return (xq.double() * (a / 127).double()).view(M, K)
+    assert xq.abs().max() <= largest
+    return (xq.double() * (a / largest).double()).view(M, K)
+
+
+def rows_of_every_scale(K: int) -> torch.Tensor:
+    """11 rows of K: tiny groups (down to subnormals), a zero row, large values, one tiny value among ordinary ones."""
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(6))
+    x[1] *= 1e-33  # groups below 2^-100 (whose steps stay normal floats)
+    x[2, :64] *= 1e-39  # two groups of subnormals beside normal ones
+    x[3] = 0.0
+    x[4] *= 3e4
+    x[5, 100] = 1e-30  # one tiny value in a group of ordinary ones: rounded to 0
+    return x
 
 
 @pytest.mark.timeout(120)
@@ -144,14 +156,8 @@ def test_int8_activations_times_the_file_weights(tier, type_name):
     N, K = 40, 512
     qt, ref = weight(type_name, N, K, seed=5)
     layer = layer_for(qt, kernels, int8_activations=True)
-    x = torch.randn(11, K, generator=torch.Generator().manual_seed(6))
-    x[1] *= 1e-33  # groups below 2^-100 (whose steps stay normal floats)
-    x[2, :64] *= 1e-39  # two groups of subnormals beside normal ones
-    x[3] = 0.0
-    x[4] *= 3e4
-    x[5, 100] = 1e-30  # one tiny value in a group of ordinary ones: rounded to 0
-    x = x.to(getattr(torch, kernels.gemm_int8[-1]))  # float32 where the tier takes it
-    xr = rounded_to_int8(x)
+    x = rows_of_every_scale(K).to(getattr(torch, kernels.gemm_int8[-1]))  # float32 where the tier takes it
+    xr = rounded_to(x, 127)
     exact = xr @ torch.from_numpy(ref).T
     with torch.inference_mode():
         logits = layer.logits(x)
@@ -165,6 +171,28 @@ def test_int8_activations_times_the_file_weights(tier, type_name):
         out = layer.logits(poisoned)
     assert out[7].isnan().all() and out[8].isnan().all()
     assert torch.equal(out[[0, 1, 2, 3, 4, 5, 6, 9, 10]], logits[[0, 1, 2, 3, 4, 5, 6, 9, 10]])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable() if t.name != "generic"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_XS", "Q4_1", "Q8_0"])
+def test_int16_activations_at_every_scale(tier, type_name):
+    """Where float32 activations are rounded to int16 per group of 32 (AVX2 tiers; AMX's tiles take the same
+    integers), the result is x so rounded times the file's exact weights at every scale: groups too small for
+    32767 / a in float32 (below ~2^-113) are scaled up first, as the int8 kernel's are."""
+    kernels = load(tier)
+    assert kernels.gemm_float32_as == "int16"
+    qt, ref = weight(type_name, 40, 512, seed=9)
+    layer = layer_for(qt, kernels)
+    x = rows_of_every_scale(512)
+    x[6] *= 1e-36  # a whole row of groups below 2^-113
+    xr = rounded_to(x, 32767)
+    exact = xr @ torch.from_numpy(ref).T
+    with torch.inference_mode():
+        logits = layer.logits(x)
+    bound = error_bound(xr, qt, "float32 sums")
+    assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
+    assert (logits[1] != 0).all() and (logits[6] != 0).all() and (logits[3] == 0).all()
 
 
 @pytest.mark.timeout(120)
