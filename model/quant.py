@@ -224,9 +224,8 @@ class QuantizedLinear:
         self.kernels = kernels  # the compiled module (model/kernels.py)
         self.dense = dense
         self.bits = bits
-        self.int8_activations = (
-            int8_activations  # activations rounded to int8 where the tier can (kernels.gemm_int8)
-        )
+        # activations rounded to int8 where the tier can (kernels.gemm_int8)
+        self.int8_activations = int8_activations
 
     def prepare(self, layer) -> None:
         source = layer.quantized

@@ -21,6 +21,17 @@ constexpr int GROUP = 32;       // activations per step (int16 path) and per sum
 constexpr int SUPER = 256;      // weights per super-block (K-quants, IQ4_XS) along K
 constexpr int NV = TILE / VL;   // vectors per tile: 1 (AVX-512), 2 (AVX2), 4 (baseline)
 
+// How a group of activations with largest magnitude a is rounded to integers of at most `limit` (127: int8,
+// 32767: int16): xq = (x up) scale. limit / a overflows float32 below a ~ 2^-113 (float32 reaches 2^-149), so such
+// a group is scaled up by 2^100 first, exactly (a power of two); every other by 1. A zero group's scale is 0.
+struct GroupRounding {
+  float up, scale;
+};
+inline GroupRounding group_rounding(float a, float limit) {
+  const float up = a < 0x1p-100f ? 0x1p100f : 1.0f;
+  return {up, a > 0.0f ? limit / (a * up) : 0.0f};
+}
+
 // VL float16 -> float32
 inline vfloat load_halves(const at::Half* p) {
 #if defined(__AVX512F__)

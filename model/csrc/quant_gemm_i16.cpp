@@ -163,10 +163,8 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
     return;
   }
   step = a / 32767.0f;
-  // 32767 / a overflows below a ~ 2^-113 (float32 reaches 2^-149): such a group is scaled up by 2^100 first,
-  // exactly (a power of two), every other multiplied by 1
-  const __m256 up = _mm256_set1_ps(a < 0x1p-100f ? 0x1p100f : 1.0f);
-  const __m256 scale = _mm256_set1_ps(a > 0.0f ? 32767.0f / (a * _mm256_cvtss_f32(up)) : 0.0f);
+  const GroupRounding rounding = group_rounding(a, 32767.0f);
+  const __m256 up = _mm256_set1_ps(rounding.up), scale = _mm256_set1_ps(rounding.scale);
   for (int i = 0; i < 4; i += 2) {
     const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], up), scale));
     const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i + 1], up), scale));

@@ -75,10 +75,7 @@ inline void round_group(const T* x, int8_t* q, float& step, int32_t* half_sums) 
   float a = 0.0f;
   for (int l = 0; l < VL; ++l) a = std::max(a, largest[l]);
   step = a / 127.0f;
-  // 127 / a overflows below a ~ 2^-121 (float32 and bfloat16 reach 2^-149 and 2^-133): such a group is scaled up
-  // by 2^100 first, exactly (a power of two), every other multiplied by 1
-  const float up = a < 0x1p-100f ? 0x1p100f : 1.0f;
-  const float scale = a > 0.0f ? 127.0f / (a * up) : 0.0f;
+  const auto [up, scale] = group_rounding(a, 127.0f);
   // rounded to nearest, no xq passes 127: x / a is at most 1, and the product rounds at most an ulp above 127
   vint r[N];
   for (int i = 0; i < N; ++i) r[i] = round_lanes((v[i] * up) * scale);
