@@ -2,14 +2,15 @@
 numbers each tier computes in.
 
 A tier's numbers are what its CPU multiplies natively. With AVX-512 BF16 a bfloat16 pair product is one
-instruction, so activations and dense weights are bfloat16 there (with --gemm-activations int8 its quantized
-GEMMs round them to int8 per group of 32 instead, as llama.cpp does, and take AVX512-VNNI's four byte products an
-instruction, twice the pairs': quant_gemm_i8.cpp). Everywhere else bfloat16
-arithmetic is a conversion around float32 arithmetic: those tiers compute in float32, and their quantized GEMMs
-multiply the exact integer weights by int16 activations (AVX2's vpmaddwd; quant_gemm_i16.cpp; on the avx2 tier,
-with --gemm-activations int8, int8 ones: vpmaddubsw) or float32 ones (baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of 16 x 16 x 64 int8 products is one
-instruction: there a GEMM of many rows runs on tiles, each int16 activation as two bytes, with the same integer
-sums as the vectors that run a decode step's few rows (quant_gemm_amx.cpp), so its bits are the avx512 tier's.
+instruction, so activations and dense weights are bfloat16 there. Everywhere else bfloat16 arithmetic is a
+conversion around float32 arithmetic: those tiers compute in float32. The quantized GEMMs multiply the file's
+exact integers: by activations rounded to int8 per group of 32, as llama.cpp does, where the tier has a byte
+product (AVX512-VNNI's vpdpbusd, four a lane; AVX2's vpmaddubsw, two: quant_gemm_i8.cpp), else (and with
+--gemm-activations wide) by the tier's own: bfloat16 pairs (quant_gemm_bf16.cpp), int16 per group of 32
+(vpmaddwd; quant_gemm_i16.cpp) or float32 (baseline). With AMX (Intel Xeons since Sapphire Rapids) a tile of
+16 x 16 x 64 int8 products is one instruction: there a GEMM of many rows runs on tiles, each int16 activation as
+two bytes, with the same integer sums as the vectors that run a decode step's few rows (quant_gemm_amx.cpp), so
+its bits are the avx512 tier's.
 The KV cache is bfloat16 on every tier: storage only, read once per step per token, whose conversion to
 float32 is a shift, and half the bytes float32 would cost (attention at 32 streams is bound by them). A
 request's bits may differ between tiers (other instructions, other sums) but never within one.
@@ -96,7 +97,7 @@ TIERS = (
         torch.bfloat16,
         "avx2",
         "AVX2",
-        "AVX2 + FMA, no bfloat16 arithmetic: float32 activations (int16 in the quantized GEMMs), bfloat16 KV cache",
+        "AVX2 + FMA, no bfloat16 arithmetic: float32 activations, bfloat16 KV cache",
     ),
     # any CPU: the kernels' vector code compiled for the platform's baseline (SSE2 on x86-64, NEON on arm64)
     CpuTier(

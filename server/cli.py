@@ -130,11 +130,12 @@ MODEL_FLAGS = (
     Flag(
         "--gemm-activations",
         ENGINE.gemm_activations,
-        choices=("auto", "int8"),
+        choices=("auto", "int8", "wide"),
         env=True,
-        help="the quantized GEMMs' activations on CPU: auto, the tier's own (bfloat16 with AVX512-BF16, int16 per "
-        "32 with AVX2); int8, rounded to 8 bits per 32 as llama.cpp does: ~1.4x the GEMMs' rate at many rows "
-        "(prefill, many streams) with AVX512-VNNI and BF16, further from float32 (README, CPU tiers)",
+        help="the quantized GEMMs' activations on CPU: auto, rounded to int8 per 32 as llama.cpp does where the "
+        "tier has the kernel (AVX512-VNNI with BF16, AVX2), else the tier's own; int8, the same, warning where it "
+        "cannot; wide, the tier's own (bfloat16 with AVX512-BF16, int16 per 32 with AVX2): closer to float32, "
+        "~0.7x the GEMMs' rate at many rows (README, CPU tiers)",
     ),
     Flag(
         "--speculative-config",

@@ -49,8 +49,9 @@ class EngineConfig:
     cpu_kernels: str = "auto"  # C++ kernels on CPU: auto (where they built at install) | on | off
     # the CPU tier to run as (model/cpu_tier.py): auto | amx | avx512bf16 | avx512 | avx2 | generic
     cpu_tier: str = "auto"
-    # the quantized GEMMs' activations on CPU: auto (the tier's own: bfloat16 with AVX512-BF16, int16 per 32 with
-    # AVX2) | int8 (rounded per 32 as llama.cpp's, where the tier has the kernel: AVX512-VNNI with BF16)
+    # the quantized GEMMs' activations on CPU: auto (rounded to int8 per 32, as llama.cpp's, where the tier has the
+    # kernel: AVX512-VNNI with BF16, AVX2) | int8 (the same, warning where it cannot) | wide (the tier's own:
+    # bfloat16 with AVX512-BF16, int16 per 32 with AVX2 and AMX; closer to float32, slower at many rows)
     gemm_activations: str = "auto"
     # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
     # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change

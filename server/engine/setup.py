@@ -77,7 +77,13 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     model, model_config = load_model(model, dtype, device, ops)
     log.info(
         "GEMMs: %s%s%s%s; attention and RMSNorm: %s",
-        "the quantized ones' activations rounded to int8 per 32; " if int8 else "",
+        (
+            "the quantized ones' activations rounded to int8 per 32; "
+            if int8
+            else "the quantized ones' activations the tier's own; "
+            if weights is not WeightFormat.DENSE and cpu_kernels
+            else ""
+        ),
         describe_weights(model) if weights is not WeightFormat.DENSE else "",
         "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
@@ -306,20 +312,22 @@ def select_cpu_kernels(mode: str, device: torch.device, tier: CpuTier | None):
 
 
 def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
-    """Whether the quantized GEMMs round their activations to int8 (`int8`: where the tier's kernels round this
-    dtype's, kernels.gemm_int8; elsewhere the tier's own, with a warning) or multiply the tier's own (`auto`)."""
-    if mode not in ("auto", "int8"):
-        raise ValueError(f"unknown --gemm-activations {mode!r}: use auto or int8")
-    if mode == "auto":
+    """Whether the quantized GEMMs round their activations to int8 per group of 32, as llama.cpp does on the same
+    files: `auto` where the tier's kernels round this dtype's (kernels.gemm_int8: AVX512-VNNI with BF16 bfloat16
+    ones, AVX2 any), `int8` the same with a warning where they cannot; `wide` keeps the tier's wider activations
+    (bfloat16, or int16 per 32), closer to float32 at ~0.7x the GEMMs' rate at many rows (README, CPU tiers)."""
+    if mode not in ("auto", "int8", "wide"):
+        raise ValueError(f"unknown --gemm-activations {mode!r}: use auto, int8 or wide")
+    if mode == "wide":
         return False
-    if cpu_kernels is None or str(dtype).removeprefix("torch.") not in cpu_kernels.gemm_int8:
+    can = cpu_kernels is not None and str(dtype).removeprefix("torch.") in cpu_kernels.gemm_int8
+    if mode == "int8" and not can:
         log.warning(
             "--gemm-activations int8: this tier's kernels round no %s activations (AVX512-VNNI with BF16 does "
             "bfloat16 ones, AVX2 alone any); the quantized GEMMs take the tier's own",
             str(dtype).removeprefix("torch."),
         )
-        return False
-    return True
+    return can
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ how close it stays to float32, and that its answers still hold."""
 
 import pytest
 
+from model import cpu_tier
 from server.bench.offline import DEFAULT_QUALITY_TEXT, bench_quality
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
@@ -10,6 +11,12 @@ from server.engine.request import SamplingParams
 from tests.helpers.engine_runs import alone, run
 
 pytestmark = pytest.mark.slow
+
+
+def linears(engine: Engine) -> list:
+    from model.linear import Linear
+
+    return [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +43,12 @@ def test_the_default_model_is_served_from_its_quantized_weights(quantized):
 
 @pytest.mark.timeout(600)
 def test_quality_against_float32_with_the_same_weights(quantized, default_model_dir):
-    """The targets: mean KL divergence <= 0.005 and top-1 agreement >= 98% on the shipped text, and the France
-    question still answered Paris."""
+    """The default's targets: llama.cpp's distance from float32 on this very file, where the quantized GEMMs
+    round their activations to int8 per 32 as llama.cpp does (the avx512bf16 and avx2 tiers; llama.cpp b11312's
+    llama-perplexity measures 0.0027 mean KL divergence and 96.5% top-1 agreement against the file's values in
+    float32, over the second halves of 512-token windows): mean KL <= 0.005 and top-1 >= 95% on the shipped
+    text, perplexity within 1%, the France question still answered Paris; and a prompt's greedy tokens the same
+    alone and beside others."""
     reference = Engine(
         str(default_model_dir),
         EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=4, dtype="float32", quantization="none"),
@@ -45,28 +56,32 @@ def test_quality_against_float32_with_the_same_weights(quantized, default_model_
     result = bench_quality(quantized, reference, DEFAULT_QUALITY_TEXT.read_text(), window=512)
     print(result)
     assert result["tokens"] > 2500
-    assert result["mean_kld"] <= 0.005 and result["top1_agreement"] >= 0.98
-    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.02
+    assert result["mean_kld"] <= 0.005 and result["top1_agreement"] >= 0.95
+    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.01
     assert "Paris" in result["france"]
+    int8 = {getattr(m.method, "int8_activations", False) for m in linears(quantized) if m.bits}
+    assert int8 == {cpu_tier.select("auto")[0].name in ("avx512bf16", "avx2")}  # the tiers with the kernel
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {
+        f"p{i}": quantized.tokenizer.encode(f"Question {i}: what is {i} + {i}? Answer:") for i in range(4)
+    }
+    assert run(quantized, prompts, params) == alone(quantized, prompts, params)
 
 
 @pytest.mark.timeout(600)
-def test_int8_activations_trade_some_fidelity_and_keep_a_token_s_bits(default_model_dir):
-    """--gemm-activations int8 on a tier with the kernel (AVX512-VNNI and BF16; the tier's own elsewhere, with a
-    warning): llama.cpp's regime, further from float32 than bfloat16's (measured 0.0035 mean KL divergence and
-    95.8% top-1 agreement on the shipped text; bfloat16 0.00058, 98.3%), perplexity within 1%, Paris still; and
-    a prompt's greedy tokens the same alone and beside others."""
+def test_wide_activations_stay_closer_to_float32(default_model_dir):
+    """--gemm-activations wide keeps each tier's own activations (bfloat16 pairs with AVX512-BF16, int16 per 32
+    with AVX2 and AMX): measured 0.00058 mean KL divergence and 98.3% top-1 agreement with bfloat16, against
+    int8's 0.0035 and 95.8%; the targets are 0.001 and 98%."""
 
     def engine(**kw) -> Engine:
         return Engine(str(default_model_dir), EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=4, **kw))
 
-    int8 = engine(gemm_activations="int8")
+    wide = engine(gemm_activations="wide")
+    assert not any(getattr(m.method, "int8_activations", False) for m in linears(wide))
     reference = engine(dtype="float32", quantization="none")
-    result = bench_quality(int8, reference, DEFAULT_QUALITY_TEXT.read_text(), window=512)
+    result = bench_quality(wide, reference, DEFAULT_QUALITY_TEXT.read_text(), window=512)
     print(result)
-    assert result["mean_kld"] <= 0.01 and result["top1_agreement"] >= 0.93
-    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.01
+    assert result["mean_kld"] <= 0.001 and result["top1_agreement"] >= 0.98
+    assert abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.005
     assert "Paris" in result["france"]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = {f"p{i}": int8.tokenizer.encode(f"Question {i}: what is {i} + {i}? Answer:") for i in range(4)}
-    assert run(int8, prompts, params) == alone(int8, prompts, params)

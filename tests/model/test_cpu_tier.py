@@ -274,24 +274,31 @@ def test_the_kv_cache_holds_bfloat16_unless_asked_otherwise():
         select_kv_cache_dtype("fp8", f32, None)
 
 
-def test_int8_activations_are_asked_for_and_taken_only_where_a_kernel_has_them(caplog):
-    """--gemm-activations int8 is the avx512bf16 tier's kernel on bfloat16 activations (AVX512-VNNI with BF16)
-    and the avx2 tier's on any; anywhere else the GEMMs keep the tier's own, and the log says so."""
+def test_int8_activations_are_the_default_only_where_a_kernel_has_them(caplog):
+    """The quantized GEMMs round activations to int8 by default (`auto`) with the avx512bf16 tier's kernel on
+    bfloat16 activations (AVX512-VNNI with BF16) and the avx2 tier's on any; anywhere else they keep the tier's
+    own, silently for `auto`, with a warning for an explicit `int8`; `wide` always keeps the tier's own."""
     import logging
 
     from server.engine.setup import select_gemm_activations
 
     built = {t.name: kernels.load(t.name) for t in cpu_tier.runnable()}
-    assert select_gemm_activations("auto", built["generic"], torch.float32) is False
-    with pytest.raises(ValueError, match="auto or int8"):
+    with pytest.raises(ValueError, match="auto, int8 or wide"):
         select_gemm_activations("int4", built["generic"], torch.float32)
     rounds = {"avx512bf16": ("bfloat16",), "avx2": ("bfloat16", "float32")}
     for name, module in built.items():
         assert tuple(module.gemm_int8) == rounds.get(name, ())
+        dtype = cpu_tier.BY_NAME[name].dtype
         with caplog.at_level(logging.WARNING):
             caplog.clear()
-            taken = select_gemm_activations("int8", module, cpu_tier.BY_NAME[name].dtype)
+            assert select_gemm_activations("auto", module, dtype) == (name in rounds)
+            assert not caplog.text
+            assert select_gemm_activations("wide", module, dtype) is False
+            assert not caplog.text
+            taken = select_gemm_activations("int8", module, dtype)
         assert taken == (name in rounds) and (taken or "take the tier's own" in caplog.text)
     assert select_gemm_activations("int8", None, torch.bfloat16) is False  # PyTorch ops
+    assert select_gemm_activations("auto", None, torch.bfloat16) is False
     if "avx512bf16" in built:
         assert select_gemm_activations("int8", built["avx512bf16"], torch.float32) is False
+        assert select_gemm_activations("auto", built["avx512bf16"], torch.float32) is False
