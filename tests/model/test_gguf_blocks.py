@@ -12,7 +12,7 @@ from model.gguf_blocks import BLOCKS, from_gguf_blocks, gguf_weight
 from model.kernels import load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
-from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.gguf_blocks import HALVES, random_blocks
 
 NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4"]
 
@@ -171,6 +171,37 @@ def test_int8_activations_times_the_file_weights(tier, type_name):
         out = layer.logits(poisoned)
     assert out[7].isnan().all() and out[8].isnan().all()
     assert torch.equal(out[[0, 1, 2, 3, 4, 5, 6, 9, 10]], logits[[0, 1, 2, 3, 4, 5, 6, 9, 10]])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tier", [t.name for t in cpu_tier.runnable() if t.name in ("avx512bf16", "avx2")])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_int8_activations_at_the_largest_products(tier, type_name):
+    """Every q at its largest (all the quant bytes 0xFF) times groups of equal x, whose xq are all 127 or -127:
+    the AVX2 kernel sums a 4-bit group's product pairs in int16 (8 x 2 x 15 x 127 = 30,480, below 2^15), so this
+    is where an int16 sum too many would wrap."""
+    kernels = load(tier)
+    N, K = 40, 512
+    blocks = random_blocks(type_name, N, K, seed=3).reshape(N, K // BLOCKS[type_name][0], -1)
+    scales = list(HALVES[type_name])
+    quants = np.ones(blocks.shape[-1], dtype=bool)
+    for at in scales:
+        quants[at : at + 2] = False
+    blocks[..., quants] = 0xFF
+    blocks = blocks.reshape(N, -1)
+    qt = from_gguf_blocks(type_name, torch.from_numpy(blocks), (N, K))
+    ref = reference(type_name, blocks)
+    layer = layer_for(qt, kernels, int8_activations=True)
+    x = torch.ones(4, K)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # signs alternating within a pair
+    x[3] = 3.0
+    x = x.to(getattr(torch, kernels.gemm_int8[-1]))
+    exact = rounded_to(x, 127) @ torch.from_numpy(ref).T
+    with torch.inference_mode():
+        logits = layer.logits(x)
+    bound = error_bound(rounded_to(x, 127), qt, "float32 sums")
+    assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
 
 
 @pytest.mark.timeout(120)
