@@ -68,22 +68,18 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     invariant = invariant and device.type == "cpu"
     dense = OneDnnLinear if OneDnnLinear.available(dtype, device) else PlainLinear
     linear = dense(batch_invariant=invariant)
-    int8 = False
+    activations = ""
     if weights is not WeightFormat.DENSE:
         int8 = select_gemm_activations(config.gemm_activations, cpu_kernels, dtype)
         linear = QuantizedLinear(cpu_kernels, linear, weights.quantize_to, int8_activations=int8)
+        rounded = "rounded to int8 per 32" if int8 else "the tier's own"
+        activations = f"the quantized ones' activations {rounded}; "
     ops = Ops.with_kernels(linear, cpu_kernels)
     log.info("loading %s on %s in %s", model_name(model), device, str(dtype).removeprefix("torch."))
     model, model_config = load_model(model, dtype, device, ops)
     log.info(
         "GEMMs: %s%s%s%s; attention and RMSNorm: %s",
-        (
-            "the quantized ones' activations rounded to int8 per 32; "
-            if int8
-            else "the quantized ones' activations the tier's own; "
-            if weights is not WeightFormat.DENSE and cpu_kernels
-            else ""
-        ),
+        activations,
         describe_weights(model) if weights is not WeightFormat.DENSE else "",
         "weights packed for oneDNN" if dense is OneDnnLinear else "F.linear",
         ", small batches padded for batch invariance" if invariant else "",
