@@ -7,15 +7,23 @@ where q, k, v come out of a causal depthwise convolution (conv_kernel taps, SiLU
 are L2-normalized (each key head serves a group of value heads), beta = sigmoid(b) and g = -exp(A_log) softplus(a +
 dt_bias). The output is RMS-normed per head, times silu(z), then projected back.
 
-Each sequence keeps its last conv_kernel - 1 convolution inputs and its S in a state slot of the cache
-(model/kv_cache.py); the step's `StepStates` says which tokens are whose and which slot each sequence has. The
-recurrence runs token by token (transformers' torch_recurrent_gated_delta_rule), and every op that is not a plain
-product or sum runs on one token's values at a time: torch's elementwise loops hand a tensor's last few elements
-to scalar code whose exp differs from the vector code's in the last bit, so which elements those are must not
-depend on the step. A prompt then gives the same bits prefilled in one step or in chunks of any size, and a
-sequence the same bits whatever shares its step. Where kvserve's C++ kernels run, model/csrc/deltanet.cpp does the
-same between the two projections (each sequence and value head in parallel, token by token), inside the fused
-layer loop (model/layer_stack.py) where the GEMMs are quantized.
+S is computed in chunks of CHUNK tokens, aligned to the sequence's positions: a head keeps S0, S after the
+sequence's last multiple of CHUNK tokens, and a row [k | u | G] for each token since, u = beta (v - S^T k) its
+correction and G its log decay summed from the chunk's start. For token p of a chunk, S_p^T x = exp(G_p) S0^T x
++ sum_{j<=p} exp(G_p - G_j) (k_j . x) u_j; the chunk's last token folds the rows into S0. That is the recurrence
+unrolled (transformers' torch_chunk_gated_delta_rule computes the same), and a product with S0 for all of a
+chunk's tokens at once in place of two passes over S a token: model/csrc/deltanet.cpp's speed on a prompt. Every
+number is a function of the sequence's tokens and positions alone, so a prompt gives the same bits prefilled in
+one step, in chunks of any size or a token at a time, and a state restored from a snapshot (the prefix cache) or
+kept after a draft (speculative decoding) goes on as computed.
+
+Each sequence keeps its last conv_kernel - 1 convolution inputs and its heads' S0 and rows in a state slot of the
+cache (model/kv_cache.py); the step's `StepStates` says which tokens are whose, where each sequence stands and
+which slot it has. Here the tokens go one at a time, and every op that is not a plain product or sum runs on one
+token's values: torch's elementwise loops hand a tensor's last few elements to scalar code whose exp differs from
+the vector code's in the last bit, so which elements those are must not depend on the step. Where kvserve's C++
+kernels run, model/csrc/deltanet.cpp does the same between the two projections (each sequence and value head in
+parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized.
 """
 
 import functools
@@ -28,6 +36,26 @@ from torch import nn
 from model.config import ModelConfig
 from model.linear import Linear
 
+# A chunk's tokens. Each head's state holds dk + dv + 1 floats for each token since S0 (an eighth more than S at
+# dk = dv = 128, in the cache's budget), and the work on them grows with the chunk, while S0's products gain
+# nothing past a few rows (a CPU has no matrix units to feed): at 16, the state took a quarter more and a decode
+# step of 32 sequences ran slower than at 8 (model/csrc/deltanet.cpp, Zen 4, both tiers)
+CHUNK = 8
+
+
+def state_width(key_head_dim: int, value_head_dim: int) -> int:
+    """Floats a value head's state takes: S0, then the chunk's keys, corrections and log decays."""
+    return key_head_dim * value_head_dim + CHUNK * (key_head_dim + value_head_dim + 1)
+
+
+def split_state(state: torch.Tensor, key_head_dim: int, value_head_dim: int):
+    """A sequence's heads' states [Hv, state_width] as views: S0 [Hv, dk, dv], the chunk's keys as columns
+    [Hv, dk, CHUNK], their corrections [Hv, CHUNK, dv] and log decays [Hv, CHUNK] (model/csrc/deltanet.cpp's
+    layout, which reads a token's dot products with every key as one vector)."""
+    dk, dv = key_head_dim, value_head_dim
+    S0, keys, corrections, log_decays = state.split((dk * dv, dk * CHUNK, CHUNK * dv, CHUNK), dim=-1)
+    return S0.view(-1, dk, dv), keys.view(-1, dk, CHUNK), corrections.view(-1, CHUNK, dv), log_decays
+
 
 @dataclass
 class StepStates:
@@ -36,7 +64,7 @@ class StepStates:
     starts: list[int]  # flat index of each sequence's first token this step
     lengths: list[int]  # its tokens this step
     slots: list[int]  # its state slot in the cache
-    fresh: list[bool]  # its first tokens: the state starts from zero
+    positions: list[int]  # its tokens before this step (0: its state starts from zero)
     # -1, or the first of length - 1 slots that get its state after each of its tokens but the last (a decode
     # verifying drafts: the engine goes back to the state after the last token it keeps)
     keep_each: list[int] | None = None
@@ -47,9 +75,9 @@ class StepStates:
 
     @functools.cached_property
     def table(self) -> torch.Tensor:
-        """[N, 5] int64 (start, length, slot, fresh, keep_each) for the C++ kernel: made once a step, read by
+        """[N, 5] int64 (start, length, slot, position, keep_each) for the C++ kernel: made once a step, read by
         every layer."""
-        columns = (self.starts, self.lengths, self.slots, self.fresh, self.keep_each)
+        columns = (self.starts, self.lengths, self.slots, self.positions, self.keep_each)
         return torch.tensor(list(zip(*columns, strict=True)))
 
 
@@ -80,7 +108,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
-        [slots, value heads, key_head_dim, value_head_dim] (float32) are this layer's, updated in place. `rope` is
+        [slots, value heads, state_width] (float32) are this layer's, updated in place. `rope` is
         unused: DeltaNet has no positions."""
         return self.out(self.mix(self.in_proj(x), conv_state, recurrent_state, states))
 
@@ -97,17 +125,19 @@ class GatedDeltaNet(nn.Module):
         decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
         sequences = zip(
-            states.starts, states.lengths, states.slots, states.fresh, states.keep_each, strict=True
+            states.starts, states.lengths, states.slots, states.positions, states.keep_each, strict=True
         )
-        for start, n, slot, fresh, keep_each in sequences:
+        for start, n, slot, position, keep_each in sequences:
             rows = slice(start, start + n)
-            convolved = self._convolve(qkv[rows].float(), conv_state, slot, fresh, keep_each)
-            state = torch.zeros_like(recurrent_state[slot]) if fresh else recurrent_state[slot].clone()
-            for t in range(n):  # every op on one token's values, in the same shapes whatever the step holds
+            convolved = self._convolve(qkv[rows].float(), conv_state, slot, position == 0, keep_each)
+            state = recurrent_state[slot].clone()
+            if position == 0:
+                state[:, : spec.key_head_dim * spec.value_head_dim] = 0
+            for t in range(n):  # every op on one token's values, in shapes its position alone sets
                 row = start + t
                 beta = b[row].sigmoid().float()  # [Hv]
-                decay = (decay_rate * F.softplus(a[row].float() + self.dt_bias)).exp()
-                o = self._delta_rule(convolved[t], beta, decay, state)  # [Hv, dv] float32
+                log_decay = decay_rate * F.softplus(a[row].float() + self.dt_bias)
+                o = self._delta_rule(convolved[t], beta, log_decay, state, (position + t) % CHUNK)
                 out[row] = self._gated_norm(o.to(proj.dtype), z[row]).reshape(-1)
                 if keep_each >= 0 and t + 1 < n:
                     recurrent_state[keep_each + t] = state
@@ -136,23 +166,40 @@ class GatedDeltaNet(nn.Module):
             convolved = convolved + window[j : j + n] * taps[j]
         return convolved
 
-    def _delta_rule(self, convolved: torch.Tensor, beta, decay, state: torch.Tensor) -> torch.Tensor:
-        """One token: its convolved [conv_dim] inputs as q, k, v (q and k L2-normed per key head and repeated for
-        their value heads, q scaled), the state [Hv, dk, dv] decayed and corrected toward v (in place); S^T q."""
-        spec = self.spec
+    def _delta_rule(
+        self, convolved: torch.Tensor, beta, log_decay, state: torch.Tensor, m: int
+    ) -> torch.Tensor:
+        """One token, the m-th of its chunk: its convolved [conv_dim] inputs as q, k, v (q and k L2-normed per key
+        head and repeated for their value heads, q scaled), its row of the state [Hv, state_width] written (and
+        the chunk's rows folded into S0 at its last token); S^T q."""
+        spec, dk, dv = self.spec, self.spec.key_head_dim, self.spec.value_head_dim
         q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim))
         group = spec.num_value_heads // spec.num_key_heads
-        q, k = (l2_normalize(h.view(spec.num_key_heads, spec.key_head_dim)) for h in (q, k))
+        q, k = (l2_normalize(h.view(spec.num_key_heads, dk)) for h in (q, k))
         # value head h reads key head h // group (Hugging Face's order) or, tiled, h % num_key_heads
         q, k = (
             h.repeat(group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 0) for h in (q, k)
         )
-        q = q * spec.key_head_dim**-0.5
-        state.mul_(decay[:, None, None])
-        remembered = (state * k[:, :, None]).sum(1)  # [Hv, dv]: what S recalls for this key
-        delta = (v.view(spec.num_value_heads, spec.value_head_dim) - remembered) * beta[:, None]
-        state.add_(k[:, :, None] * delta[:, None, :])
-        return (state * q[:, :, None]).sum(1)
+        q = q * dk**-0.5
+        S0, keys, corrections, log_decays = split_state(state, dk, dv)
+        G = log_decay + (log_decays[:, m - 1] if m > 0 else 0)  # [Hv]: log decay since the chunk began
+        decay = G.exp()
+        keys[:, :, m] = k
+        log_decays[:, m] = G
+        weights = (G[:, None] - log_decays[:, : m + 1]).exp()  # [Hv, m + 1]: exp(G_p - G_j)
+
+        def read(x, rows: int) -> torch.Tensor:  # S^T x: S0's part, then the chunk's rows j < rows
+            dots = (keys[:, :, :rows] * x[:, :, None]).sum(1) * weights[:, :rows]  # [Hv, rows]
+            from_S0 = decay[:, None] * (S0 * x[:, :, None]).sum(1)
+            return from_S0 + (dots[..., None] * corrections[:, :rows]).sum(1)
+
+        recall = read(k, m)  # [Hv, dv]: what S recalls for this key
+        corrections[:, m] = (v.view(spec.num_value_heads, dv) - recall) * beta[:, None]
+        out = read(q, m + 1)
+        if m == CHUNK - 1:  # S0 <- exp(G) S0 + sum_j exp(G - G_j) k_j u_j^T
+            scaled = keys * weights[:, None, :]  # [Hv, dk, CHUNK]
+            S0.mul_(decay[:, None, None]).add_((scaled[..., None] * corrections[:, None]).sum(2))
+        return out
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMS norm of each head's output [Hv, dv] in float32, its weight applied in the model's dtype, times

@@ -5,6 +5,7 @@ layers (model/deltanet.py), a pool of per-sequence state slots."""
 import torch
 
 from model.config import ModelConfig
+from model.deltanet import state_width
 
 
 class KVCache:
@@ -44,12 +45,14 @@ class KVCache:
             self.num_state_slots, self.num_snapshot_slots = num_state_slots, num_snapshot_slots
             self.num_draft_slots = num_draft_slots
             num_state_slots += num_snapshot_slots + num_draft_slots
-            # the last conv_kernel - 1 convolution inputs and the delta rule's state, float32, per sequence
+            # the last conv_kernel - 1 convolution inputs and the delta rule's state (each value head's S0 and
+            # chunk rows: model/deltanet.py), float32, per sequence
             self.conv = torch.zeros(
                 (n, num_state_slots, spec.conv_kernel - 1, spec.conv_dim), dtype=torch.float32, device=device
             )
+            width = state_width(spec.key_head_dim, spec.value_head_dim)
             self.recurrent = torch.zeros(
-                (n, num_state_slots, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim),
+                (n, num_state_slots, spec.num_value_heads, width),
                 dtype=torch.float32,
                 device=device,
             )
@@ -84,5 +87,5 @@ class KVCache:
         if spec is None:
             return 0
         conv = (spec.conv_kernel - 1) * spec.conv_dim
-        recurrent = spec.num_value_heads * spec.key_head_dim * spec.value_head_dim
+        recurrent = spec.num_value_heads * state_width(spec.key_head_dim, spec.value_head_dim)
         return 4 * len(config.linear_layers) * (conv + recurrent)

@@ -1,8 +1,8 @@
-// Gated DeltaNet on the CPU: one layer's recurrence for a step's sequences, between its input projection and its
+// Gated DeltaNet on the CPU: one layer's token mixing for a step's sequences, between its input projection and its
 // output projection (model/deltanet.py has the math and the Python path this replaces; the same roundings to the
 // model's dtype). Per sequence: the causal convolution over its kept inputs and SiLU, q and k L2-normed, the delta
-// rule from its state slot, token by token, then the gated RMS norm. Each sequence's numbers depend only on its
-// own tokens and state, and each op runs in one fixed order whatever the step holds: a prompt gives the same bits
+// rule in chunks from its state slot, then the gated RMS norm. Each sequence's numbers depend only on its own
+// tokens and state, and each op runs in one fixed order whatever the step holds: a prompt gives the same bits
 // prefilled whole or in chunks, a sequence the same bits beside others.
 
 #include "kernels.h"
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -27,114 +28,237 @@ inline float rounded(float x) {  // x as the model's dtype holds it
 
 inline vfloat broadcast(float x) { return x - vfloat{}; }  // x - 0 is x, every x: no addition left in the code
 
-// The delta rule for one token on columns [j0, j0 + B VL) of one value head's state S [dk, dv], B vectors of
-// accumulators in registers, in two passes: recall = (S decay)^T k, read only; then S <- S decay + k correction^T
-// and out = S^T q. Every column sums over the rows in ascending order whatever B is (the blocks only say which
-// columns share a pass), so a column's bits do not depend on how dv is cut. restrict: GCC otherwise kept the
-// accumulators on the stack (S might have aliased them) and ran ~4x slower.
-template <int B>
-inline void recall_columns(const float* __restrict S, int64_t dk, int64_t dv, int64_t j0, float decay,
-                           const float* __restrict k, float* __restrict recall) {
-  vfloat acc[B] = {};
-  const vfloat d = broadcast(decay);
-  for (int64_t i = 0; i < dk; ++i) {
-    const vfloat ki = broadcast(k[i]);
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) acc[b] += load_floats(S + i * dv + j0 + b * VL) * d * ki;
-  }
-  for (int b = 0; b < B; ++b) store_floats(acc[b], recall + j0 + b * VL);
-}
+// The delta rule in chunks (model/deltanet.py). A value head's state S [dk, dv] is kept as it stands after the
+// sequence's last multiple of `chunk` tokens, S0, with, for each token since, its key k, its correction u = beta
+// (v - recall) and G, the sum of the log decays g from the chunk's first token to it. For token p of a chunk,
+//   recall_p = exp(G_p) S0^T k_p + sum_{j<p} exp(G_p - G_j) (k_j . k_p) u_j,    u_p = beta_p (v_p - recall_p),
+//   out_p    = exp(G_p) S0^T q_p + sum_{j<=p} exp(G_p - G_j) (k_j . q_p) u_j,
+// and at the chunk's last token S0 <- exp(G) S0 + sum_j exp(G - G_j) k_j u_j^T (G the last token's): the
+// recurrence S_p = exp(g_p) S_{p-1} + k_p u_p^T unrolled. S0 is read once for all the step's tokens in a chunk
+// (their k and q as the rows of one product) and written once a chunk, where the recurrence read S twice and
+// wrote it once a token. Every number is a function of the sequence's own tokens, each sum in one fixed order
+// whatever the step holds (a product's rows in any grouping, the same chain of fused multiply-adds over i for
+// each element): a prompt gives the same bits prefilled whole, in chunks of any size or decoded a token at a
+// time, beside any other sequences, and a state restored from a snapshot or kept after a draft goes on with the
+// same bits.
 
-template <int B>
-inline void update_columns(float* __restrict S, int64_t dk, int64_t dv, int64_t j0, float decay,
-                           const float* __restrict k, const float* __restrict correction,
-                           const float* __restrict q, float* __restrict out) {
-  vfloat acc[B] = {}, c[B];
-  const vfloat d = broadcast(decay);
-  for (int b = 0; b < B; ++b) c[b] = load_floats(correction + j0 + b * VL);
+// y[r] = S^T x[r] for rows r < R: S [dk, dv], x[r] [dk], y[r] [dv]. Each element sums over i in ascending order.
+template <int R, int B>
+inline void project_columns(const float* __restrict S, int64_t dk, int64_t dv, int64_t j0, const float* const* x,
+                            float* const* y) {
+  vfloat acc[R][B] = {};
   for (int64_t i = 0; i < dk; ++i) {
-    const vfloat ki = broadcast(k[i]), qi = broadcast(q[i]);
+    vfloat s[B];
+    for (int b = 0; b < B; ++b) s[b] = load_floats(S + i * dv + j0 + b * VL);
 #pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) {
-      float* row = S + i * dv + j0 + b * VL;
-      const vfloat updated = load_floats(row) * d + ki * c[b];
-      store_floats(updated, row);
-      acc[b] += updated * qi;
+    for (int r = 0; r < R; ++r) {
+      const vfloat xi = broadcast(x[r][i]);
+      for (int b = 0; b < B; ++b) acc[r][b] += xi * s[b];
     }
   }
-  for (int b = 0; b < B; ++b) store_floats(acc[b], out + j0 + b * VL);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) store_floats(acc[r][b], y[r] + j0 + b * VL);
 }
 
-// columns the vectors do not cover (dv not a multiple of VL), one at a time, the same operations
-inline void recall_column(const float* S, int64_t dk, int64_t dv, int64_t j, float decay, const float* k,
-                          float* recall) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * decay * k[i];
-  recall[j] = acc;
-}
-inline void update_column(float* S, int64_t dk, int64_t dv, int64_t j, float decay, const float* k,
-                          const float* correction, const float* q, float* out) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float updated = S[i * dv + j] * decay + k[i] * correction[j];
-    S[i * dv + j] = updated;
-    acc += updated * q[i];
-  }
-  out[j] = acc;
-}
-
-// Columns per pass: 4 vectors (32 floats with AVX2), whose accumulators, corrections and broadcasts fit in 16
-// registers; 2 on the baseline's 4-float vectors (SSE2 has 16 registers too, NEON 32)
-constexpr int BLOCK = VL >= 8 ? 4 : 2;
-
-// One sequence's tokens through one value head: S [dk, dv] its state; q, k, v of token t at q + t stride (and k,
-// v likewise), out + t out_stride its output; beta, decay [n]; keep: null, or n - 1 states after each token but
-// the last, keep_stride apart. A column of S depends only on itself (its recall, its correction, its update and its output read no
-// other column), so the columns go in blocks, each block through every token while it stays in L1 (a head's
-// whole S is 64 KiB: two passes over it a token went to L2, measured 2.4x slower on Zen 3)
-void delta_rule(float* S, int64_t dk, int64_t dv, int64_t n, const float* q, const float* k, const float* v,
-                int64_t stride, const float* beta, const float* decay, float* out, int64_t out_stride, float* keep,
-                int64_t keep_stride) {
-  std::vector<float> correction(dv);
-  auto columns = [&](int64_t j0, int64_t width, auto recall, auto update) {
-    for (int64_t t = 0; t < n; ++t) {
-      const float *q_t = q + t * stride, *k_t = k + t * stride, *v_t = v + t * stride;
-      recall(j0, decay[t], k_t);
-      for (int64_t j = j0; j < j0 + width; ++j) correction[j] = (v_t[j] - correction[j]) * beta[t];
-      update(j0, decay[t], k_t, q_t, out + t * out_stride);
-      if (keep && t + 1 < n)
-        for (int64_t i = 0; i < dk; ++i)
-          std::copy(S + i * dv + j0, S + i * dv + j0 + width, keep + t * keep_stride + i * dv + j0);
+template <int R>
+void project_rows(const float* S, int64_t dk, int64_t dv, const float* const* x, float* const* y) {
+  constexpr int B = R >= 4 ? 2 : 4;  // 8 accumulators: enough chains over i to hide their latency
+  const int64_t blocked = dv / (B * VL) * B * VL, vectors = dv / VL * VL;
+  for (int64_t j0 = 0; j0 < blocked; j0 += B * VL) project_columns<R, B>(S, dk, dv, j0, x, y);
+  for (int64_t j0 = blocked; j0 < vectors; j0 += VL) project_columns<R, 1>(S, dk, dv, j0, x, y);
+  for (int64_t j = vectors; j < dv; ++j)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < dk; ++i) acc += x[r][i] * S[i * dv + j];
+      y[r][j] = acc;
     }
-  };
-  const int64_t blocked = dv / (BLOCK * VL) * BLOCK * VL, vectors = dv / VL * VL;
-  for (int64_t j0 = 0; j0 < blocked; j0 += BLOCK * VL)
-    columns(
-        j0, BLOCK * VL,
-        [&](int64_t j, float d, const float* k_t) { recall_columns<BLOCK>(S, dk, dv, j, d, k_t, correction.data()); },
-        [&](int64_t j, float d, const float* k_t, const float* q_t, float* o) {
-          update_columns<BLOCK>(S, dk, dv, j, d, k_t, correction.data(), q_t, o);
-        });
-  for (int64_t j0 = blocked; j0 < vectors; j0 += VL)
-    columns(
-        j0, VL, [&](int64_t j, float d, const float* k_t) { recall_columns<1>(S, dk, dv, j, d, k_t, correction.data()); },
-        [&](int64_t j, float d, const float* k_t, const float* q_t, float* o) {
-          update_columns<1>(S, dk, dv, j, d, k_t, correction.data(), q_t, o);
-        });
-  for (int64_t j0 = vectors; j0 < dv; ++j0)
-    columns(
-        j0, 1, [&](int64_t j, float d, const float* k_t) { recall_column(S, dk, dv, j, d, k_t, correction.data()); },
-        [&](int64_t j, float d, const float* k_t, const float* q_t, float* o) {
-          update_column(S, dk, dv, j, d, k_t, correction.data(), q_t, o);
-        });
+}
+
+// rows x[0 .. n) through S^T, four at a time (accumulators: 4 rows x 2 vectors, 8 of 16 registers), then two (a
+// decode's k and q: one pass over S), then one
+void project(const float* S, int64_t dk, int64_t dv, const float* const* x, float* const* y, int64_t n) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) project_rows<4>(S, dk, dv, x + r, y + r);
+  for (; r + 2 <= n; r += 2) project_rows<2>(S, dk, dv, x + r, y + r);
+  for (; r < n; ++r) project_rows<1>(S, dk, dv, x + r, y + r);
+}
+
+// k and q . each of a chunk's keys (Kt [dk, chunk], the keys as columns), into kdots and qdots [chunk]: up to 8 keys
+// a vector (a chunk is a multiple of 8; on AVX-512, 256-bit vectors, native there too), every column whether it
+// holds a key yet or not; each dot in four chains of fused multiply-adds (i mod 4, so that their latencies
+// overlap), summed as (0 + 1) + (2 + 3): one fixed order for every step
+constexpr int KEY_LANES = VL < 8 ? VL : 8;
+typedef float vkeys __attribute__((vector_size(KEY_LANES * sizeof(float))));
+
+inline vkeys load_keys(const float* p) {
+  vkeys v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void dot_keys(const float* __restrict Kt, int64_t dk, int64_t chunk, const float* __restrict k,
+                     const float* __restrict q, float* __restrict kdots, float* __restrict qdots) {
+  for (int64_t j0 = 0; j0 < chunk; j0 += KEY_LANES) {
+    vkeys ka[4] = {}, qa[4] = {};
+    int64_t i = 0;
+    for (; i + 4 <= dk; i += 4)
+      for (int c = 0; c < 4; ++c) {
+        const vkeys key = load_keys(Kt + (i + c) * chunk + j0);
+        ka[c] += (k[i + c] - vkeys{}) * key;
+        qa[c] += (q[i + c] - vkeys{}) * key;
+      }
+    for (; i < dk; ++i) {
+      const vkeys key = load_keys(Kt + i * chunk + j0);
+      ka[0] += (k[i] - vkeys{}) * key;
+      qa[0] += (q[i] - vkeys{}) * key;
+    }
+    const vkeys kd = (ka[0] + ka[1]) + (ka[2] + ka[3]), qd = (qa[0] + qa[1]) + (qa[2] + qa[3]);
+    __builtin_memcpy(kdots + j0, &kd, sizeof(kd));
+    __builtin_memcpy(qdots + j0, &qd, sizeof(qd));
+  }
+}
+
+// y = first + sum_{j < rows} c[j] U[j] over dv columns, each column's sum in ascending j, COLUMNS vectors a pass
+inline void combine(const float* __restrict first, const float* __restrict c, const float* __restrict U,
+                    int64_t rows, int64_t dv, float* __restrict y) {
+  constexpr int COLUMNS = 4;
+  int64_t l0 = 0;
+  for (; l0 + COLUMNS * VL <= dv; l0 += COLUMNS * VL) {
+    vfloat acc[COLUMNS];
+    for (int b = 0; b < COLUMNS; ++b) acc[b] = load_floats(first + l0 + b * VL);
+    for (int64_t j = 0; j < rows; ++j) {
+      const vfloat cj = broadcast(c[j]);
+      for (int b = 0; b < COLUMNS; ++b) acc[b] += cj * load_floats(U + j * dv + l0 + b * VL);
+    }
+    for (int b = 0; b < COLUMNS; ++b) store_floats(acc[b], y + l0 + b * VL);
+  }
+  for (; l0 + VL <= dv; l0 += VL) {
+    vfloat acc = load_floats(first + l0);
+    for (int64_t j = 0; j < rows; ++j) acc += broadcast(c[j]) * load_floats(U + j * dv + l0);
+    store_floats(acc, y + l0);
+  }
+  for (; l0 < dv; ++l0) {
+    float acc = first[l0];
+    for (int64_t j = 0; j < rows; ++j) acc += c[j] * U[j * dv + l0];
+    y[l0] = acc;
+  }
+}
+
+// S0 <- exp(G) S0 + sum_j a_j u_j^T over a finished chunk's rows, a_j = exp(G - G_j) k_j (in a [rows, dk]), tile
+// by tile: each element scaled, then a fused multiply-add a row j at a time in ascending order
+template <int R, int B>
+inline void fold_tile(float* __restrict S, int64_t dv, int64_t i0, int64_t j0, float scale, const float* a,
+                      int64_t dk, const float* u, int64_t width, int64_t rows) {
+  vfloat acc[R][B];
+  const vfloat sv = broadcast(scale);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = load_floats(S + (i0 + r) * dv + j0 + b * VL) * sv;
+  for (int64_t j = 0; j < rows; ++j) {
+    vfloat uj[B];
+    for (int b = 0; b < B; ++b) uj[b] = load_floats(u + j * width + j0 + b * VL);
+    for (int r = 0; r < R; ++r) {
+      const vfloat aj = broadcast(a[j * dk + i0 + r]);
+      for (int b = 0; b < B; ++b) acc[r][b] += aj * uj[b];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) store_floats(acc[r][b], S + (i0 + r) * dv + j0 + b * VL);
+}
+
+void fold(float* S, int64_t dk, int64_t dv, float scale, const float* a, const float* u, int64_t width,
+          int64_t rows) {
+  constexpr int R = 4, B = 2;
+  const int64_t blocked = dv / (B * VL) * B * VL, vectors = dv / VL * VL, rows_blocked = dk / R * R;
+  for (int64_t i0 = 0; i0 < dk; i0 += (i0 < rows_blocked ? R : 1)) {
+    const bool four = i0 < rows_blocked;
+    for (int64_t j0 = 0; j0 < blocked; j0 += B * VL)
+      four ? fold_tile<R, B>(S, dv, i0, j0, scale, a, dk, u, width, rows)
+           : fold_tile<1, B>(S, dv, i0, j0, scale, a, dk, u, width, rows);
+    for (int64_t j0 = blocked; j0 < vectors; j0 += VL)
+      four ? fold_tile<R, 1>(S, dv, i0, j0, scale, a, dk, u, width, rows)
+           : fold_tile<1, 1>(S, dv, i0, j0, scale, a, dk, u, width, rows);
+  }
+  for (int64_t j = vectors; j < dv; ++j)
+    for (int64_t i = 0; i < dk; ++i) {
+      float acc = S[i * dv + j] * scale;
+      for (int64_t r = 0; r < rows; ++r) acc += a[r * dk + i] * u[r * width + j];
+      S[i * dv + j] = acc;
+    }
+}
+
+struct Scratch {  // a task's working rows, reused
+  std::vector<float> projected, first, kdots, qdots, weights, a;
+  std::vector<const float*> x;
+  std::vector<float*> y;
+};
+
+// One sequence's n tokens through one value head: state its S0 [dk, dv], then its chunk's keys as columns Kt
+// [dk, chunk], corrections U [chunk, dv] and log decays G [chunk]; position the sequence's tokens before this
+// step; q, k, v of token t at q + t stride (and k, v likewise), out + t out_stride its output; beta, g (the log
+// decay) [n]; keep: null, or n - 1 states after each token but the last, keep_stride apart. Token by token within
+// a chunk (u_p needs u_j for j < p), S0's products for a chunk's tokens at once.
+void delta_rule(float* state, int64_t dk, int64_t dv, int64_t chunk, int64_t position, int64_t n, const float* q,
+                const float* k, const float* v, int64_t stride, const float* beta, const float* g, float* out,
+                int64_t out_stride, float* keep, int64_t keep_stride, Scratch& scratch) {
+  float *S = state, *Kt = S + dk * dv, *U = Kt + dk * chunk, *Gs = U + chunk * dv;
+  const int64_t state_size = dk * dv + chunk * (dk + dv + 1);
+  scratch.projected.resize(2 * chunk * dv);
+  scratch.first.resize(dv);
+  scratch.kdots.resize(chunk);
+  scratch.qdots.resize(chunk);
+  scratch.weights.resize(chunk);
+  scratch.a.resize(chunk * dk);
+  scratch.x.resize(2 * chunk);
+  scratch.y.resize(2 * chunk);
+  float *first = scratch.first.data(), *kdots = scratch.kdots.data(), *qdots = scratch.qdots.data();
+  float* weights = scratch.weights.data();
+  for (int64_t t0 = 0; t0 < n;) {
+    const int64_t m0 = (position + t0) % chunk, t1 = std::min(n, t0 + chunk - m0);  // the step's tokens of a chunk
+    for (int64_t t = t0; t < t1; ++t) {
+      scratch.x[2 * (t - t0)] = k + t * stride;
+      scratch.x[2 * (t - t0) + 1] = q + t * stride;
+    }
+    for (int64_t r = 0; r < 2 * (t1 - t0); ++r) scratch.y[r] = scratch.projected.data() + r * dv;
+    project(S, dk, dv, scratch.x.data(), scratch.y.data(), 2 * (t1 - t0));  // S0^T k, S0^T q
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m = m0 + t - t0;
+      const float *k_t = k + t * stride, *q_t = q + t * stride, *v_t = v + t * stride;
+      const float *Sk = scratch.y[2 * (t - t0)], *Sq = scratch.y[2 * (t - t0) + 1];
+      const float G = (m > 0 ? Gs[m - 1] : 0.0f) + g[t], decay = std::exp(G);
+      Gs[m] = G;
+      for (int64_t i = 0; i < dk; ++i) Kt[i * chunk + m] = k_t[i];
+      for (int64_t j = 0; j <= m; ++j) weights[j] = std::exp(G - Gs[j]);  // exp(G_p - G_j)
+      dot_keys(Kt, dk, chunk, k_t, q_t, kdots, qdots);
+      for (int64_t j = 0; j <= m; ++j) {
+        kdots[j] *= weights[j];
+        qdots[j] *= weights[j];
+      }
+      // recall and u: the rows before this one
+      for (int64_t l = 0; l < dv; ++l) first[l] = decay * Sk[l];
+      float* u = U + m * dv;
+      combine(first, kdots, U, m, dv, u);  // the recall, then u in its place
+      for (int64_t l = 0; l < dv; ++l) u[l] = (v_t[l] - u[l]) * beta[t];
+      // the output: every row so far, this one's too
+      for (int64_t l = 0; l < dv; ++l) first[l] = decay * Sq[l];
+      combine(first, qdots, U, m + 1, dv, out + t * out_stride);
+      if (m == chunk - 1) {  // the chunk's last token: its rows folded into S0
+        for (int64_t j = 0; j < chunk; ++j)
+          for (int64_t i = 0; i < dk; ++i) scratch.a[j * dk + i] = weights[j] * Kt[i * chunk + j];
+        fold(S, dk, dv, decay, scratch.a.data(), U, dv, chunk);
+      }
+      if (keep && t + 1 < n) std::copy(state, state + state_size, keep + t * keep_stride);
+    }
+    t0 = t1;
+  }
 }
 
 }  // namespace
 
 // proj [T, conv_dim + value_dim + 2 Hv]: the input projection's [q k v | z | b | a] rows; conv_w [conv_dim, kernel];
 // A_log, dt_bias [Hv]; norm_w [dv] (float32); conv_state [slots, kernel - 1, conv_dim] and recurrent_state [slots,
-// Hv, dk, dv] (float32, this layer's, updated in place); seqs [N, 5] int64: each sequence's first flat token, its
-// tokens this step, its slot, 1 where its state starts from zero, and -1 or the first of n - 1 slots that get its
+// Hv, dk dv + chunk (dk + dv + 1)] (float32, this layer's, updated in place: each head's S0 and chunk rows, the
+// chunk read off its size); seqs [N, 5] int64: each sequence's first flat token, its tokens this step, its slot,
+// its tokens before this step (0: its state starts from zero), and -1 or the first of n - 1 slots that get its
 // state after each of its tokens but the last (a decode verifying drafts: the engine goes back to the state after
 // the last one it keeps). Returns [T, value_dim] in proj's dtype.
 at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
@@ -148,16 +272,29 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
   for (const auto& t : {conv_w, A_log, dt_bias, norm_w, conv_state, recurrent_state})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "float32, contiguous weights and states");
   TORCH_CHECK(conv_state.size(1) == K - 1 && conv_state.size(2) == C, "conv_state shape");
-  TORCH_CHECK(recurrent_state.size(1) == Hv && recurrent_state.size(2) == dk && recurrent_state.size(3) == dv,
+  // a value head's state: S0 [dk, dv], then `chunk` rows of [k | u | G] (dk + dv + 1 floats)
+  const int64_t width = dk + dv + 1, chunk = recurrent_state.dim() == 3 ? (recurrent_state.size(2) - dk * dv) / width : 0;
+  TORCH_CHECK(recurrent_state.dim() == 3 && recurrent_state.size(1) == Hv && chunk > 0 && chunk % KEY_LANES == 0 &&
+                  recurrent_state.size(2) == dk * dv + chunk * width,
               "recurrent_state shape");
+  const int64_t state_size = recurrent_state.size(2);
   TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 2 && seqs.size(1) == 5, "seqs [N, 5] int64");
   seqs = seqs.contiguous();
   const int64_t T = proj.size(0), W = proj.size(1), N = seqs.size(0), group = Hv / Hk;
   const int64_t* sq = seqs.data_ptr<int64_t>();
+  int64_t covered = 0;  // the sequences' tokens are the step's, each once
+  for (int64_t s = 0; s < N; ++s) {
+    TORCH_CHECK(sq[5 * s] == covered && sq[5 * s + 1] > 0 && sq[5 * s + 3] >= 0, "seqs: contiguous tokens");
+    covered += sq[5 * s + 1];
+  }
+  TORCH_CHECK(covered == T, "seqs must cover the step's tokens");
   const float* w = conv_w.data_ptr<float>();
   float* cs_all = conv_state.data_ptr<float>();
   float* rs_all = recurrent_state.data_ptr<float>();
-  std::vector<float> mixed(T * C), o(T * value_dim);
+  // the convolved q, k, v and the delta rule's output, float32: every row written before it is read (no zeros to
+  // fill, 12 MiB of them in a 512-token prompt of Qwen3.5-2B)
+  const std::unique_ptr<float[]> mixed_rows(new float[T * C]), o_rows(new float[T * value_dim]);
+  float *mixed = mixed_rows.get(), *o = o_rows.get();
   std::vector<float> taps(K * C);  // the convolution's weights tap-major: taps[j C + c], a vector of channels a load
   for (int64_t c = 0; c < C; ++c)
     for (int64_t j = 0; j < K; ++j) taps[j * C + c] = w[c * K + j];
@@ -172,7 +309,7 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
     at::parallel_for(0, (C + CHANNELS - 1) / CHANNELS, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t s = 0; s < N; ++s) {
         const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2];
-        const bool fresh = sq[5 * s + 3] != 0;
+        const bool fresh = sq[5 * s + 3] == 0;  // its first tokens: no kept inputs
         const int64_t keep_each = sq[5 * s + 4];
         float* cs = cs_all + slot * (K - 1) * C;
         const int64_t c0 = b0 * CHANNELS, c1 = std::min(C, b1 * CHANNELS), vectors = c0 + (c1 - c0) / VL * VL;
@@ -186,7 +323,7 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
           return fresh ? 0.0f : cs[(K - 1 + u) * C + c];
         };
         for (int64_t t = 0; t < n; ++t) {
-          float* y = mixed.data() + (start + t) * C;
+          float* y = mixed + (start + t) * C;
           for (int64_t c = c0; c < vectors; c += VL) {
             vfloat acc = input(t - (K - 1), c) * load_floats(taps.data() + c);
             for (int64_t j = 1; j < K; ++j) acc += input(t - (K - 1) + j, c) * load_floats(taps.data() + j * C + c);
@@ -216,34 +353,40 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t part = 0; part < 2; ++part)
           for (int64_t h = 0; h < Hk; ++h) {
-            float* x = mixed.data() + t * C + part * key_dim + h * dk;
-            float ss = 0.0f;
-            for (int64_t i = 0; i < dk; ++i) ss += x[i] * x[i];
+            float* x = mixed + t * C + part * key_dim + h * dk;
+            vfloat lanes{};  // VL lanes, then the tail: one fixed order (one chain of dk adds was latency-bound)
+            int64_t i = 0;
+            for (; i + VL <= dk; i += VL) lanes += load_floats(x + i) * load_floats(x + i);
+            float ss = hsum(lanes);
+            for (; i < dk; ++i) ss += x[i] * x[i];
             const float scale = (part == 0 ? q_scale : 1.0f) / std::sqrt(ss + 1e-6f);
             for (int64_t i = 0; i < dk; ++i) x[i] *= scale;
           }
     });
-    // the delta rule, per sequence and value head, token by token
+    // the delta rule, per sequence and value head
     at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> beta, decay;
+      std::vector<float> beta, g;
+      Scratch scratch;
       for (int64_t task = begin; task < end; ++task) {
         // value head h's key head: Hugging Face groups the value heads by key head; llama.cpp's files tile them
         const int64_t s = task / Hv, h = task % Hv, kh = tiled_value_heads ? h % Hk : h / group;
-        const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2], keep_each = sq[5 * s + 4];
-        float* S = rs_all + (slot * Hv + h) * dk * dv;  // [dk, dv]
-        if (sq[5 * s + 3] != 0) std::fill(S, S + dk * dv, 0.0f);
+        const int64_t start = sq[5 * s], n = sq[5 * s + 1], slot = sq[5 * s + 2], position = sq[5 * s + 3];
+        const int64_t keep_each = sq[5 * s + 4];
+        float* state = rs_all + (slot * Hv + h) * state_size;
+        if (position == 0) std::fill(state, state + dk * dv, 0.0f);
         beta.resize(n);
-        decay.resize(n);
+        g.resize(n);
         const float rate = -std::exp(A_log.data_ptr<float>()[h]), bias = dt_bias.data_ptr<float>()[h];
         for (int64_t t = 0; t < n; ++t) {
           const scalar_t* gates = P + (start + t) * W + C + value_dim;  // b, then a, per value head
           beta[t] = rounded<scalar_t>(1.0f / (1.0f + std::exp(-to_float(gates[h]))));
-          decay[t] = std::exp(rate * softplus(to_float(gates[Hv + h]) + bias));
+          g[t] = rate * softplus(to_float(gates[Hv + h]) + bias);
         }
-        const float* q = mixed.data() + start * C + kh * dk;
-        delta_rule(S, dk, dv, n, q, q + key_dim, mixed.data() + start * C + 2 * key_dim + h * dv, C, beta.data(),
-                   decay.data(), o.data() + start * value_dim + h * dv, value_dim,
-                   keep_each >= 0 ? rs_all + (keep_each * Hv + h) * dk * dv : nullptr, Hv * dk * dv);
+        const float* q = mixed + start * C + kh * dk;
+        delta_rule(state, dk, dv, chunk, position, n, q, q + key_dim, mixed + start * C + 2 * key_dim + h * dv,
+                   C, beta.data(), g.data(), o + start * value_dim + h * dv, value_dim,
+                   keep_each >= 0 ? rs_all + keep_each * Hv * state_size + h * state_size : nullptr,
+                   Hv * state_size, scratch);
       }
     });
     // the gated RMS norm per token and head: norm in float32, rounded; times the weight; times silu(z). A head's
@@ -253,7 +396,7 @@ at::Tensor gated_delta_net(at::Tensor proj, at::Tensor conv_w, at::Tensor A_log,
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < Hv; ++h) {
-          const float* x = o.data() + t * value_dim + h * dv;
+          const float* x = o + t * value_dim + h * dv;
           const scalar_t* z = P + t * W + C + h * dv;
           scalar_t* y = Y + t * value_dim + h * dv;
           if (dv % VL == 0) {

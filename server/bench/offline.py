@@ -318,7 +318,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         **({"deltanet": []} if deltanet else {}),
     }
     if deltanet:  # B decoding sequences in the first B state slots (nobody holds them: the requests ended)
-        states = StepStates(list(range(B)), [1] * B, list(range(B)), [False] * B)
+        states = StepStates(list(range(B)), [1] * B, list(range(B)), [context_len] * B)
         proj = rand(B, model.layers[deltanet[0]].attn.in_proj.out_features)
 
     def timed(fn, *args) -> float:

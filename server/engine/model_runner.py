@@ -81,7 +81,7 @@ class ModelRunner:
         if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
             keep_each = self._draft_state_slots(out.chunks, result)
             states = StepStates(starts, [c.num_tokens for c in out.chunks],
-                                [c.request.state_slot for c in out.chunks], [c.start == 0 for c in out.chunks],
+                                [c.request.state_slot for c in out.chunks], [c.start for c in out.chunks],
                                 keep_each)  # fmt: skip
             # a prefix hit resumes from the state kept after its blocks
             restores = [
@@ -157,7 +157,7 @@ class ModelRunner:
             positions, meta = self.attention.build([len(ids)], [start + len(ids)], [tables])
             long_rope = self._long_rope([(len(ids), len(token_ids))])
             # a DeltaNet layer's state in slot 0, which no request holds now
-            states = StepStates([0], [len(ids)], [0], [start == 0]) if self.hybrid else None
+            states = StepStates([0], [len(ids)], [0], [start]) if self.hybrid else None
             input_ids = torch.tensor(ids).to(self.device)
             hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
             logits.append(self.model.compute_logits(hidden))

@@ -234,7 +234,7 @@ def forward_sequence(
     tables = [[b + g * shift for b in block_table] for g in range(len(config.kv_groups))]
     assert len(tables) * shift <= cache.num_blocks, "the cache is too small for every KV group's blocks"
     positions, meta = attention.build([len(new)], [len(token_ids)], [tables])
-    states = StepStates([0], [len(new)], [0], [num_cached == 0])  # a DeltaNet layer's: the cache's slot 0
+    states = StepStates([0], [len(new)], [0], [num_cached])  # a DeltaNet layer's: the cache's slot 0
     original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
     long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
     with torch.inference_mode():

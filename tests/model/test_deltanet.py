@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.attention_cpu import CpuKernelAttention
-from model.deltanet import StepStates
+from model.deltanet import CHUNK, StepStates
 from model.kernels import cpu_kernels
 from model.kv_cache import KVCache
 from model.linear import PlainLinear
@@ -48,9 +48,7 @@ def step(model, cache, seqs) -> list[torch.Tensor]:
         [len(n) for n in new], [len(ids) for ids, *_ in seqs], [[t] for *_, t in seqs]
     )
     starts = [sum(len(n) for n in new[:i]) for i in range(len(new))]
-    states = StepStates(
-        starts, [len(n) for n in new], [s for _, _, s, _ in seqs], [c == 0 for _, c, _, _ in seqs]
-    )
+    states = StepStates(starts, [len(n) for n in new], [s for _, _, s, _ in seqs], [c for _, c, _, _ in seqs])
     with torch.inference_mode():
         hidden = model(torch.tensor([t for n in new for t in n]), positions, meta, cache, None, states)
         logits = model.compute_logits(hidden)
@@ -108,23 +106,24 @@ def test_a_sequence_beside_others_is_the_same_bits_as_alone(hybrid):
 
 
 @pytest.mark.timeout(120)
-def test_a_step_keeps_the_state_after_each_token_where_asked(hybrid):
+@pytest.mark.parametrize("before", [17, CHUNK - 2])  # within a chunk; across a chunk's end (its rows folded)
+def test_a_step_keeps_the_state_after_each_token_where_asked(hybrid, before):
     """A decode verifying drafts asks for its state after each of its tokens but the last (StepStates.keep_each):
     slot keep_each + t holds the state the sequence has with only its first t + 1 tokens of the step computed,
     bit for bit, a sequence beside it untouched."""
     model, config = hybrid
-    ids, table, other = prompt(21, 12), list(range(8)), prompt(9, 13)
+    ids, table, other = prompt(before + 4, 12), list(range(8)), prompt(9, 13)
     cache = fresh_cache(config, slots=8)
-    step(model, cache, [(ids[:17], 0, 0, table)])  # the sequence so far; then 4 tokens at once, keeping each
+    step(model, cache, [(ids[:before], 0, 0, table)])  # the sequence so far; then 4 tokens at once, each kept
     attention = CpuKernelAttention(cpu_kernels(), BLOCK)
-    positions, meta = attention.build([4, 9], [21, 9], [[table], [list(range(8, 16))]])
-    states = StepStates([0, 4], [4, 9], [0, 1], [False, True], keep_each=[4, -1])
+    positions, meta = attention.build([4, 9], [before + 4, 9], [[table], [list(range(8, 16))]])
+    states = StepStates([0, 4], [4, 9], [0, 1], [before, 0], keep_each=[4, -1])
     with torch.inference_mode():
-        model(torch.tensor(ids[17:] + other), positions, meta, cache, None, states)
+        model(torch.tensor(ids[before:] + other), positions, meta, cache, None, states)
     for t in range(3):
         alone = fresh_cache(config, slots=8)
-        step(model, alone, [(ids[:17], 0, 0, table)])
-        step(model, alone, [(ids[: 18 + t], 17, 0, table)])
+        step(model, alone, [(ids[:before], 0, 0, table)])
+        step(model, alone, [(ids[: before + 1 + t], before, 0, table)])
         assert all(
             torch.equal(a, b) for a, b in zip(state_of(cache, 4 + t), state_of(alone, 0), strict=True)
         ), t
@@ -179,7 +178,9 @@ def test_the_cache_holds_kv_for_attention_layers_and_a_state_per_slot(hybrid):
     cache = fresh_cache(config, slots=5)
     assert cache.k.shape == (1, config.num_kv_heads, 64 * BLOCK, config.head_dim)  # one attention layer's
     assert cache.conv.shape == (3, 5, spec.conv_kernel - 1, spec.conv_dim)
-    assert cache.recurrent.shape == (3, 5, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim)
+    # a head's S0, key_head_dim x value_head_dim, then a row [k | u | G] for each token of a chunk
+    dk, dv = spec.key_head_dim, spec.value_head_dim
+    assert cache.recurrent.shape == (3, 5, spec.num_value_heads, dk * dv + CHUNK * (dk + dv + 1))
     assert (
         cache.layer(3)[0].data_ptr() == cache.k[0].data_ptr()
         and cache.layer(1)[1].shape == cache.recurrent[1].shape

@@ -46,7 +46,7 @@ def mixed_step(model, config, kernels=None, dtype=torch.bfloat16):
     if config.linear_layers:  # the first sequence starts from zero in slot 3, the others from slots 0 and 1
         cache.conv.normal_(generator=g)
         cache.recurrent.normal_(std=0.1, generator=g)
-        states = StepStates([0, 20, 29], [20, 9, 1], [3, 0, 1], [True, False, False])
+        states = StepStates([0, 20, 29], [20, 9, 1], [3, 0, 1], [0, 32, 36])
     attention = CpuKernelAttention(kernels or cpu_kernels(), block_size=16)
     query_lens, seq_lens = [20, 9, 1], [20, 41, 37]
     tables = [[1, 2], [3, 4, 5], [6, 7, 8]]
