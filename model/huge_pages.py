@@ -16,7 +16,6 @@ or without room for 2 MiB pages leaves the pages as they were, and the values ar
 import ctypes
 import sys
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 
@@ -25,12 +24,11 @@ MADV_HUGEPAGE = 14  # include/uapi/asm-generic/mman-common.h
 MADV_COLLAPSE = 25
 
 
-def on_huge_pages(tensors: list[torch.Tensor], before_each_frame: Callable[[], None] = lambda: None) -> int:
+def on_huge_pages(tensors: list[torch.Tensor]) -> int:
     """Ask for 2 MiB pages under these long-lived CPU tensors; returns the bytes the kernel moved onto them.
 
     A 2 MiB frame is asked for when at least half of it holds these tensors' bytes: small tensors allocated side
-    by side (an MoE layer's experts) share frames, and a frame mostly of other memory is left alone.
-    before_each_frame may wait: the kernel moves a frame under the process's memory-map lock, a few ms each."""
+    by side share frames, and a frame mostly of other memory is left alone."""
     if not sys.platform.startswith("linux"):
         return 0
     # strided CPU tensors only: a meta tensor has no memory, oneDNN's packed weights (layout torch._mkldnn) no
@@ -41,7 +39,6 @@ def on_huge_pages(tensors: list[torch.Tensor], before_each_frame: Callable[[], N
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     moved = 0
     for frame in frames:  # one at a time, so that a frame that cannot move fails alone
-        before_each_frame()
         libc.madvise(frame * HUGE_PAGE, HUGE_PAGE, MADV_HUGEPAGE)
         moved += HUGE_PAGE * (libc.madvise(frame * HUGE_PAGE, HUGE_PAGE, MADV_COLLAPSE) == 0)
     return moved

@@ -276,7 +276,6 @@ def cmd_bench_model(args) -> int:
         args.dtype = dtype
         # the step benchmarks time or compare plain decode steps: no drafts, whatever --speculative-config says
         engine = build_engine(args, max_num_seqs=1, speculative=None)
-        engine.wait_for_huge_pages()
         print_json(bench_model(engine, args.prompt_len, args.output_len, args.runs))
         del engine
     return 0
@@ -286,7 +285,6 @@ def cmd_bench_profile(args) -> int:
     from server.bench.offline import bench_profile, print_json
 
     engine = build_engine(args, max_num_seqs=max(args.batch_sizes), speculative=None)
-    engine.wait_for_huge_pages()
     for b in args.batch_sizes:
         print_json(bench_profile(engine, b, args.context_len, args.steps, args.reps))
     return 0
@@ -296,7 +294,6 @@ def cmd_bench_gemms(args) -> int:
     from server.bench.offline import bench_gemms, print_json
 
     engine = build_engine(args, max_num_seqs=1, speculative=None)
-    engine.wait_for_huge_pages()
     for rows in args.rows:
         print_json(bench_gemms(engine, rows, args.reps))
     return 0
@@ -340,8 +337,6 @@ def bench_interleaved(args, settings: dict[str, dict], summary) -> int:
 
     kv = {"max_num_seqs": max(args.batch_sizes), "speculative": None}
     engines = {name: build_engine(args, **s, **kv) for name, s in settings.items()}
-    for engine in engines.values():
-        engine.wait_for_huge_pages()
     dtype = str(next(iter(engines.values())).runner.dtype).removeprefix("torch.")
     for b in args.batch_sizes:
         result = bench_steps(engines, b, args.input_len, args.steps)

@@ -52,9 +52,8 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_costs = StepCosts()  # what this host's steps cost by decodes and drafts: kept across resets
         self.drafter = self._drafter()
-        self.huge_page_move = None
         if self.runner.device.type == "cpu":
-            self.huge_page_move = move_to_huge_pages(self.runner.model, busy=self.has_work)
+            move_to_huge_pages(self.runner.model)
         log.info("task: %s (%s)", self.task.task, self.task.why)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
@@ -126,12 +125,6 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def wait_for_huge_pages(self) -> None:
-        """Until the weights are on 2 MiB pages: a benchmark that times steps or kernels with no request in the
-        engine would otherwise time them beside the move's copying (a core's work for seconds)."""
-        if self.huge_page_move is not None:
-            self.huge_page_move.join()
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()

@@ -8,9 +8,7 @@ switched later.
 import enum
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,32 +127,17 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     return ModelRunner(model, model_config, kv_cache, attention, device, dtype, sampler, batch_invariant)
 
 
-def move_to_huge_pages(model: torch.nn.Module, busy: Callable[[], bool]) -> threading.Thread:
-    """The weights every step streams, onto 2 MiB pages (model/huge_pages.py), on a thread of its own, a frame
-    at a time when the engine is idle (busy() false). The quantized weights are packed onto them already
-    (model/csrc/quant_pack.cpp): what is left to copy is the rest (dense weights, scales, a packed weight's last
-    partial frame). The kernel copies the pages at 0.3-0.5 GB/s (0.9 GB of
-    Qwen3.5 ~1.5B's Q4_K_M weights in ~2 s, 2.2 GB of a Qwen3.6 MoE cut in 7 s), a core's work that slows every
-    step beside it: moved beside running requests, the first ones after start ran 2-3x slower (Zen 4, 2 cores,
-    the MoE cut), and a frame every 50 ms, 1.2x slower for a minute. So a frame waits for a quiet moment, and
-    under a load without any, at most a second: ~1% of the steps' time until the weights are all moved. A page
-    moves under running kernels safely: the values never change. The K/V and DeltaNet states stay on 4 KiB
-    pages: a step reads a few MiB of them at one token."""
-    weights = [*model.parameters(), *model.buffers()]
-
-    def wait_for_a_quiet_moment() -> None:
-        deadline = time.monotonic() + 1.0
-        while busy() and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def move() -> None:
-        start = time.monotonic()
-        moved = on_huge_pages(weights, wait_for_a_quiet_moment)
-        log.info("%.2f GiB of weights on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
-
-    thread = threading.Thread(target=move, name="kvserve-huge-pages", daemon=True)
-    thread.start()
-    return thread
+def move_to_huge_pages(model: torch.nn.Module) -> None:
+    """The weights every step streams, onto 2 MiB pages (model/huge_pages.py), before the first step. The
+    quantized weights are packed onto them already (model/csrc/quant_pack.cpp, an MoE layer's experts too): what
+    is left to copy is the rest (dense weights, scales, a packed weight's last partial frame), 0.1-0.7 s of the
+    start for the default model, Qwen3.5 ~1.5B and the GPT-OSS, OLMoE and Qwen3.6 cuts (Zen 4). It used to run on
+    a thread of its own, a frame at each of the engine's quiet moments, when the experts were still to copy (2.2
+    GB of the Qwen3.6 cut, ~5 s of a core): beside the first minute's requests it still took a core's share, and
+    that cut's c1 ran at 67-74 tok/s against 76-81 once it was done (forced AVX2)."""
+    start = time.monotonic()
+    moved = on_huge_pages([*model.parameters(), *model.buffers()])
+    log.info("%.2f GiB of weights on 2 MiB pages (%.1f s)", moved / 2**30, time.monotonic() - start)
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:
