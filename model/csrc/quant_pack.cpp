@@ -67,9 +67,11 @@ void unmap(uint8_t* at, size_t used) {
 // after the other out of a shared region of REGION bytes mapped as above, and so share its 2 MiB pages from the
 // start. Each alone, from the allocator, they sat on 4 KiB pages until model/huge_pages.py's move copied them,
 // 2.2 GB of the Qwen3.6 cut's in ~5 s of a core: beside the first minute's requests, c1 ran at 67-74 tok/s
-// against 76-81 once moved (Zen 4, forced AVX2). A region goes back to the system with the last weight carved
-// from it; only the current one is kept by weak reference, so a region is never held by the carving alone.
-constexpr size_t REGION = size_t{32} << 20, CARVE_ALIGN = 64;
+// against 76-81 once moved (Zen 4, forced AVX2). A region's last frame is partly empty where the next weight did
+// not fit: 256 MiB regions held the cut resident in 18 MiB less than 32 MiB ones, and the rest of a region is
+// never touched (address space only). A region goes back to the system with the last weight carved from it; the
+// current one is held by weak reference, so never by the carving alone.
+constexpr size_t REGION = size_t{256} << 20, CARVE_ALIGN = 64;
 
 struct Region {
   uint8_t* at;
