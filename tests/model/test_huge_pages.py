@@ -105,7 +105,9 @@ def test_weights_under_a_frame_are_carved_side_by_side_from_regions_on_huge_page
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
     q = torch.randint(0, 16, (1024, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    experts = [kernels.pack_quant(q, 4, 32) for _ in range(600)]  # 0.5 MiB each: 300 MiB, over 256 MiB regions
+    experts = [
+        kernels.pack_quant(q, 4, 32) for _ in range(600)
+    ]  # 0.5 MiB each: 300 MiB, over 256 MiB regions
     starts = [e.data_ptr() for e in experts]
     assert all(e.nbytes == MiB // 2 for e in experts) and all(torch.equal(e, experts[0]) for e in experts)
     # one after the other; where one does not follow the last, a region of its own began (the first may share
