@@ -67,22 +67,27 @@ def mapped(start: int, end: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
-def test_packed_weights_are_written_onto_huge_pages():
-    """model/csrc/quant_pack.cpp writes a packed weight into memory of its own (not the allocator's, which may
-    hand out memory already written on 4 KiB pages), from a 2 MiB boundary, with 2 MiB pages asked for first: its
-    whole frames are on them from the start, and the memory goes back to the system with the tensor."""
+@pytest.fixture
+def packing_kernels():
+    """The compiled kernels' pack_quant, where Linux gives transparent huge pages."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
+    if not sys.platform.startswith("linux") or not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this kernel gives no transparent huge pages")
     from model.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernels could not be built here")
+    return kernels
+
+
+def test_packed_weights_are_written_onto_huge_pages(packing_kernels):
+    """model/csrc/quant_pack.cpp writes a packed weight into memory of its own (not the allocator's, which may
+    hand out memory already written on 4 KiB pages), from a 2 MiB boundary, with 2 MiB pages asked for first: its
+    whole frames are on them from the start, and the memory goes back to the system with the tensor."""
     size = 12 * MiB
     q = torch.randint(0, 16, (8192, 3072), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = kernels.pack_quant(q, 4, 32)
+    packed = packing_kernels.pack_quant(q, 4, 32)
     start, end = packed.data_ptr(), packed.data_ptr() + packed.nbytes
     assert packed.nbytes == size and start % HUGE_PAGE == 0
     # Linux grants a 2 MiB page at fault time where it has one free: most, not all
@@ -91,23 +96,13 @@ def test_packed_weights_are_written_onto_huge_pages():
     assert not mapped(start, end)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
-def test_weights_under_a_frame_are_carved_side_by_side_from_regions_on_huge_pages():
+def test_weights_under_a_frame_are_carved_side_by_side_from_regions_on_huge_pages(packing_kernels):
     """A packed weight of less than 2 MiB (an MoE layer's expert) is carved from a region shared with the ones
     packed before it, mapped like a big weight's: the experts' frames are on 2 MiB pages from their first write,
     and a region goes back to the system with the last weight carved from it."""
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
-        pytest.skip("this kernel gives no transparent huge pages")
-    from model.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the C++ kernels could not be built here")
     q = torch.randint(0, 16, (1024, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    experts = [
-        kernels.pack_quant(q, 4, 32) for _ in range(600)
-    ]  # 0.5 MiB each: 300 MiB, over 256 MiB regions
+    # 0.5 MiB each: 300 MiB, over 256 MiB regions
+    experts = [packing_kernels.pack_quant(q, 4, 32) for _ in range(600)]
     starts = [e.data_ptr() for e in experts]
     assert all(e.nbytes == MiB // 2 for e in experts) and all(torch.equal(e, experts[0]) for e in experts)
     # one after the other; where one does not follow the last, a region of its own began (the first may share
@@ -124,7 +119,7 @@ def test_weights_under_a_frame_are_carved_side_by_side_from_regions_on_huge_page
 @pytest.mark.parametrize("bits", [4, 6])
 def test_a_weight_packed_into_memory_of_its_own_holds_the_same_bytes(bits):
     """Packing is per tile of 16 rows: a weight over 2 MiB (its own mapping, a partial last frame) packs into the
-    bytes of its halves (each under 2 MiB: the allocator's memory) one after the other."""
+    bytes of its halves (each under 2 MiB: carved from a shared region) one after the other."""
     from model.kernels import cpu_kernels
 
     kernels = cpu_kernels()
