@@ -29,7 +29,7 @@ namespace {
 
 constexpr size_t HUGE = size_t{2} << 20;
 
-// `used` bytes (whole pages) of a mapping of their own from a 2 MiB boundary, with 2 MiB pages asked for
+// `used` bytes (whole pages, a frame or more) of a mapping of their own from a 2 MiB boundary, with 2 MiB pages asked for
 // (MADV_HUGEPAGE) over its whole frames before anything is written there, so that the first writes fault them in
 // as 2 MiB pages (transparent huge pages where the system allows; the hint's failure is harmless). nullptr where
 // mmap fails or the system has no such hint.
@@ -40,7 +40,7 @@ uint8_t* map_for_huge_pages(size_t used) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(raw), at = (begin + HUGE - 1) & ~(HUGE - 1);
   if (at > begin) munmap(raw, at - begin);  // the slack before the boundary and after the mapping
   if (begin + HUGE > at) munmap(reinterpret_cast<void*>(at + used), begin + HUGE - at);
-  if (used >= HUGE) madvise(reinterpret_cast<void*>(at), used / HUGE * HUGE, MADV_HUGEPAGE);
+  madvise(reinterpret_cast<void*>(at), used / HUGE * HUGE, MADV_HUGEPAGE);
   return reinterpret_cast<uint8_t*>(at);
 #else
   (void)used;

@@ -2,28 +2,22 @@
 step (beside running requests it took a core's share from them)."""
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
-from tests.model.test_huge_pages import anon_huge_bytes
+from tests.model.test_huge_pages import anon_huge_bytes, skip_without_huge_pages
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_an_engine_on_cpu_has_its_weights_on_huge_pages_before_its_first_step(default_model_dir, caplog):
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
-        pytest.skip("this kernel gives no transparent huge pages")
+    skip_without_huge_pages()
     with caplog.at_level(logging.INFO, logger="server.engine.setup"):
         engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=2))
-    assert any(
-        "on 2 MiB pages" in r.message for r in caplog.records
-    )  # logged by the time the engine is built
+    # logged by the time the engine is built
+    assert any("on 2 MiB pages" in r.message for r in caplog.records)
     packed = [b for name, b in engine.runner.model.named_buffers() if name.split(".")[-1] == "packed"]
     if not packed:
         pytest.skip("the C++ kernels could not be built here: no packed weights")

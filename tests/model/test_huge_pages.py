@@ -67,12 +67,16 @@ def mapped(start: int, end: int) -> bool:
     return False
 
 
-@pytest.fixture
-def packing_kernels():
-    """The compiled kernels' pack_quant, where Linux gives transparent huge pages."""
+def skip_without_huge_pages() -> None:
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this kernel gives no transparent huge pages")
+
+
+@pytest.fixture
+def packing_kernels():
+    """The compiled kernels' pack_quant, where Linux gives transparent huge pages."""
+    skip_without_huge_pages()
     from model.kernels import cpu_kernels
 
     kernels = cpu_kernels()
