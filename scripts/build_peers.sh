@@ -38,7 +38,10 @@ build_llama_cpp() {
         *) echo "TIER must be native or avx2, not $tier" >&2; exit 2 ;;
     esac
     mkdir -p "$peer_dir/dl"
-    if [ "$(cat "$src/.sdist" 2>/dev/null)" != "llama-cpp-python $version" ]; then
+    # ../shared/peer/build_peer.sh unpacks the same tree and marks it its own way: a tree of this version either
+    # way is kept, and with it the builds already in it
+    if [ "$(cat "$src/.sdist" 2>/dev/null)" != "llama-cpp-python $version" ] &&
+        ! grep -qx "llama_cpp_python=$version" "$src/.peer-source" 2>/dev/null; then
         local sdist=$peer_dir/dl/llama_cpp_python-$version.tar.gz
         if [ ! -s "$sdist" ]; then
             say "downloading the llama-cpp-python $version sdist (~75 MB; pip reads its metadata, 1-2 min)"
