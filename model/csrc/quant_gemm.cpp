@@ -202,31 +202,14 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K) {
         w.group_scales(t, g, static_cast<int>(j / VL), dv, mv);
         const float d = dv[j % VL], m = mv[j % VL];
         float* o = dst + r * K + g * G;
-        if (w.bits < 8) {
-          const int HB = w.bits - 4;
-          for (int c = 0; c < G / 4; ++c) {
-            // the lane's high bits of chunk c: hi(q[4c]), hi(q[4c + 2]), hi(q[4c + 1]), hi(q[4c + 3])
-            const int bits = HB ? wg[nibble_bytes(G) + high_row(HB, c) * TILE + j] >> high_shift(HB, c) : 0;
-            const int high[4] = {bits, bits >> (2 * HB), bits >> HB, bits >> (3 * HB)};  // by q[4c + i]
-            for (int i = 0; i < 2; ++i) {
-              const uint8_t b = wg[c * 32 + 2 * j + i];
-              const int mask = (1 << HB) - 1;
-              const int q_low = (b & 15) | ((high[i] & mask) << 4), q_high = (b >> 4) | ((high[2 + i] & mask) << 4);
-              if (!w.has_min) {  // q indexes the format's levels
-                o[4 * c + i] = static_cast<float>(w.levels[q_low]) * d;
-                o[4 * c + 2 + i] = static_cast<float>(w.levels[q_high]) * d;
-                continue;
-              }
-              o[4 * c + i] = static_cast<float>(q_low) * d + m;  // two roundings, as model/quant.py's
-              o[4 * c + 2 + i] = static_cast<float>(q_high) * d + m;
-            }
-          }
-        } else {
-          for (int c = 0; c < G / 2; ++c)
-            for (int i = 0; i < 2; ++i) {
-              const float v = static_cast<int8_t>(wg[c * 32 + 2 * j + i]) * d;
-              o[2 * c + i] = w.has_min ? v + m : v;
-            }
+        for (int k = 0; k < G; ++k) {
+          const int q = packed_q(wg, static_cast<int>(G), w.bits, static_cast<int>(j), k);
+          if (w.bits < 8 && !w.has_min)
+            o[k] = static_cast<float>(w.levels[q]) * d;  // q indexes the format's levels
+          else if (w.has_min)
+            o[k] = static_cast<float>(q) * d + m;  // two roundings, as model/quant.py's
+          else
+            o[k] = static_cast<float>(q) * d;
         }
       }
     }

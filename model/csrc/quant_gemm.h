@@ -244,6 +244,56 @@ inline void add_high(V h, V& low, V& high) {
   high |= (t << (4 - HB)) & mask;
 }
 
+// The avx2 tier's own nibble layout (its module packs and reads it alone; the AVX-512 tiers keep the one above).
+// AVX2 on Intel issues three vector instructions a cycle, and the layout above took ~6 of them per 32 weights to
+// unpack a 4-bit chunk, ~14 with Q6_K's high bits (a word widened, a shift, an or, a mask; for the high bits a
+// byte widened, a shift, a two-uop vpmulld, shifts and masks): the one-row GEMM ran at 1.8x the time of reading
+// its bytes (Xeon, Emerald Rapids). Here each lane's 32-bit word holds two chunks: byte i of chunk pair p holds
+// lo(q[8p + i]) | lo(q[8p + 4 + i]) << 4, so one 32-byte load of 8 lanes gives chunk 2p with a mask and chunk
+// 2p + 1 with a shift and a mask, q[4c .. 4c + 3] in the lane's bytes 0 .. 3 (what vpmaddubsw multiplies). The
+// high-bit plane is a 32-bit word a lane, hi(q[4c + i]) at bit 8 i + HB c, so that one shift and one mask put a
+// chunk's high bits at bit 4 of their bytes: [pairs of chunks][16 lanes][4 bytes], then [16 lanes][4 bytes].
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool PAIRED_CHUNKS = true;
+#else
+constexpr bool PAIRED_CHUNKS = false;
+#endif
+
+// q[k] of lane j of a packed group of G (bits 4 to 6: 0 .. 2^bits - 1; 8: int8 as it is), in this module's layout
+inline int packed_q(const uint8_t* group, int G, int bits, int j, int k) {
+  if (bits == 8) return static_cast<int8_t>(group[k / 2 * 32 + 2 * j + k % 2]);
+  const int HB = bits - 4, c = k / 4, i = k % 4, mask = (1 << HB) - 1;
+  if (PAIRED_CHUNKS) {
+    const int low = (group[c / 2 * 64 + 4 * j + i] >> (4 * (c % 2))) & 15;
+    if (!HB) return low;
+    uint32_t high;
+    __builtin_memcpy(&high, group + nibble_bytes(G) + 4 * j, sizeof(high));
+    return low | ((high >> (8 * i + HB * c)) & mask) << 4;
+  }
+  const int low = (group[c * 32 + 2 * j + i % 2] >> (4 * (i / 2))) & 15;
+  if (!HB) return low;
+  constexpr int ORDER[4] = {0, 2, 1, 3};  // the high bits' order: q[4c], q[4c + 2], q[4c + 1], q[4c + 3]
+  const int high = group[nibble_bytes(G) + high_row(HB, c) * TILE + j] >> high_shift(HB, c) >> (HB * ORDER[i]);
+  return low | (high & mask) << 4;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Chunk c's q of lanes 8h .. 8h + 7 of a group in the paired layout: the lane's q[4c .. 4c + 3] in its bytes
+template <int HB, int G>
+inline __m256i chunk_quads(const uint8_t* group, int c, int h) {
+  static_assert(HB * G / 4 <= 8, "a chunk's high bits in each byte of the lane's word");
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c / 2 * 64 + h * 32));
+  __m256i q = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(w, 4) : w, _mm256_set1_epi8(15));
+  if constexpr (HB > 0) {
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + nibble_bytes(G) + h * 32));
+    const int shift = 4 - HB * c;  // to bit 4 of each byte
+    const __m256i at4 = shift >= 0 ? _mm256_slli_epi32(high, shift) : _mm256_srli_epi32(high, -shift);
+    q = _mm256_or_si256(q, _mm256_and_si256(at4, _mm256_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4))));
+  }
+  return q;
+}
+#endif
+
 // Where a GEMM's outputs go: [M, N] float32 (the logits, float32 models) or bfloat16, one of the two set
 struct Output {
   float* f32;

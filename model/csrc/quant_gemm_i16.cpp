@@ -72,6 +72,34 @@ inline __m256i pairs8(const uint8_t* chunk, int h) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
 }
 
+#if !defined(__AVX512F__)
+// The same from the avx2 tier's paired chunks (quant_gemm.h), whose lanes hold q[4c .. 4c + 3] a byte each: one
+// byte shuffle makes each pair's 16-bit words; IQ4's levels looked up first and put in the words' high bytes,
+// whose arithmetic shift by 8 extends their sign
+template <int HB, int G, bool LEVELS>
+inline void paired_pairs(const uint8_t* group, int c, int h, const int8_t* levels, __m256i& a, __m256i& b) {
+  const __m256i q = chunk_quads<HB, G>(group, c, h);
+  constexpr char Z = -1;  // a zero byte
+  if constexpr (LEVELS) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels)));
+    const __m256i l = _mm256_shuffle_epi8(table, q);
+    const __m256i first = _mm256_setr_epi8(Z, 0, Z, 1, Z, 4, Z, 5, Z, 8, Z, 9, Z, 12, Z, 13,  //
+                                           Z, 0, Z, 1, Z, 4, Z, 5, Z, 8, Z, 9, Z, 12, Z, 13);
+    const __m256i second = _mm256_setr_epi8(Z, 2, Z, 3, Z, 6, Z, 7, Z, 10, Z, 11, Z, 14, Z, 15,  //
+                                            Z, 2, Z, 3, Z, 6, Z, 7, Z, 10, Z, 11, Z, 14, Z, 15);
+    a = _mm256_srai_epi16(_mm256_shuffle_epi8(l, first), 8);
+    b = _mm256_srai_epi16(_mm256_shuffle_epi8(l, second), 8);
+    return;
+  }
+  const __m256i first = _mm256_setr_epi8(0, Z, 1, Z, 4, Z, 5, Z, 8, Z, 9, Z, 12, Z, 13, Z,  //
+                                         0, Z, 1, Z, 4, Z, 5, Z, 8, Z, 9, Z, 12, Z, 13, Z);
+  const __m256i second = _mm256_setr_epi8(2, Z, 3, Z, 6, Z, 7, Z, 10, Z, 11, Z, 14, Z, 15, Z,  //
+                                          2, Z, 3, Z, 6, Z, 7, Z, 10, Z, 11, Z, 14, Z, 15, Z);
+  a = _mm256_shuffle_epi8(q, first);
+  b = _mm256_shuffle_epi8(q, second);
+}
+#endif
+
 // x's pair (xq[2p], xq[2p + 1]) in every lane
 inline __m256i broadcast_pair(const int16_t* pair) {
   int32_t v;
@@ -185,6 +213,12 @@ struct I16Kernel {
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   static void nibble_pairs(const uint8_t* group, int c, int h, const int8_t* levels, __m256i& a, __m256i& b) {
+#if !defined(__AVX512F__)
+    if constexpr (PAIRED_CHUNKS) {
+      paired_pairs<HB, G, !MIN>(group, c, h, levels, a, b);
+      return;
+    }
+#endif
     if constexpr (HB > 0)
       pairs_high<HB, G>(group, c, h, a, b);
     else if constexpr (!MIN)

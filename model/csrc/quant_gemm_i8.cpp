@@ -17,7 +17,7 @@
 // float32 work is per group, in a fixed order for every row on every path: y += (d s) sum_k xq_k q_k, then
 // + m (s sum_k xq_k). A row's result is its rounded activations times the exact weights, whatever its batch.
 //
-// The packed layout (quant_gemm.cpp) gives each lane four q of a chunk: 4-bit, chunk c's 16-bit word of the
+// The packed layout (quant_gemm.cpp; the avx2 tier's own, quant_gemm.h) gives each lane four q of a chunk. Elsewhere: 4-bit, chunk c's 16-bit word of the
 // lane holds q[4c], q[4c + 2] in its low byte and q[4c + 1], q[4c + 3] in its high byte; (w | w << 12) &
 // 0x0F0F0F0F puts q[4c .. 4c + 3] in the lane's bytes 0 .. 3, against x's bytes xq[4c .. 4c + 3]. 8-bit: two
 // chunks' 16-bit words, q[4c], q[4c + 1] and q[4c + 2], q[4c + 3].
@@ -193,6 +193,13 @@ struct I8Kernel {
       const vuint a = load_words(group + c * 64 + h * 2 * VL), b = load_words(group + c * 64 + 32 + h * 2 * VL);
       return (a | (b << 16)) ^ (SIGNED ? 0u : 0x80808080u);  // plus 128: the sign bit flipped
     }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    {  // the avx2 tier's paired chunks (quant_gemm.h): a mask, or a shift and a mask, and for 5 and 6 bits two more
+      const vuint q = bitcast<vuint>(chunk_quads<HB, G>(group, c, h));
+      if constexpr (LEVELS) return shuffle_bytes(table, q);
+      return q;
+    }
+#endif
     const vuint w = load_words(group + c * 32 + h * 2 * VL);
     const vuint nibbles = (w | (w << 12)) & 0x0F0F0F0Fu;
     if constexpr (LEVELS) return shuffle_bytes(table, nibbles);

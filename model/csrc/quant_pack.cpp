@@ -3,7 +3,8 @@
 //
 // Rows go in tiles of 16 (zero rows pad the last). For each tile and group of `group` along K, the group's bytes:
 //   8 bits: chunk c, lane j's bytes 2j, 2j + 1 = q[2c], q[2c + 1] of row j (int8 as it is);
-//   4 to 6: the nibble plane, chunk c, lane j's bytes 2j + i = lo(q[4c + i]) | lo(q[4c + 2 + i]) << 4; then, for 5
+//   4 to 6 in the avx2 tier's module: its own layout, chunks in pairs (quant_gemm.h, PAIRED_CHUNKS); elsewhere
+//   the nibble plane, chunk c, lane j's bytes 2j + i = lo(q[4c + i]) | lo(q[4c + 2 + i]) << 4; then, for 5
 //   and 6 bits, the high-bit plane: rows of 16 bytes, one a lane, chunk c's 4 HB bits hi(q[4c]), hi(q[4c + 2]),
 //   hi(q[4c + 1]), hi(q[4c + 3]) (HB bits each, in that order) from bit 4 HB c of the lane's bytes.
 
@@ -121,6 +122,18 @@ void pack_group(const uint8_t* const* rows, int64_t bits, int64_t group, uint8_t
     for (int64_t c = 0; c < group / 2; ++c)
       for (int64_t j = 0; j < TILE; ++j)
         for (int64_t i = 0; i < 2; ++i) out[(c * TILE + j) * 2 + i] = rows[j][2 * c + i];
+    return;
+  }
+  if (PAIRED_CHUNKS) {  // the avx2 tier's (quant_gemm.h)
+    const int64_t HB = bits - 4;
+    std::memset(out, 0, TILE * group * bits / 8);
+    uint32_t* high = reinterpret_cast<uint32_t*>(out + TILE * group / 2);
+    for (int64_t j = 0; j < TILE; ++j)
+      for (int64_t k = 0; k < group; ++k) {
+        const int64_t c = k / 4, i = k % 4, q = rows[j][k];
+        out[c / 2 * 64 + 4 * j + i] |= static_cast<uint8_t>((q & 15) << (4 * (c % 2)));
+        if (HB) high[j] |= static_cast<uint32_t>(q >> 4) << (8 * i + HB * c);
+      }
     return;
   }
   for (int64_t c = 0; c < group / 4; ++c)
