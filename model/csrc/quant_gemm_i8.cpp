@@ -170,10 +170,12 @@ struct I8Kernel {
   static constexpr bool LEVELS = NIB && !MIN;
   static constexpr bool SIGNED = !MIN && !VNNI;  // the weights' bytes signed, x taking their sign (AVX2)
   static constexpr int QUADS = G / 4;  // vectors of the lanes' four bytes per group and half tile
-  // With AVX2, 4-bit q (below 16) times |xq| <= 127 keep a group's product pairs below 2^15 (8 chunks x 2 x 15 x
-  // 127 = 30,480): they are summed in int16 and widened once a group, one multiply a chunk where two were (~1.2x
-  // at 4 to 32 rows, Q4_K and Q4_1 on Zen 4). 5- and 6-bit q would widen every 4 or 2 chunks: measured no faster.
-  static constexpr bool INT16_PAIRS = !VNNI && BITS == 4 && MIN;
+  // With AVX2, q of 4 bits (below 16) times |xq| <= 127 keep a group's product pairs below 2^15 (8 chunks x 2 x
+  // 15 x 127 = 30,480): they are summed in int16 and widened once a group, one multiply a chunk where two were
+  // (~1.2x at 4 to 32 rows, Q4_K and Q4_1 on Zen 4). 5 bits widen every 4 chunks (4 x 2 x 31 x 127 = 31,496), 6
+  // every 2 (2 x 2 x 63 x 127 = 32,004): ~1.2x for Q6_K's many rows once its unpacking got cheap (Xeon).
+  static constexpr bool INT16_PAIRS = !VNNI && NIB && MIN;
+  static constexpr int WIDEN_EVERY = BITS == 4 ? QUADS : BITS == 5 ? 4 : 2;  // chunks summed in int16
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // One tile at a time; its groups unpacked once past a few blocks of rows (plain nibbles unpack in three or
@@ -290,13 +292,18 @@ struct I8Kernel {
       if constexpr (INT16_PAIRS) {
         __m256i pairs[R][NV] = {};
 #pragma GCC unroll 8
-        for (int c = 0; c < QUADS; ++c)
+        for (int c = 0; c < QUADS; ++c) {
           for (int h = 0; h < NV; ++h) {
             const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
             for (int r = 0; r < R; ++r) pairs[r][h] = _mm256_add_epi16(pairs[r][h], product_pairs(q, xr[r] + k0 + c));
           }
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < NV; ++h) even[r][h] = widen_pairs(vint{}, pairs[r][h]);
+          if ((c + 1) % WIDEN_EVERY == 0)
+            for (int r = 0; r < R; ++r)
+              for (int h = 0; h < NV; ++h) {
+                even[r][h] = widen_pairs(even[r][h], pairs[r][h]);
+                pairs[r][h] = __m256i{};
+              }
+        }
       } else
 #endif
         for (int c = 0; c < QUADS; ++c)

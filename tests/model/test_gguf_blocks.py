@@ -178,8 +178,8 @@ def test_int8_activations_times_the_file_weights(tier, type_name):
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_int8_activations_at_the_largest_products(tier, type_name):
     """Every q at its largest (all the quant bytes 0xFF) times groups of equal x, whose xq are all 127 or -127:
-    the AVX2 kernel sums a 4-bit group's product pairs in int16 (8 x 2 x 15 x 127 = 30,480, below 2^15), so this
-    is where an int16 sum too many would wrap."""
+    the AVX2 kernel sums product pairs in int16, a 4-bit group's 8 chunks (8 x 2 x 15 x 127 = 30,480), 5 bits' 4
+    chunks (31,496), 6 bits' 2 (32,004), all below 2^15, so this is where an int16 sum too many would wrap."""
     kernels = load(tier)
     N, K = 40, 512
     blocks = random_blocks(type_name, N, K, seed=3).reshape(N, K // BLOCKS[type_name][0], -1)
