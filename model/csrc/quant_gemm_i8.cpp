@@ -33,10 +33,13 @@ namespace {
 
 #if defined(__AVX512VNNI__)
 constexpr bool VNNI = true;
-constexpr int MAX_ROWS = 8;  // rows of x computed together (accumulators kept in registers: 32 of them)
+constexpr int MAX_ROWS = 8, ROWS_FROM_PACKED = 8;  // rows of x computed together (accumulators in registers: 32)
 #else
 constexpr bool VNNI = false;
-constexpr int MAX_ROWS = 4;  // 16 registers: two halves of a tile, each an int32 sum and a float32 output a row
+// 16 registers: blocks of up to 4 rows, both halves of a tile at once; 4-bit q with a minimum from unpacked tiles
+// (a prefill's and a busy step's Q4_K), 8 rows one half at a time (I8Kernel::HALF_PASSES)
+constexpr int ROWS_FROM_PACKED = 4;
+constexpr int MAX_ROWS = 8;
 #endif
 
 typedef int8_t vbyte4 __attribute__((vector_size(VL * 4)));  // a vector's bytes
@@ -181,7 +184,19 @@ struct I8Kernel {
   // One tile at a time; its groups unpacked once past a few blocks of rows (plain nibbles unpack in three or
   // four instructions a chunk, the others in more)
   static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
+#if defined(__AVX512VNNI__)
   Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > PACKED_BLOCKS * MAX_ROWS}; }
+#else
+  // A row's int16 pairs of a whole group are one register a half: 8 rows of a half at once hold 8 of them, where
+  // 4 rows of both halves spilled their sums (Xeon forced AVX2, Q4_K at 512 rows: 1.15x). 5 and 6 bits widen
+  // their pairs on the way: 6 rows of a half at a time spilled (Q6_K 0.8x), so they keep 4 rows of both.
+  static constexpr bool HALF_PASSES = !VNNI && BITS == 4 && MIN;
+  static constexpr int UNPACKED_ROWS = HALF_PASSES ? 8 : ROWS_FROM_PACKED;
+  Plan plan(int64_t M) const {
+    const bool unpack = M > PACKED_BLOCKS * ROWS_FROM_PACKED;
+    return {unpack ? UNPACKED_ROWS : ROWS_FROM_PACKED, 1, unpack};
+  }
+#endif
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
   using Unpacked = vuint;
   static constexpr int UNPACKED = (QUADS + 2) * NV;  // per group: its quads, then d and the offset (float32)
@@ -262,7 +277,7 @@ struct I8Kernel {
   // With next set, each group asks for a later tile's matching bytes ahead (quant_gemm.h, PREFETCH_STEPS): a
   // step reads its weights from memory (tens of MB), and the hardware's prefetcher alone stalls at each tile's
   // start (measured on the default model's GEMMs, cold, bfloat16 pairs: 1.10-1.24x at 1-8 rows, 1.04x at 32-64).
-  template <int R>
+  template <int R, int HA>
   void rows(int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next, float* out) const {
     constexpr bool TWO = NV == 1 && R < 4;
     const uint8_t* wt = w.tile(t);
@@ -277,58 +292,63 @@ struct I8Kernel {
     vfloat y[R][NV];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < NV; ++h) y[r][h] = vfloat{};
-    [[maybe_unused]] SuperScales<FORM, MIN, G> supers;
     const vuint table = LEVELS ? levels_table(w.levels, !SIGNED) : vuint{};
-    for (int64_t g = 0; g < groups; ++g) {
-      if (next)
-        for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
-      vint even[R][NV], odd[R][NV];
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NV; ++h) even[r][h] = odd[r][h] = vint{};
-      const int64_t k0 = g * QUADS;  // the group's first quad of x
-      const vuint* u = unpacked ? unpacked + g * UNPACKED : nullptr;
-      const uint8_t* wg = wt + g * GROUP_BYTES;
+    for (int h0 = 0; h0 < NV; h0 += HA) {  // HA halves of the tile a pass
+      [[maybe_unused]] SuperScales<FORM, MIN, G> supers;
+      for (int64_t g = 0; g < groups; ++g) {
+        if (next && h0 == 0)
+          for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + g * GROUP_BYTES + i);
+        vint even[R][HA], odd[R][HA];
+        for (int r = 0; r < R; ++r)
+          for (int i = 0; i < HA; ++i) even[r][i] = odd[r][i] = vint{};
+        const int64_t k0 = g * QUADS;  // the group's first quad of x
+        const vuint* u = unpacked ? unpacked + g * UNPACKED : nullptr;
+        const uint8_t* wg = wt + g * GROUP_BYTES;
 #if !defined(__AVX512VNNI__)
-      if constexpr (INT16_PAIRS) {
-        __m256i pairs[R][NV] = {};
+        if constexpr (INT16_PAIRS) {
+          __m256i pairs[R][HA] = {};
 #pragma GCC unroll 8
-        for (int c = 0; c < QUADS; ++c) {
-          for (int h = 0; h < NV; ++h) {
-            const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
-            for (int r = 0; r < R; ++r) pairs[r][h] = _mm256_add_epi16(pairs[r][h], product_pairs(q, xr[r] + k0 + c));
-          }
-          if ((c + 1) % WIDEN_EVERY == 0)
-            for (int r = 0; r < R; ++r)
-              for (int h = 0; h < NV; ++h) {
-                even[r][h] = widen_pairs(even[r][h], pairs[r][h]);
-                pairs[r][h] = __m256i{};
-              }
-        }
-      } else
-#endif
-        for (int c = 0; c < QUADS; ++c)
-          for (int h = 0; h < NV; ++h) {
-            const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
-            for (int r = 0; r < R; ++r) {
-              if (TWO && c % 2)
-                odd[r][h] = dot(odd[r][h], q, xr[r] + k0 + c);
-              else
-                even[r][h] = dot(even[r][h], q, xr[r] + k0 + c);
+          for (int c = 0; c < QUADS; ++c) {
+            for (int i = 0; i < HA; ++i) {
+              const int h = h0 + i;
+              const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
+              for (int r = 0; r < R; ++r) pairs[r][i] = _mm256_add_epi16(pairs[r][i], product_pairs(q, xr[r] + k0 + c));
             }
+            if ((c + 1) % WIDEN_EVERY == 0)
+              for (int r = 0; r < R; ++r)
+                for (int i = 0; i < HA; ++i) {
+                  even[r][i] = widen_pairs(even[r][i], pairs[r][i]);
+                  pairs[r][i] = __m256i{};
+                }
           }
-      const int64_t s = g * G / GROUP;  // x's step: per 32, a group of 16 takes its half's
-      for (int h = 0; h < NV; ++h) {
-        vfloat d, m;
-        if (u) {
-          d = bitcast<vfloat>(u[QUADS * NV + h]);
-          m = bitcast<vfloat>(u[(QUADS + 1) * NV + h]);
-        } else {
-          scales(t, g, h, supers, d, m);
-        }
-        for (int r = 0; r < R; ++r) {
-          const vint sum = TWO ? even[r][h] + odd[r][h] : even[r][h];
-          y[r][h] += __builtin_convertvector(sum, vfloat) * (d * step[r][s]);
-          if constexpr (!SIGNED) y[r][h] += m * osum[r][g];
+        } else
+#endif
+          for (int c = 0; c < QUADS; ++c)
+            for (int i = 0; i < HA; ++i) {
+              const int h = h0 + i;
+              const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
+              for (int r = 0; r < R; ++r) {
+                if (TWO && c % 2)
+                  odd[r][i] = dot(odd[r][i], q, xr[r] + k0 + c);
+                else
+                  even[r][i] = dot(even[r][i], q, xr[r] + k0 + c);
+              }
+            }
+        const int64_t s = g * G / GROUP;  // x's step: per 32, a group of 16 takes its half's
+        for (int i = 0; i < HA; ++i) {
+          const int h = h0 + i;
+          vfloat d, m;
+          if (u) {
+            d = bitcast<vfloat>(u[QUADS * NV + h]);
+            m = bitcast<vfloat>(u[(QUADS + 1) * NV + h]);
+          } else {
+            scales(t, g, h, supers, d, m);
+          }
+          for (int r = 0; r < R; ++r) {
+            const vint sum = TWO ? even[r][i] + odd[r][i] : even[r][i];
+            y[r][h] += __builtin_convertvector(sum, vfloat) * (d * step[r][s]);
+            if constexpr (!SIGNED) y[r][h] += m * osum[r][g];
+          }
         }
       }
     }
@@ -339,9 +359,13 @@ struct I8Kernel {
   void rows(int R, int /* one tile */, int64_t t, int64_t m0, const vuint* unpacked, const uint8_t* next,
             float* out) const {
     switch (R) {
-#define ROWS(n) \
-  case n:       \
-    if constexpr (n <= MAX_ROWS) return rows<n>(t, m0, unpacked, next, out);
+#define ROWS(n)                                                                                \
+  case n:                                                                                      \
+    if constexpr (n <= MAX_ROWS) {                                                             \
+      if constexpr (HALF_PASSES)                                                               \
+        if (unpacked) return rows<n, 1>(t, m0, unpacked, next, out);                          \
+      if constexpr (n <= ROWS_FROM_PACKED) return rows<n, NV>(t, m0, unpacked, next, out);         \
+    }
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
     }
