@@ -184,19 +184,15 @@ struct I8Kernel {
   // One tile at a time; its groups unpacked once past a few blocks of rows (plain nibbles unpack in three or
   // four instructions a chunk, the others in more)
   static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
-#if defined(__AVX512VNNI__)
-  Plan plan(int64_t M) const { return {MAX_ROWS, 1, M > PACKED_BLOCKS * MAX_ROWS}; }
-#else
-  // A row's int16 pairs of a whole group are one register a half: 8 rows of a half at once hold 8 of them, where
-  // 4 rows of both halves spilled their sums (Xeon forced AVX2, Q4_K at 512 rows: 1.15x). 5 and 6 bits widen
-  // their pairs on the way: 6 rows of a half at a time spilled (Q6_K 0.8x), so they keep 4 rows of both.
+  // With AVX2, a row's int16 pairs of a whole group are one register a half: 8 rows of a half at once hold 8 of
+  // them, where 4 rows of both halves spilled their sums (Xeon forced AVX2, Q4_K at 512 rows: 1.15x). 5 and 6 bits
+  // widen their pairs on the way: 6 rows of a half at a time spilled (Q6_K 0.8x), so they keep 4 rows of both.
   static constexpr bool HALF_PASSES = !VNNI && BITS == 4 && MIN;
   static constexpr int UNPACKED_ROWS = HALF_PASSES ? 8 : ROWS_FROM_PACKED;
   Plan plan(int64_t M) const {
     const bool unpack = M > PACKED_BLOCKS * ROWS_FROM_PACKED;
     return {unpack ? UNPACKED_ROWS : ROWS_FROM_PACKED, 1, unpack};
   }
-#endif
   static constexpr int MAX_ROWS = ::MAX_ROWS, MAX_TILES = 1;
   using Unpacked = vuint;
   static constexpr int UNPACKED = (QUADS + 2) * NV;  // per group: its quads, then d and the offset (float32)
