@@ -17,10 +17,11 @@
 // float32 work is per group, in a fixed order for every row on every path: y += (d s) sum_k xq_k q_k, then
 // + m (s sum_k xq_k). A row's result is its rounded activations times the exact weights, whatever its batch.
 //
-// The packed layout (quant_gemm.cpp; the avx2 tier's own, quant_gemm.h) gives each lane four q of a chunk. Elsewhere: 4-bit, chunk c's 16-bit word of the
-// lane holds q[4c], q[4c + 2] in its low byte and q[4c + 1], q[4c + 3] in its high byte; (w | w << 12) &
-// 0x0F0F0F0F puts q[4c .. 4c + 3] in the lane's bytes 0 .. 3, against x's bytes xq[4c .. 4c + 3]. 8-bit: two
-// chunks' 16-bit words, q[4c], q[4c + 1] and q[4c + 2], q[4c + 3].
+// The packed layout (quant_gemm.cpp; the avx2 tier's own: quant_gemm.h, PAIRED_CHUNKS) gives each lane four q of
+// a chunk. In the shared one: 4-bit, chunk c's 16-bit word of the lane holds q[4c], q[4c + 2] in its low byte and
+// q[4c + 1], q[4c + 3] in its high byte; (w | w << 12) & 0x0F0F0F0F puts q[4c .. 4c + 3] in the lane's bytes
+// 0 .. 3, against x's bytes xq[4c .. 4c + 3]. 8-bit: two chunks' 16-bit words, q[4c], q[4c + 1] and q[4c + 2],
+// q[4c + 3].
 
 #include "quant_gemm.h"
 
@@ -308,7 +309,8 @@ struct I8Kernel {
             for (int i = 0; i < HA; ++i) {
               const int h = h0 + i;
               const vuint q = u ? u[c * NV + h] : quad(wg, c, h, table);
-              for (int r = 0; r < R; ++r) pairs[r][i] = _mm256_add_epi16(pairs[r][i], product_pairs(q, xr[r] + k0 + c));
+              for (int r = 0; r < R; ++r)
+                pairs[r][i] = _mm256_add_epi16(pairs[r][i], product_pairs(q, xr[r] + k0 + c));
             }
             if ((c + 1) % WIDEN_EVERY == 0)
               for (int r = 0; r < R; ++r)
