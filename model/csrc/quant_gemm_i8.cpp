@@ -182,14 +182,15 @@ struct I8Kernel {
   static constexpr int WIDEN_EVERY = BITS == 4 ? QUADS : BITS == 5 ? 4 : 2;  // chunks summed in int16
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
-  // One tile at a time; its groups unpacked once past a few blocks of rows (plain nibbles unpack in three or
-  // four instructions a chunk, the others in more)
-  static constexpr int PACKED_BLOCKS = NIB && HB == 0 && !LEVELS ? 4 : 2;
   // With AVX2, a row's int16 pairs of a whole group are one register a half: 8 rows of a half at once hold 8 of
   // them, where 4 rows of both halves spilled their sums (Xeon forced AVX2, Q4_K at 512 rows: 1.15x). 5 and 6 bits
   // widen their pairs on the way: 6 rows of a half at a time spilled (Q6_K 0.8x), so they keep 4 rows of both.
   static constexpr bool HALF_PASSES = !VNNI && BITS == 4 && MIN;
   static constexpr int UNPACKED_ROWS = HALF_PASSES ? 8 : ROWS_FROM_PACKED;
+  // One tile at a time; its groups unpacked once past a few blocks of rows (plain nibbles unpack in three or
+  // four instructions a chunk, the others in more), and past one where 8 rows go at once (a prefill's experts
+  // of 5 to 16 rows 1.2-1.4x, Xeon forced AVX2)
+  static constexpr int PACKED_BLOCKS = HALF_PASSES ? 1 : NIB && HB == 0 && !LEVELS ? 4 : 2;
   Plan plan(int64_t M) const {
     const bool unpack = M > PACKED_BLOCKS * ROWS_FROM_PACKED;
     return {unpack ? UNPACKED_ROWS : ROWS_FROM_PACKED, 1, unpack};
