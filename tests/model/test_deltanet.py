@@ -171,6 +171,33 @@ def test_the_cpp_recurrence_is_the_python_ones(tiny_model_factory, dtype, value_
     assert (runs[0] - runs[1]).abs().max() < tolerance and runs[0].abs().mean() > 0.1
 
 
+@pytest.mark.timeout(120)
+def test_heads_that_forget_fast_keep_their_bits_and_the_reference(tiny_model_factory):
+    """Decays of ~-30 a token (Qwen3.5's fast-forgetting heads reach -16) take a chunk's early keys' weights
+    exp(G - G_j) far below float32's normal range, where the C++ delta rule flushes subnormals to zero
+    (model/csrc/deltanet.cpp): a prompt still gives one step's bits prefilled in chunks, and the Python loop's
+    logits within float32's rounding."""
+    path = tiny_family(tiny_model_factory, "qwen3_5")
+    ids, table = prompt(29, 5), list(range(10))
+    logits = []
+    for deltanet, quantized in (("cpp", True), ("cpp", False), ("python", False)):
+        model, config = load_hybrid(path, deltanet, quantized=quantized)
+        for layer in model.layers:
+            if layer.linear:
+                layer.attn.A_log.data.fill_(2.7)  # a decay rate of -exp(2.7) ~ -15
+                layer.attn.dt_bias.data.fill_(2.0)  # times softplus(a + 2) ~ 2
+        whole = step(model, fresh_cache(config), [(ids, 0, 2, table)])[0]
+        if quantized:  # the GEMMs give a row the same bits in any batch: only DeltaNet could differ
+            cache, done, parts = fresh_cache(config), 0, []
+            for n in (3, 1, 11, 14):
+                parts += step(model, cache, [(ids[: done + n], done, 2, table)])
+                done += n
+            assert torch.equal(torch.cat(parts), whole)
+        else:
+            logits.append(whole)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4 and logits[0].abs().mean() > 0.1
+
+
 def test_the_cache_holds_kv_for_attention_layers_and_a_state_per_slot(hybrid):
     _, config = hybrid
     spec = config.linear_attention
