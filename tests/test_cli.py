@@ -208,8 +208,8 @@ def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_lla
             assert all(list(t) == ["kvserve"] for t in calls.values()) and "block_gemms_speedup" not in r
             continue
         assert all(t["onednn_bf16"] > 0 for t in calls.values())
-        assert r["block_gemms_speedup"] == pytest.approx(
-            r["onednn_bf16_block_gemms_ms"] / r["kvserve_block_gemms_ms"], rel=0.01
+        assert r["block_gemms_speedup"] == pytest.approx(  # rounded to hundredths: 0.4 for 0.3955
+            r["onednn_bf16_block_gemms_ms"] / r["kvserve_block_gemms_ms"], abs=0.005
         )
 
 
