@@ -23,9 +23,9 @@ namespace {
 
 // A head that forgets fast takes its chunk's early tokens to exp(G - G_j) below float32's smallest normal number
 // (G - G_j < -87: Qwen3.5's decays reach -16 a token), and every product with such a subnormal then costs a
-// microcode assist on x86, ~100 cycles where a fused multiply-add takes half of one: a 512-token step of Qwen3.6's
-// delta rule ran 5x slower (Xeon). Flushed to zero while a task runs (FTZ and DAZ), its numbers move by less than 2^-126 of
-// a state's, in every step alike: the same bits prefilled whole or in chunks.
+// microcode assist on x86, ~100 cycles where a fused multiply-add takes half of one: a 512-token step of
+// Qwen3.6's delta rule ran 5x slower (Xeon). Flushed to zero while a task runs (FTZ and DAZ), its numbers move by
+// less than 2^-126 of a state's, in every step alike: the same bits prefilled whole or in chunks.
 struct FlushSubnormals {
 #if defined(__SSE__)
   const unsigned saved = _mm_getcsr();
