@@ -4,7 +4,8 @@ Each backend owns its metadata and builds it once per step (`build`) from the st
 the backend once, at start. The model only calls `paged_attention`, which writes K/V and attends as the
 metadata says:
 - CpuKernelAttention (model/attention_cpu.py): kvserve's C++ kernel, the CPU default.
-- TorchAttention (here): PyTorch ops, the fallback where the kernel cannot be built, and the GPU path (SDPA).
+- TritonAttention (model/attention_triton.py): kvserve's Triton kernel, the GPU default.
+- TorchAttention (here): PyTorch ops, the fallback where either kernel cannot run (SDPA on a GPU).
 
 TorchAttention gathers a step's flat, unpadded tokens ([T, ...]) into at most two padded groups: decode rows
 (one query each) and prefill rows (a chunk of queries each). Every row's numbers depend only on its own queries
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from model import invariance
+from model.device import to_device
 
 # Key lengths are padded to a multiple of this so no GEMM runs a short vector tail over the keys.
 KEY_TILE = 16
@@ -139,13 +141,16 @@ class TorchAttention:
         device: torch.device | str = "cpu",
         group_windows: Sequence[int | None] = (None,),
         min_query_len: int = 1,
+        sdpa: bool = False,
     ):
         """group_windows: each KV group's sliding window (None: full attention), in the order of a sequence's
-        block tables; a sliding group's rows gather only the blocks their window reaches."""
+        block tables; a sliding group's rows gather only the blocks their window reaches. sdpa: torch's fused
+        SDPA (GPUs) rather than two matmuls (whose rows are batch-invariant on CPU)."""
         self.block_size, self.num_kv_heads, self.num_cache_blocks = block_size, num_kv_heads, num_cache_blocks
         self.device = torch.device(device)
         self.group_windows = list(group_windows)
         self.min_query_len = min_query_len
+        self.sdpa = sdpa
 
     def build(
         self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[list[int]]]
@@ -153,8 +158,7 @@ class TorchAttention:
         """Flat positions [T] and the step's metadata, one per KV group (model/config.py's kv_groups), from each
         sequence's query length, length and block tables (one per KV group)."""
         positions, starts = flat_positions(query_lens, seq_lens)
-        sdpa = self.device.type != "cpu"
-        metas = [TorchAttentionMetadata(None, [], self.block_size, sdpa) for _ in self.group_windows]
+        metas = [TorchAttentionMetadata(None, [], self.block_size, self.sdpa) for _ in self.group_windows]
         for is_decode in (True, False):
             rows = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
             if rows:
@@ -171,8 +175,8 @@ class TorchAttention:
             if len(meta.groups) == 1:
                 meta.groups[0].whole = meta.groups[0].valid.numel() == meta.groups[0].query_index.numel()
             slots = flat_slots(query_lens, seq_lens, [t[g] for t in block_tables], self.block_size)
-            meta.slot_mapping = torch.tensor(slots).to(self.device, non_blocking=True)
-        return torch.tensor(positions).to(self.device, non_blocking=True), metas
+            meta.slot_mapping = to_device(torch.tensor(slots), self.device)
+        return to_device(torch.tensor(positions), self.device), metas
 
     def _group(self, rows, window: int | None) -> AttentionGroup:
         """The query slots and mask of rows (first flat token, query length, sequence length) in layers of this
@@ -198,11 +202,11 @@ class TorchAttention:
             allowed &= k_pos > q_pos[..., None] - window
         valid = real.flatten().nonzero().squeeze(1)
         return AttentionGroup(
-            query_index=query_index.to(device, non_blocking=True),
+            query_index=to_device(query_index, device),
             gather_index=None,
-            masked={window: (~allowed)[:, None, :, None, :].to(device, non_blocking=True)},
-            valid=valid.to(device, non_blocking=True),
-            out_index=query_index.flatten()[valid].to(device, non_blocking=True),
+            masked={window: to_device((~allowed)[:, None, :, None, :], device)},
+            valid=to_device(valid, device),
+            out_index=to_device(query_index.flatten()[valid], device),
             first_blocks=first,
             num_blocks=n_blocks,
         )
@@ -217,7 +221,7 @@ class TorchAttention:
             key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
         key_blocks.clamp_(min=0)
         rows = cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks)
-        return rows.to(self.device, non_blocking=True)
+        return to_device(rows, self.device)
 
 
 def min_query_len_for_invariance(

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.device import to_device
+
 # Below this a temperature counts as 0 (greedy): dividing by it could overflow the float32 logits.
 MIN_TEMPERATURE = 1e-5
 
@@ -103,25 +105,28 @@ class SamplingTensors:
             dtype=torch.float32,
         )  # [6, B]
         ints = torch.tensor([top_k, seeds, positions], dtype=torch.int64)  # [3, B]
-        temperature_t, top_p_t, min_p_t, repetition_t, presence_t, frequency_t = _to(floats, device).unbind(0)
-        top_k_t, seeds_t, positions_t = _to(ints, device).unbind(0)
+        floats, ints = to_device(floats, device), to_device(ints, device)
+        temperature_t, top_p_t, min_p_t, repetition_t, presence_t, frequency_t = floats.unbind(0)
+        top_k_t, seeds_t, positions_t = ints.unbind(0)
         needs_sort = any(p < 1 and k == 0 for p, k in zip(top_p, top_k, strict=True))
         filter_width = vocab_size if needs_sort else max(top_k, default=0)
         prompt_t = output_t = suppress_t = None
         if any_penalties:
             assert prompt_token_ids is not None and output_token_ids is not None
-            prompt_t = _to(_pad(prompt_token_ids, vocab_size), device)
-            output_t = _to(_pad(output_token_ids, vocab_size), device)
+            prompt_t = to_device(_pad(prompt_token_ids, vocab_size), device)
+            output_t = to_device(_pad(output_token_ids, vocab_size), device)
         if suppress_ids is not None and any(suppress_ids):
-            suppress_t = _to(_pad(suppress_ids, vocab_size), device)
+            suppress_t = to_device(_pad(suppress_ids, vocab_size), device)
         bias_ids_t = bias_values_t = None
         if logit_bias is not None and any(logit_bias):
-            bias_ids_t = _to(_pad([list(b) for b in logit_bias], vocab_size), device)
-            bias_values_t = _to(_pad([list(b.values()) for b in logit_bias], 0.0, torch.float32), device)
+            bias_ids_t = to_device(_pad([list(b) for b in logit_bias], vocab_size), device)
+            bias_values_t = to_device(
+                _pad([list(b.values()) for b in logit_bias], 0.0, torch.float32), device
+            )
         grammar_rows_t = grammar_bitmask_t = None
         if grammar_rows:
-            grammar_rows_t = _to(torch.tensor(grammar_rows, dtype=torch.int64), device)
-            grammar_bitmask_t = _to(grammar_bitmask, device)
+            grammar_rows_t = to_device(torch.tensor(grammar_rows, dtype=torch.int64), device)
+            grammar_bitmask_t = to_device(grammar_bitmask, device)
         return cls(
             vocab_size=vocab_size,
             temperature=temperature_t,
@@ -157,12 +162,6 @@ class SampleOutput:
     # token_ids; None unless max_num_logprobs is set (the log-sum-exp over the vocabulary is not free)
     top_ids: Tensor | None  # [B, K] int64, the K largest raw logits, most likely first; None unless asked
     top_logprobs: Tensor | None  # [B, K] f32, their raw logprobs
-
-
-def _to(host: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":
-        host = host.pin_memory()  # a non_blocking copy from pageable memory would block the host
-    return host.to(device, non_blocking=True)
 
 
 def _pad(rows: list[list], pad: float, dtype: torch.dtype = torch.int64) -> Tensor:

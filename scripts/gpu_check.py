@@ -348,7 +348,8 @@ def shape_run(device: str, plan: Plan, work: Path, name: str, shape: Shape, repo
                         max_num_batched_tokens=max(plan.ttft_prompt_len, 512))  # fmt: skip
     model = engine.runner.model
     params = sum(p.numel() for p in model.parameters())
-    result = {"params": params, "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+    result = {"params": params, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+              "attention": type(engine.runner.attention).__name__}  # fmt: skip
 
     # batch 1: the step, against the bytes it must read
     single = bench_model(engine, plan.input_len, plan.output_len, runs=3)

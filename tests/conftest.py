@@ -14,11 +14,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
-from model import cpu_tier
-from tests.helpers.tiny_models import CpuPath, build_tiny_model
-from weights import fetch
-from weights.store import weights_dir
+# Without a GPU, the GPU's Triton kernels (model/attention_triton.py) run under Triton's interpreter: their own code
+# with numpy's arithmetic. Set before anything imports triton (transformers may): triton.jit, its standard
+# library's too, reads it when a function is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from model import cpu_tier  # noqa: E402
+from tests.helpers.tiny_models import CpuPath, build_tiny_model  # noqa: E402
+from weights import fetch  # noqa: E402
+from weights.store import weights_dir  # noqa: E402
 
 # fixture -> what it gives a test that makes the test slow; a fixture using one of these is covered too
 # (pytest lists every fixture a test needs, however deep, in item.fixturenames)
@@ -173,6 +180,14 @@ def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct), fetched and converted once into the weights folder.
     Tests using it are marked slow."""
     return fetch.ensure_default_model(REAL_WEIGHTS, progress=False)
+
+
+@pytest.fixture(scope="session")
+def triton_here() -> None:
+    """The GPU's Triton kernels (model/attention_triton.py) run on the CPU, under Triton's interpreter (set above).
+    A machine with a GPU compiles them instead: there the `cuda` tests run them on the device."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is here: its Triton kernels run compiled, in the `cuda` tests, not on the CPU")
 
 
 @pytest.fixture(params=["cpp", "torch"])

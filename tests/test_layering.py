@@ -187,3 +187,28 @@ def test_the_pipeline_is_one_name():
                 if any(a.name == "serving" for a in node.names):
                     bad.append(f"{f.relative_to(ROOT)} imports the module server.api.serving")
     assert not bad, "\n".join(bad)
+
+
+# Where the GPU is spoken of: the backend (server/engine/backend.py) and the host-to-device copy (model/device.py).
+CUDA_PLACES = {"server/engine/backend.py", "model/device.py"}
+
+
+@pytest.mark.timeout(30)
+def test_the_cuda_code_lives_in_the_backend():
+    """Nothing in the model or the engine but those two names CUDA (`torch.cuda`, `.cuda()`, "cuda"), and nothing
+    in the engine but the backend branches on a device's type: a device's choices are its backend's, made once."""
+    bad = []
+    for package in ("model", "server/engine"):
+        for f in sorted((ROOT / package).rglob("*.py")):
+            name = str(f.relative_to(ROOT))
+            if name in CUDA_PLACES:
+                continue
+            for node in ast.walk(ast.parse(f.read_text(), name)):
+                if isinstance(node, ast.Attribute) and node.attr == "cuda":
+                    bad.append(f"{name}:{node.lineno} reads .cuda")
+                elif isinstance(node, ast.Constant) and node.value == "cuda":
+                    bad.append(f'{name}:{node.lineno} names "cuda"')
+                elif package == "server/engine" and isinstance(node, ast.Attribute) and node.attr == "type":
+                    if isinstance(node.value, ast.Attribute) and node.value.attr == "device":
+                        bad.append(f"{name}:{node.lineno} branches on a device's type")
+    assert not bad, "\n".join(bad)

@@ -277,7 +277,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(runner.device, dtype)
 
     # the block GEMMs in the order a step runs them; a sparse layer's FFN (model/moe.py: router, the chosen
     # experts' GEMMs, the weighted sum) is timed whole, as moe_ffn
@@ -321,9 +321,11 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         states = StepStates(list(range(B)), [1] * B, list(range(B)), [context_len] * B)
         proj = rand(B, model.layers[deltanet[0]].attn.in_proj.out_features)
 
-    def timed(fn, *args) -> float:
+    def timed(fn, *args) -> float:  # a GPU's queued work finished before and after
+        runner.backend.synchronize()
         start = time.perf_counter()
         fn(*args)
+        runner.backend.synchronize()
         return time.perf_counter() - start
 
     def norms_and_swiglu(layer) -> None:  # a block's two norms (with their residual adds) and its activation
@@ -454,8 +456,9 @@ def bench_quality(test: Engine, reference: Engine, text: str, window: int) -> di
         chunk = bos + ids[start : start + window - len(bos)]
         if len(chunk) < 2:
             break
-        p = torch.log_softmax(reference.score(chunk).double(), dim=-1)[:-1]  # [n - 1, vocab]
-        q = torch.log_softmax(test.score(chunk).double(), dim=-1)[:-1]
+        # [n - 1, vocab] on the host: the two engines may run on different devices
+        p = torch.log_softmax(reference.score(chunk).double().cpu(), dim=-1)[:-1]
+        q = torch.log_softmax(test.score(chunk).double().cpu(), dim=-1)[:-1]
         target = torch.tensor(chunk[1:])[:, None]
         kld += (p.exp() * (p - q)).sum().item()
         agree += (p.argmax(-1) == q.argmax(-1)).sum().item()

@@ -23,7 +23,7 @@ from server.engine.reasoning import ReasoningState
 from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
 from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
-from server.engine.setup import build_runner, context_length, move_to_huge_pages, select_speculation
+from server.engine.setup import build_runner, context_length, select_speculation
 from server.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_costs = StepCosts()  # what this host's steps cost by decodes and drafts: kept across resets
         self.drafter = self._drafter()
-        if self.runner.device.type == "cpu":
-            move_to_huge_pages(self.runner.model)
         log.info("task: %s (%s)", self.task.task, self.task.why)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:

@@ -1,5 +1,6 @@
 """ModelRunner: a SchedulerOutput in, a ModelOutput out. Owns the model, the KV cache and the attention backend;
-keeps nothing per request. server/engine/setup.py builds it."""
+keeps nothing per request. server/engine/setup.py builds it, with what the backend (server/engine/backend.py)
+chose."""
 
 from dataclasses import dataclass, field
 
@@ -7,8 +8,9 @@ import torch
 
 from model.config import ModelConfig
 from model.deltanet import StepStates
+from model.device import to_device
 from model.kv_cache import KVCache
-from model.sampling import TORCH_SAMPLER, SamplerKernels, SamplingTensors, row_logsumexp, sample
+from model.sampling import SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
 from server.engine.grammar import fill_bitmasks
 from server.engine.request import Pooling, TokenLogprob
@@ -44,14 +46,13 @@ class ModelRunner:
         model_config: ModelConfig,
         kv_cache: KVCache,
         attention,  # the attention backend (model/attention.py): builds each step's metadata
-        device: torch.device,
-        dtype: torch.dtype,
-        sampler: SamplerKernels = TORCH_SAMPLER,  # noise and argmax: PyTorch's ops, or the kernels' same bits
+        backend,  # where the ops run (server/engine/backend.py): its device, dtype and sampler kernels
         batch_invariant: bool = False,  # whether a token's logits never depend on what shares its step
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
-        self.attention, self.device, self.dtype = attention, device, dtype
-        self.sampler = sampler
+        self.attention, self.backend = attention, backend
+        self.device, self.dtype = backend.device, backend.dtype
+        self.sampler = backend.sampler  # noise and argmax: PyTorch's ops, or the kernels' same bits
         self.batch_invariant = batch_invariant
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
         self.hybrid = bool(model_config.linear_layers)  # Gated DeltaNet layers: a state slot per sequence
@@ -73,7 +74,7 @@ class ModelRunner:
             [c.start + c.num_tokens for c in out.chunks],
             [c.request.block_tables for c in out.chunks],
         )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
                                      for c in out.chunks])  # fmt: skip
         states = None
@@ -107,7 +108,7 @@ class ModelRunner:
                 for j in range(len(c.drafts) + 1)
             ]
             result.sampled = self._sample(
-                hidden[torch.tensor(rows, device=self.device)], [c for c, _ in sampled]
+                hidden[to_device(torch.tensor(rows), self.device)], [c for c, _ in sampled]
             )
         return result
 
@@ -158,7 +159,7 @@ class ModelRunner:
             long_rope = self._long_rope([(len(ids), len(token_ids))])
             # a DeltaNet layer's state in slot 0, which no request holds now
             states = StepStates([0], [len(ids)], [0], [start]) if self.hybrid else None
-            input_ids = torch.tensor(ids).to(self.device)
+            input_ids = to_device(torch.tensor(ids), self.device)
             hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
             logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)
@@ -189,7 +190,7 @@ class ModelRunner:
         if original is None:
             return None
         flags = [longest > original for n, longest in chunks for _ in range(n)]
-        return torch.tensor(flags).to(self.device, non_blocking=True)
+        return to_device(torch.tensor(flags), self.device)
 
     def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
         """Draw after each row of hidden: one per chunk, plus one per draft. Row j of a chunk draws as a plain

@@ -1,5 +1,5 @@
-"""server/engine/setup.py's move of the weights onto 2 MiB pages: done when the engine is built, before any
-step (beside running requests it took a core's share from them)."""
+"""The CPU backend's move of the weights onto 2 MiB pages (server/engine/backend.py): done when the engine is
+built, before any step (beside running requests it took a core's share from them)."""
 
 import logging
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_an_engine_on_cpu_has_its_weights_on_huge_pages_before_its_first_step(default_model_dir, caplog):
     skip_without_huge_pages()
-    with caplog.at_level(logging.INFO, logger="server.engine.setup"):
+    with caplog.at_level(logging.INFO, logger="server.engine.backend"):
         engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=2))
     # logged by the time the engine is built
     assert any("on 2 MiB pages" in r.message for r in caplog.records)

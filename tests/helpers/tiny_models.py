@@ -207,11 +207,14 @@ def forward_sequence(
     block_table: list[int],
     min_query_len: int = 1,
     cpu_kernel: bool = False,
+    gpu_attention: str | None = None,
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
     block_table: the first KV group's; each further group g reads and writes the same blocks shifted by g times
-    the highest one plus one (a cache for G groups needs G times the table's blocks: cache_blocks). cpu_kernel: attention by the C++ kernel rather than PyTorch ops (RMSNorm is the
-    model's own choice)."""
+    the highest one plus one (a cache for G groups needs G times the table's blocks: cache_blocks). cpu_kernel:
+    attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice); gpu_attention: a GPU's
+    instead, run on the CPU: "sdpa" (PyTorch ops through torch's fused SDPA) or "triton" (model/attention_triton.py,
+    under Triton's interpreter where the caller set TRITON_INTERPRET=1)."""
     from model.attention import TorchAttention
     from model.attention_cpu import CpuKernelAttention
     from model.deltanet import StepStates
@@ -220,6 +223,10 @@ def forward_sequence(
     config = model.config
     if cpu_kernel:
         attention = CpuKernelAttention(cpu_kernels(), cache.block_size)
+    elif gpu_attention == "triton":
+        from model.attention_triton import TritonAttention
+
+        attention = TritonAttention(cache.block_size, config.num_heads, config.num_kv_heads, "cpu")
     else:
         attention = TorchAttention(
             cache.block_size,
@@ -228,6 +235,7 @@ def forward_sequence(
             "cpu",
             config.kv_group_windows,
             min_query_len,
+            sdpa=gpu_attention == "sdpa",
         )
     new = token_ids[num_cached:]
     shift = max(block_table) + 1
@@ -249,10 +257,12 @@ def cache_blocks(config, per_group: int) -> int:
 
 
 class CpuPath:
-    """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops."""
+    """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops (gpu_attention:
+    a GPU's attention run on the CPU, as forward_sequence says)."""
 
-    def __init__(self, kernels: bool):
-        self.kernels = kernels
+    def __init__(self, kernels: bool, gpu_attention: str | None = None):
+        assert not (kernels and gpu_attention), "the C++ kernels have their own attention"
+        self.kernels, self.gpu_attention = kernels, gpu_attention
 
     def load(self, path, dtype=torch.float32, linear=None):
         from model.kernels import cpu_kernels
@@ -264,4 +274,6 @@ class CpuPath:
         return load_model(path, dtype, "cpu", ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
-        return forward_sequence(model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels)
+        return forward_sequence(
+            model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels, self.gpu_attention
+        )

@@ -180,7 +180,7 @@ def test_a_start_never_compiles_and_names_the_install_command(empty_install, mon
 def test_a_failed_build_is_recorded_and_runs_pytorch_ops_with_a_warning(empty_install, monkeypatch, caplog):
     import torch.utils.cpp_extension
 
-    from server.engine.setup import select_cpu_kernels
+    from server.engine.backend import select_cpu_kernels
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("c++: command not found")
@@ -190,12 +190,11 @@ def test_a_failed_build_is_recorded_and_runs_pytorch_ops_with_a_warning(empty_in
     with pytest.raises(RuntimeError, match="command not found"):
         kernels.build(generic)
     assert "command not found" in (kernels.build_folder(generic) / kernels.FAILED).read_text()
-    cpu = torch.device("cpu")
-    assert select_cpu_kernels("auto", cpu, generic) is None
+    assert select_cpu_kernels("auto", generic) is None
     assert "could not be built at install" in caplog.text and "command not found" in caplog.text
     with pytest.raises(RuntimeError, match="--cpu-kernels on"):
-        select_cpu_kernels("on", cpu, generic)
-    assert select_cpu_kernels("off", cpu, generic) is None
+        select_cpu_kernels("on", generic)
+    assert select_cpu_kernels("off", generic) is None
 
 
 @pytest.mark.timeout(30)
@@ -234,7 +233,7 @@ def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(
     has and says so; a tier named outright that is not built is the install command's error."""
     import shutil
 
-    from server.engine.setup import select_cpu_kernels, select_cpu_tier
+    from server.engine.backend import select_cpu_kernels, select_cpu_tier
 
     best, generic = cpu_tier.select()[0], cpu_tier.BY_NAME["generic"]
     if best is generic:
@@ -247,19 +246,18 @@ def test_an_install_built_for_a_weaker_cpu_runs_the_best_tier_it_built(
         else:
             env.delenv("KVSERVE_KERNELS_DIR")
         shutil.copytree(kernels.build_folder(generic), empty_install / real)
-    cpu = torch.device("cpu")
     with caplog.at_level("INFO"):
-        tier = select_cpu_tier("auto", cpu, "auto")
-    assert tier is generic and select_cpu_kernels("auto", cpu, tier) is not None
+        tier = select_cpu_tier("auto", "auto")
+    assert tier is generic and select_cpu_kernels("auto", tier) is not None
     assert f"{best.name} would be, but this install built the kernels for generic" in caplog.text
     assert "scripts/install.sh" in caplog.text
     with pytest.raises(kernels.KernelsNotBuilt, match=best.name):
-        select_cpu_kernels("auto", cpu, select_cpu_tier(best.name, cpu, "auto"))
+        select_cpu_kernels("auto", select_cpu_tier(best.name, "auto"))
 
 
 @pytest.mark.timeout(10)
 def test_the_kv_cache_holds_bfloat16_unless_asked_otherwise():
-    from server.engine.setup import select_kv_cache_dtype
+    from server.engine.backend import select_kv_cache_dtype
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     for tier in cpu_tier.TIERS:  # storage only: half float32's bytes, read by a shift
@@ -280,7 +278,7 @@ def test_int8_activations_are_the_default_only_where_a_kernel_has_them(caplog):
     own, silently for `auto`, with a warning for an explicit `int8`; `wide` always keeps the tier's own."""
     import logging
 
-    from server.engine.setup import select_gemm_activations
+    from server.engine.backend import select_gemm_activations
 
     built = {t.name: kernels.load(t.name) for t in cpu_tier.runnable()}
     with pytest.raises(ValueError, match="auto, int8 or wide"):

@@ -54,6 +54,28 @@ def test_logits_match_transformers(tiny_model_factory, cpu_path, arch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_gpus_attention_matches_transformers_on_the_cpu(tiny_model_factory, arch, attention, triton_here):
+    """What a GPU runs (server/engine/backend.py's CudaBackend: PyTorch ops, and attention by the Triton kernel that
+    reads the cache in place, or torch's fused SDPA over the blocks gathered by table), run here on the CPU in
+    float32 (the kernel under Triton's interpreter): the reference's logits, so that on a GPU only the device's
+    arithmetic differs. The prompt goes in two chunks, the second reading the first's K/V from the cache as a GPU
+    step would."""
+    path = tiny_family(tiny_model_factory, arch)
+    gpu_path = CpuPath(kernels=False, gpu_attention=attention)
+    model, config = gpu_path.load(path)
+    cache = cache_for(config)
+    first = gpu_path.run(model, cache, PROMPT[:START], 0, list(range(16)))
+    rest = gpu_path.run(model, cache, PROMPT, START, list(range(16)))
+    ours = torch.cat((first, rest))
+    with torch.no_grad():
+        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", [arch for arch in ARCHES if FAMILIES[ARCHITECTURES[arch]].moe])
 def test_each_token_takes_the_references_experts(tiny_model_factory, arch):
     """Every sparse layer routes each token of the prompt to the experts transformers' router picks."""

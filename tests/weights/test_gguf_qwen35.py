@@ -359,7 +359,7 @@ def test_bench_peers_gives_kvserve_room_for_llama_cpps_slots_of_state(qwen35_ggu
     source = GGUFSource(q8_0)
     config = ModelConfig.from_dict(source.config, source.generation_config)
     engine = EngineConfig(kv_cache_memory=budget, block_size=16, max_num_seqs=64)
-    layout = cache_layout(config, engine, torch.bfloat16, torch.device("cpu"))
+    layout = cache_layout(config, engine, torch.bfloat16, budget)
     assert layout.num_state_slots >= 32
     assert layout.num_blocks * 16 >= 4096
     per_token = KVCache.bytes_per_block(config, 1, torch.bfloat16)

@@ -84,25 +84,19 @@ def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, byte_vo
     """The quantized GEMMs are CPU kernels: on CUDA the same GGUF is served dense (bfloat16 at load), with a
     warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
     reaches the device, so it is checked here without one."""
-    from server.engine.setup import WeightFormat, select_quantization
+    from server.engine.backend import CudaBackend, WeightFormat, select_quantization
 
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     source = GGUFSource(tmp_path / "tiny.gguf")
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):
-        assert select_quantization(EngineConfig(), cuda, None, source, torch.bfloat16) == WeightFormat.DENSE
+        backend = CudaBackend.create(EngineConfig(), source, cuda)
+    assert backend.weights == WeightFormat.DENSE and backend.dtype == torch.bfloat16
+    assert not backend.ops.linear.keeps_quantized  # the loader dequantizes what it does not keep
     assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
     with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
-        select_quantization(EngineConfig(quantization="int4"), cuda, None, source, torch.bfloat16)
-    cpu = torch.device("cpu")
-    assert select_quantization(EngineConfig(), cpu, object(), source, torch.float32) == WeightFormat.STORED
-    assert (
-        select_quantization(
-            EngineConfig(quantization="int4"), cpu, object(), source, torch.float32
-        ).quantize_to
-        == 4
-    )
-    assert (
-        select_quantization(EngineConfig(quantization="none"), cpu, object(), source, torch.float32)
-        == WeightFormat.DENSE
-    )
+        CudaBackend.create(EngineConfig(quantization="int4"), source, cuda)
+    # where the quantized GEMMs run (why_not None): the file's own types, or dense weights quantized at load
+    assert select_quantization("auto", source, None) == WeightFormat.STORED
+    assert select_quantization("int4", source, None).quantize_to == 4
+    assert select_quantization("none", source, None) == WeightFormat.DENSE

@@ -1,0 +1,122 @@
+"""server/engine/backend.py: what each device's backend decides. The GPU's is decided without touching a GPU (its
+choices are made before any tensor reaches the device), so it is checked here on any machine."""
+
+import pytest
+import torch
+
+from model.attention import TorchAttention
+from model.attention_cpu import CpuKernelAttention
+from model.config import ModelConfig
+from model.linear import PlainLinear
+from model.sampling import TORCH_SAMPLER
+from server.engine.backend import CpuBackend, CudaBackend, WeightFormat, select_backend
+from server.engine.config import EngineConfig
+from server.engine.setup import max_step_drafts
+from tests.helpers.tiny_models import tiny_family
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(tiny_llama_dir):
+    backend = CudaBackend.create(EngineConfig(), tiny_llama_dir, torch.device("cuda"))
+    assert backend.dtype == torch.bfloat16 and backend.weights is WeightFormat.DENSE
+    linear = backend.ops.linear
+    assert type(linear) is PlainLinear and not linear.batch_invariant  # no padding for invariance on a GPU
+    assert backend.ops.rms_norm is None and backend.ops.layer_stack is None  # no CPU kernel
+    assert backend.sampler is TORCH_SAMPLER
+    assert backend.kv_cache_dtype("auto") == torch.bfloat16
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):
+        backend.kv_cache_dtype("float32")
+    assert backend.kv_cache_budget(EngineConfig(kv_cache_memory=96 << 20)) == 96 << 20
+    # its steps are not batch-invariant, so `auto` speculation drafts nothing (drafts could change the output)
+    assert backend.loaded(torch.nn.Linear(2, 2)) is False
+    assert max_step_drafts(EngineConfig(), False) == 0
+    assert CudaBackend.create(EngineConfig(dtype="float16"), tiny_llama_dir, torch.device("cuda")).dtype == (
+        torch.float16
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])  # plain; windows and soft-caps; sinks
+def test_a_gpu_backend_serves_the_triton_kernel_where_it_computes_what_pytorch_does(
+    tiny_model_factory, family, triton_here, monkeypatch, caplog
+):
+    """The GPU backend's attention, chosen on this CPU (the kernel under Triton's interpreter, float32): the
+    Triton kernel, after a start-time check against the PyTorch path with the model's windows, soft-cap and
+    sinks; SDPA over gathered K/V with a warning where the kernel is off or cannot run (on this machine's
+    "cuda", which does not exist, it cannot)."""
+    import model.attention_triton
+    from model.attention_triton import TritonAttention
+    from model.transformer import Ops
+
+    config = ModelConfig.from_dir(tiny_family(tiny_model_factory, family))
+    cpu = CudaBackend(torch.device("cpu"), torch.float32, Ops(PlainLinear()))
+    with caplog.at_level("INFO"):
+        assert isinstance(cpu.attention(config, 16, 64), TritonAttention)
+    assert "attention: kvserve's Triton kernel" in caplog.text
+    fallbacks = [(cpu, "is off by 1 here")]
+    if not torch.cuda.is_available():
+        cuda = CudaBackend(torch.device("cuda"), torch.bfloat16, Ops(PlainLinear()))
+        fallbacks.insert(0, (cuda, "could not run"))
+    for backend, why in fallbacks:
+        if backend is cpu:
+            monkeypatch.setattr(model.attention_triton, "error_against_pytorch", lambda *a, **k: 1.0)
+        caplog.clear()
+        attention = backend.attention(config, 16, 64)
+        assert isinstance(attention, TorchAttention) and attention.sdpa and attention.min_query_len == 1
+        assert attention.device == backend.device
+        assert (
+            f"attention: torch's SDPA over K/V gathered by block table (the Triton kernel {why}"
+            in caplog.text
+        )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_the_cpu_backend_gives_the_runner_what_it_chose(tiny_llama_dir, kernels):
+    """select_backend on the CPU: the tier's kernels or PyTorch ops, and everything the runner takes from it."""
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    backend = select_backend(
+        EngineConfig(device="cpu", cpu_kernels=kernels, dtype="bfloat16"), tiny_llama_dir
+    )
+    assert isinstance(backend, CpuBackend) and backend.device == torch.device("cpu")
+    assert (backend.kernels is not None) == (kernels == "on")
+    assert (backend.ops.rms_norm is not None) == (kernels == "on")
+    attention = backend.attention(config, 16, 64)
+    if kernels == "on":
+        assert isinstance(attention, CpuKernelAttention)
+        assert backend.sampler.argmax is backend.kernels.argmax_rows
+    else:
+        assert isinstance(attention, TorchAttention) and not attention.sdpa
+        assert backend.sampler is TORCH_SAMPLER
+    assert backend.kv_cache_budget(EngineConfig()) == 2 << 30
+    assert backend.kv_cache_budget(EngineConfig(kv_cache_memory=1 << 20)) == 1 << 20
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_llama_dir):
+    """A decode step's metadata goes to the GPU from pinned memory and the forward and the sampler read nothing
+    back: the step's one wait is the sampled ids' read (model_runner.py), so the host builds the next step while
+    the GPU runs this one."""
+    import warnings
+
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    engine = Engine(
+        str(tiny_llama_dir), EngineConfig(device="cuda", kv_cache_memory=64 << 20, max_num_seqs=4)
+    )
+    for i in range(4):
+        engine.add_request(str(i), list(range(3 + i, 40 + i)), SamplingParams(max_tokens=8, temperature=0))
+    engine.step()  # the prompts
+    engine.step()  # a first decode: the pinned host buffers allocated
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
