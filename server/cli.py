@@ -96,6 +96,7 @@ MODEL_FLAGS = (
     Flag("--max-num-batched-tokens", ENGINE.max_num_batched_tokens, int, env=True),
     Flag("--kv-cache-memory", help="KV cache size, e.g. 2GiB", env=True),
     Flag("--gpu-memory-utilization", ENGINE.gpu_memory_utilization, float, env=True),
+    Flag("--enforce-eager", ENGINE.enforce_eager, switch=True, env=True),
     Flag("--block-size", ENGINE.block_size, int, env=True),
     Flag("--enable-prefix-caching", ENGINE.enable_prefix_caching, switch=True, env=True),
     Flag(

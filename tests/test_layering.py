@@ -189,13 +189,13 @@ def test_the_pipeline_is_one_name():
     assert not bad, "\n".join(bad)
 
 
-# Where the GPU is spoken of: the backend (server/engine/backend.py) and the host-to-device copy (model/device.py).
-CUDA_PLACES = {"server/engine/backend.py", "model/device.py"}
+# Where the GPU is spoken of: the backend (server/engine/backend.py), its decode graphs and the host-to-device copy.
+CUDA_PLACES = {"server/engine/backend.py", "server/engine/decode_graphs.py", "model/device.py"}
 
 
 @pytest.mark.timeout(30)
 def test_the_cuda_code_lives_in_the_backend():
-    """Nothing in the model or the engine but those two names CUDA (`torch.cuda`, `.cuda()`, "cuda"), and nothing
+    """Nothing in the model or the engine but those names CUDA (`torch.cuda`, `.cuda()`, "cuda"), and nothing
     in the engine but the backend branches on a device's type: a device's choices are its backend's, made once."""
     bad = []
     for package in ("model", "server/engine"):

@@ -166,6 +166,9 @@ class CpuBackend:
     def synchronize(self) -> None:  # a CPU op has finished when it returns
         pass
 
+    def decode_graphs(self, model, kv_cache, attention, config: EngineConfig) -> None:
+        return None  # graphs are CUDA's; a CPU step's ops are few and its kernels long (the fused layer loop)
+
 
 @dataclass
 class CudaBackend:
@@ -235,6 +238,28 @@ class CudaBackend:
     def synchronize(self) -> None:
         """Waits for the work queued on the GPU (a timer's edges)."""
         torch.cuda.synchronize(self.device)
+
+    def decode_graphs(self, model, kv_cache, attention, config: EngineConfig):
+        """Decode steps replayed from CUDA graphs (server/engine/decode_graphs.py), captured here, unless
+        --enforce-eager, the model's steps cannot be recorded, or the capture fails (each logged with why)."""
+        from server.engine.decode_graphs import DecodeGraphs, why_not_graphed
+
+        why_not = "--enforce-eager" if config.enforce_eager else why_not_graphed(model, attention)
+        if why_not is None and kv_cache.num_blocks < 2:
+            why_not = "the KV cache has no block to spare for padded rows"
+        if why_not is not None:
+            log.info("decode steps: eager (%s)", why_not)
+            return None
+        mc = model.config
+        longest = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
+        max_blocks = min(-(-longest // config.block_size), kv_cache.num_blocks)
+        graphs = DecodeGraphs(model, kv_cache, attention, config.max_num_seqs, max_blocks)
+        try:
+            graphs.capture()
+        except Exception as e:  # served all the same, eagerly
+            log.warning("decode steps: eager (the CUDA graphs' capture failed: %s: %s)", type(e).__name__, e)
+            return None
+        return graphs
 
 
 def select_device(name: str) -> torch.device:

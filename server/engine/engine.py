@@ -163,8 +163,8 @@ class Engine:
         cache = self.runner.kv_cache
         windows = self.model_config.kv_group_windows
         return Scheduler(
-            self.config, cache.num_blocks, self.max_model_len, cache.num_state_slots, cache.num_snapshot_slots,
-            windows,
+            self.config, self.runner.num_blocks, self.max_model_len, cache.num_state_slots,
+            cache.num_snapshot_slots, windows,
         )  # fmt: skip
 
     def _drafter(self) -> Drafter | None:

@@ -48,6 +48,7 @@ class ModelRunner:
         attention,  # the attention backend (model/attention.py): builds each step's metadata
         backend,  # where the ops run (server/engine/backend.py): its device, dtype and sampler kernels
         batch_invariant: bool = False,  # whether a token's logits never depend on what shares its step
+        graphs=None,  # decode steps replayed from CUDA graphs (server/engine/decode_graphs.py), or None
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
         self.attention, self.backend = attention, backend
@@ -56,10 +57,18 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
         self.hybrid = bool(model_config.linear_layers)  # Gated DeltaNet layers: a state slot per sequence
+        self.graphs = graphs
+        self.decode_steps = 0  # steps of single-token chunks only, replayed from graphs or not
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        """The blocks requests may hold: the cache's, but for the one the graphs' padded rows write into."""
+        return self.kv_cache.num_blocks - (1 if self.graphs is not None else 0)
+
+    def graph_stats(self) -> tuple[int, int]:
+        """(decode steps replayed from CUDA graphs, decode steps run eagerly)."""
+        replayed = self.graphs.replayed if self.graphs is not None else 0
+        return replayed, self.decode_steps - replayed
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -69,11 +78,13 @@ class ModelRunner:
             starts.append(len(ids))
             ids.extend(c.request.token_slice(c.start, c.start + c.num_tokens - len(c.drafts)))
             ids.extend(c.drafts)
-        positions, meta = self.attention.build(
-            [c.num_tokens for c in out.chunks],
-            [c.start + c.num_tokens for c in out.chunks],
-            [c.request.block_tables for c in out.chunks],
-        )
+        seq_lens = [c.start + c.num_tokens for c in out.chunks]
+        tables = [c.request.block_tables for c in out.chunks]
+        decode = bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks)
+        self.decode_steps += decode
+        if decode and self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+            return self._outputs(out, starts, self.graphs.run(ids, seq_lens, tables), ModelOutput())
+        positions, meta = self.attention.build([c.num_tokens for c in out.chunks], seq_lens, tables)
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
                                      for c in out.chunks])  # fmt: skip
@@ -94,6 +105,12 @@ class ModelRunner:
             self._copy_states(
                 [(c.request.state_slot, c.snapshot_to) for c in out.chunks if c.snapshot_to is not None]
             )
+        return self._outputs(out, starts, hidden, result)
+
+    def _outputs(
+        self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: ModelOutput
+    ) -> ModelOutput:
+        """What the step gives from its hidden states [T, hidden]: prompt logprobs, pooling, the drawn tokens."""
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
                 result.prompt_logprobs[c.request.request_id] = self._prompt_logprobs(hidden, c, start)

@@ -42,7 +42,8 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     )
     attention = backend.attention(model_config, config.block_size, layout.num_blocks)
     backend.ready(model)
-    return ModelRunner(model, model_config, kv_cache, attention, backend, batch_invariant)
+    graphs = backend.decode_graphs(model, kv_cache, attention, config)
+    return ModelRunner(model, model_config, kv_cache, attention, backend, batch_invariant, graphs)
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:

@@ -1,0 +1,114 @@
+"""server/engine/decode_graphs.py. On the CPU its steps run eagerly on the graphs' own input tensors (capture=False):
+a step of n decodes padded to its bucket gives each sequence what the plain step gives, and the padded rows write
+only the block kept back for them. The graphs themselves are recorded and replayed in the `cuda` test."""
+
+import pytest
+import torch
+
+from model.kv_cache import KVCache
+from server.engine.config import EngineConfig
+from tests.helpers.tiny_models import CpuPath, tiny_family
+
+BLOCK, PER_SEQ = 4, 4  # tokens a block; blocks each sequence holds in each KV group
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # one KV group; windowed and full groups, soft-caps
+def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
+    tiny_model_factory, family, triton_here
+):
+    from model.attention_triton import TritonAttention
+    from server.engine.decode_graphs import DecodeGraphs
+
+    model, config = CpuPath(kernels=False).load(tiny_family(tiny_model_factory, family))
+    groups = len(config.kv_groups)
+    cache = KVCache(config, 3 * groups * PER_SEQ + 2, BLOCK, torch.float32, "cpu")
+    attention = TritonAttention(BLOCK, config.num_heads, config.num_kv_heads, "cpu")
+    graphs = DecodeGraphs(model, cache, attention, max_batch=3, max_blocks=PER_SEQ, capture=False)
+    assert graphs.buckets == [1, 2, 4] and graphs.scratch == cache.num_blocks - 1
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9, 13]  # the prompts; a decode step then grows each by one
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
+    tables = [
+        [[(i * groups + k) * PER_SEQ + j for j in range(PER_SEQ)] for k in range(groups)] for i in range(3)
+    ]
+    with torch.inference_mode():
+        for prompt, table in zip(prompts, tables, strict=True):
+            positions, meta = attention.build([len(prompt)], [len(prompt)], [table])
+            model(torch.tensor(prompt), positions, meta, cache)
+        before = cache.k.clone(), cache.v.clone()
+        ids, seq_lens = [7, 8, 9], [n + 1 for n in lens]
+        positions, meta = attention.build([1, 1, 1], seq_lens, tables)
+        plain = model(torch.tensor(ids), positions, meta, cache)
+        after_plain = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        padded = graphs.run(ids, seq_lens, tables)  # bucket 4: one padded row
+    assert padded.shape == plain.shape
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    slots = slice(0, graphs.scratch * BLOCK)  # every block but the kept-back one: the same K/V
+    for ours, theirs in zip((cache.k, cache.v), after_plain, strict=True):
+        torch.testing.assert_close(ours[:, :, slots], theirs[:, :, slots], rtol=1e-5, atol=1e-5)
+    assert cache.k[:, :, graphs.scratch * BLOCK].abs().sum() > 0  # the padded row's K went there
+    # a batch of two fills bucket 2 exactly; a sequence alone, bucket 1
+    with torch.inference_mode():
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        pair = graphs.run(ids[:2], seq_lens[:2], tables[:2])
+    torch.testing.assert_close(pair, plain[:2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_graphs_only_where_every_op_of_a_decode_step_can_be_recorded(tiny_model_factory, triton_here):
+    """The CPU backend records none; a GPU run asked for --enforce-eager neither (decided before any capture); and
+    the models whose steps read the host or carry other metadata run eagerly, saying why."""
+    from types import SimpleNamespace
+
+    from model.attention import TorchAttention
+    from model.attention_triton import TritonAttention
+    from model.config import ModelConfig
+    from server.engine.backend import CpuBackend, CudaBackend, select_backend
+    from server.engine.decode_graphs import why_not_graphed
+
+    llama = tiny_family(tiny_model_factory, "llama")
+    cpu = select_backend(EngineConfig(device="cpu"), llama)
+    assert isinstance(cpu, CpuBackend) and cpu.decode_graphs(None, None, None, EngineConfig()) is None
+    gpu = CudaBackend.create(EngineConfig(), llama, torch.device("cuda"))
+    assert gpu.decode_graphs(None, None, None, EngineConfig(enforce_eager=True)) is None
+    triton = TritonAttention(16, 4, 2, "cpu")
+    expected = {"llama": None, "gemma2": None, "qwen3moe": "MoE layers", "qwen3_5": "Gated DeltaNet layers",
+                "phi3": "LongRoPE"}  # fmt: skip
+    for family, why in expected.items():
+        model = SimpleNamespace(config=ModelConfig.from_dir(tiny_family(tiny_model_factory, family)))
+        reason = why_not_graphed(model, triton)
+        assert reason is None if why is None else reason.startswith(why), (family, reason)
+        assert why_not_graphed(model, TorchAttention(16, 2, 8)) == "attention is not the Triton kernel"
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_steps_tokens(tiny_model_factory, family):
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    path = str(tiny_family(tiny_model_factory, family))
+    results, stats = [], []
+    for eager in (False, True):
+        config = EngineConfig(device="cuda", dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=8,
+                              enforce_eager=eager)  # fmt: skip
+        engine = Engine(path, config)
+        g = torch.Generator().manual_seed(1)
+        for i in range(6):  # batches of 6 decodes: bucket 8, two padded rows
+            prompt = torch.randint(3, 300, (5 + 7 * i,), generator=g).tolist()
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        results.append(tokens)
+        stats.append(engine.runner.graph_stats())
+    assert results[0] == results[1]
+    assert stats[0][0] > 0 and stats[0][0] >= stats[0][1]  # most decode steps replayed
+    assert stats[1][0] == 0 and stats[1][1] > 0
