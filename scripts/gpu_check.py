@@ -391,11 +391,11 @@ def shape_run(device: str, plan: Plan, work: Path, name: str, shape: Shape, repo
 
 
 def graph_replay_share(engine) -> float | None:
-    """The share of decode steps replayed from CUDA graphs: None while the runner captures none."""
-    stats = getattr(engine.runner, "graph_stats", None)
-    if stats is None:
+    """The share of decode steps replayed from CUDA graphs: None where the runner recorded none (a CPU,
+    --enforce-eager, a model whose steps cannot be recorded, a failed capture: the start log says which)."""
+    if getattr(engine.runner, "graphs", None) is None:
         return None
-    replayed, eager = stats()
+    replayed, eager = engine.runner.graph_stats()
     return round(replayed / max(replayed + eager, 1), 3)
 
 

@@ -87,14 +87,15 @@ class DecodeGraphs:
         start = time.monotonic()
         self._fill([], [], [], self.buckets[-1])  # every row a dummy in the scratch block
         pool = None
-        for b in reversed(self.buckets):
-            self._forward(b)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
+        with torch.inference_mode():  # as the runner's steps run
+            for b in reversed(self.buckets):
+                self._forward(b)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = self._forward(b)
+                pool = graph.pool()
+                self.graphs[b] = graph
         torch.cuda.synchronize()
         log.info(
             "decode steps: CUDA graphs for batches of %s (%.1f s)", self.buckets, time.monotonic() - start
