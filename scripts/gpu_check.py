@@ -18,8 +18,14 @@ Sections, in order:
   prompt against its compute floor, the share of decode steps replayed from CUDA graphs.
 - http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
 
-Predicted on the H200 before any run (../shared/GPU.md, a reading of the code): decode launch-bound, 4-8 ms a
-step, ~150-250 tok/s at batch 1, against a floor of ~0.06 ms (default shape) and ~0.58 ms (1B)."""
+Predicted on the H200 before any run (../shared/GPU.md, a reading of the code at fc4b6d2): decode launch-bound,
+4-8 ms a step, ~150-250 tok/s at batch 1, against a floor of ~0.06 ms (default shape) and ~0.58 ms (1B).
+Predicted again at dae6eaa (Triton attention reading the cache in place, decode steps replayed from CUDA graphs,
+no host wait inside a step): ~12 kernels a layer, each a few microseconds even when replayed, so the default
+shape's step ~1-1.5 ms (30 layers; still 15-25x its floor: tiny GEMVs cannot fill the GPU) and the 1B shape's
+~0.9-1.2 ms (16 layers; its GEMVs near the bandwidth: 1.5-2x the floor, the 1.6x target at its edge); batch 256
+far past transformers' generate (whose cache is copied and whose steps are eager); a replay share near 1 for the
+pure-decode stretches of the batch runs."""
 
 import argparse
 import json

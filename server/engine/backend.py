@@ -108,9 +108,8 @@ class CpuBackend:
         ops = Ops.with_kernels(linear, cpu_kernels)
         return cls(tier, cpu_kernels, dtype, weights, ops, pad, onednn, activations_log)
 
-    def loaded(self, model: torch.nn.Module) -> bool:
-        """Logs what the loaded model's GEMMs run as; whether every step op is batch-invariant: the GEMMs padded
-        or all quantized (the kernel is invariant as it is), attention by the kernel or padded."""
+    def log_gemms(self, model: torch.nn.Module) -> None:
+        """What the loaded model's GEMMs run as, for the start log."""
         log.info(
             "GEMMs: %s%s%s%s; attention and RMSNorm: %s",
             self.activations_log,
@@ -119,6 +118,10 @@ class CpuBackend:
             ", small batches padded for batch invariance" if self.pad_gemms else "",
             "kvserve's C++ CPU kernels" if self.kernels else "PyTorch ops",
         )
+
+    def batch_invariant(self, model: torch.nn.Module) -> bool:
+        """Whether every step op of the loaded model is batch-invariant: the GEMMs padded or all quantized (the
+        kernel is invariant as it is), attention by the kernel or padded."""
         gemms_invariant = self.pad_gemms or all(
             getattr(m, "bits", None) for m in model.modules() if isinstance(m, Linear)
         )
@@ -189,9 +192,11 @@ class CudaBackend:
         select_quantization(config.quantization, model, "the quantized GEMMs are CPU kernels")
         return cls(device, dtype, Ops(PlainLinear()))
 
-    def loaded(self, model: torch.nn.Module) -> bool:
+    def log_gemms(self, model: torch.nn.Module) -> None:
         log.info("GEMMs: F.linear; attention and RMSNorm: PyTorch ops")
-        return False
+
+    def batch_invariant(self, model: torch.nn.Module) -> bool:
+        return False  # cuBLAS picks kernels by shape; kvserve does not pin them
 
     def kv_cache_dtype(self, name: str) -> torch.dtype:
         return select_kv_cache_dtype(name, self.dtype, None)

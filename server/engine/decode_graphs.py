@@ -49,9 +49,11 @@ class DecodeGraphs:
         blocks. capture=False runs each step's forward eagerly on those same tensors (a CPU has no graphs: the
         tests check the buffers and padding that way)."""
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [
-            next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
-        ]
+        # past the largest bucket (--max-num-seqs above 256), decode steps run eagerly
+        self.buckets = sorted(
+            {b for b in BUCKETS if b < max_batch}
+            | {min(b for b in BUCKETS if b >= min(max_batch, BUCKETS[-1]))}
+        )
         self.scratch = kv_cache.num_blocks - 1  # padded rows' K/V go here: the scheduler never hands it out
         self.capture_graphs = capture
         device, B, groups = kv_cache.k.device, self.buckets[-1], max(1, len(model.config.kv_groups))

@@ -28,7 +28,7 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
         backend.kv_cache_dtype("float32")
     assert backend.kv_cache_budget(EngineConfig(kv_cache_memory=96 << 20)) == 96 << 20
     # its steps are not batch-invariant, so `auto` speculation drafts nothing (drafts could change the output)
-    assert backend.loaded(torch.nn.Linear(2, 2)) is False
+    assert backend.batch_invariant(torch.nn.Linear(2, 2)) is False
     assert max_step_drafts(EngineConfig(), False) == 0
     assert CudaBackend.create(EngineConfig(dtype="float16"), tiny_llama_dir, torch.device("cuda")).dtype == (
         torch.float16

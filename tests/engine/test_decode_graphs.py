@@ -26,6 +26,14 @@ def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
     attention = TritonAttention(BLOCK, config.num_heads, config.num_kv_heads, "cpu")
     graphs = DecodeGraphs(model, cache, attention, max_batch=3, max_blocks=PER_SEQ, capture=False)
     assert graphs.buckets == [1, 2, 4] and graphs.scratch == cache.num_blocks - 1
+    many = DecodeGraphs(model, cache, attention, max_batch=512, max_blocks=PER_SEQ, capture=False)
+    assert (
+        many.buckets[-1] == 256 and len(set(many.buckets)) == len(many.buckets) and many.bucket(257) is None
+    )
+    assert DecodeGraphs(model, cache, attention, max_batch=20, max_blocks=1, capture=False).buckets[-2:] == [
+        16,
+        24,
+    ]
     g = torch.Generator().manual_seed(0)
     lens = [5, 9, 13]  # the prompts; a decode step then grows each by one
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
