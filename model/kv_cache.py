@@ -6,6 +6,7 @@ import torch
 
 from model.config import ModelConfig
 from model.deltanet import state_width
+from model.device import to_device
 
 
 class KVCache:
@@ -70,7 +71,7 @@ class KVCache:
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """State slot src[i] -> dst[i] in every DeltaNet layer: a snapshot taken, or one restored."""
         if src:
-            src_index, dst_index = (torch.tensor(x, device=self.conv.device) for x in (src, dst))
+            src_index, dst_index = (to_device(torch.tensor(x), self.conv.device) for x in (src, dst))
             self.conv[:, dst_index] = self.conv[:, src_index]
             self.recurrent[:, dst_index] = self.recurrent[:, src_index]
 
