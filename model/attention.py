@@ -77,6 +77,37 @@ def flat_slots(
     return slots
 
 
+def kernel_tables(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What a kernel that reads the cache in place takes (the C++ CPU kernel's, the Triton one's), on the host:
+    flat positions [T], each sequence's [first flat token, query length, sequence length] as [S, 3] int32, and per
+    KV group the new tokens' slots [T] and the block tables [S, N] int32, padded with block 0. A negative entry (no
+    block: a sliding-window layer's behind its window, which the kernels start after) reads as block 0 too."""
+    positions, starts = flat_positions(query_lens, seq_lens)
+    n_blocks = [-(-s // block_size) for s in seq_lens]
+    width = max(n_blocks)
+    seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
+    groups = []
+    for g in range(len(block_tables[0])):
+        tables = [t[g] for t in block_tables]
+        slots = flat_slots(query_lens, seq_lens, tables, block_size)
+        # one tensor from lists (per-row copies cost more)
+        rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, tables, strict=True)]
+        groups.append((torch.tensor(slots), torch.tensor(rows, dtype=torch.int32).clamp_(min=0)))
+    return torch.tensor(positions), seqs, groups
+
+
+def rotate_and_store(q, k, v, k_cache, v_cache, slot_mapping, rope):
+    """q and k rotated by their positions (rope = (cos, sin), or None), the new k and v written into the cache
+    by slot (in the cache's dtype, which may differ from the step's: bfloat16 under float32, cpu_tier.py)."""
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    return q, k
+
+
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions start..end-1 of a sequence (slot = block * block_size + offset)."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -105,11 +136,7 @@ class TorchAttentionMetadata:
     def attend(
         self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # the cache may hold another dtype than the step computes in (bfloat16 under float32: cpu_tier.py)
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        q, k = rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping, rope)
         KVH, _, D = k_cache.shape
         fn = attend_sdpa if self.sdpa else attend
         out = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import flat_positions, flat_slots
+from model.attention import kernel_tables
 
 # The kernel's unit of work: one KV head of this many queries of one sequence (fewer where a step has few units).
 KERNEL_CHUNK = 16
@@ -48,18 +48,8 @@ class CpuKernelAttention:
     ) -> tuple[torch.Tensor, list[CpuKernelMetadata]]:
         """Flat positions [T] and the step's metadata, one per KV group (see TorchAttention.build); all on the
         CPU, no device copies."""
-        positions, starts = flat_positions(query_lens, seq_lens)
-        n_blocks = [-(-s // self.block_size) for s in seq_lens]
-        width = max(n_blocks)
-        seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
-        metas = []
-        for g in range(len(block_tables[0])):
-            tables = [t[g] for t in block_tables]
-            slots = flat_slots(query_lens, seq_lens, tables, self.block_size)
-            rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, tables, strict=True)]
-            # one tensor from lists (per-row copies cost more); a negative entry (no block: a sliding-window
-            # layer's behind its window, which the kernel starts after) reads as block 0
-            rows_tensor = torch.tensor(rows, dtype=torch.int32).clamp_(min=0)
-            meta = CpuKernelMetadata(torch.tensor(slots), rows_tensor, seqs, self.block_size, self.kernel)
-            metas.append(meta)
-        return torch.tensor(positions), metas
+        positions, seqs, groups = kernel_tables(query_lens, seq_lens, block_tables, self.block_size)
+        metas = [
+            CpuKernelMetadata(slots, tables, seqs, self.block_size, self.kernel) for slots, tables in groups
+        ]
+        return positions, metas

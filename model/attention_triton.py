@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.attention import TorchAttention, apply_rope, flat_positions, flat_slots, paged_attention
+from model.attention import TorchAttention, kernel_tables, paged_attention, rotate_and_store
 from model.device import to_device
 
 # keys a program reads per iteration (any number of cache blocks: a key's block comes from its position)
@@ -129,10 +129,7 @@ class TritonAttentionMetadata:
     def attend(
         self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        q, k = rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping, rope)
         q = q.contiguous()
         T, H, D = q.shape
         KVH = k_cache.shape[0]
@@ -170,32 +167,23 @@ class TritonAttention:
     ) -> tuple[torch.Tensor, list[TritonAttentionMetadata]]:
         """Flat positions [T] and the step's metadata, one per KV group (see TorchAttention.build), on the
         device."""
-        positions, starts = flat_positions(query_lens, seq_lens)
-        n_blocks = [-(-s // self.block_size) for s in seq_lens]
-        width = max(n_blocks)
-        seqs = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32).T.contiguous()
+        positions, seqs, groups = kernel_tables(query_lens, seq_lens, block_tables, self.block_size)
         tiles = torch.tensor(
             [(s, q0) for s, n in enumerate(query_lens) for q0 in range(0, n, self.block_m)], dtype=torch.int32
         )
         seqs, tiles = to_device(seqs, self.device), to_device(tiles, self.device)
-        metas = []
-        for g in range(len(block_tables[0])):
-            tables = [t[g] for t in block_tables]
-            slots = flat_slots(query_lens, seq_lens, tables, self.block_size)
-            rows = [table[:n] + [0] * (width - n) for n, table in zip(n_blocks, tables, strict=True)]
-            # a negative entry (a sliding-window layer's block behind its window) reads as block 0, masked
-            rows_tensor = torch.tensor(rows, dtype=torch.int32).clamp_(min=0)
-            metas.append(
-                TritonAttentionMetadata(
-                    to_device(torch.tensor(slots), self.device),
-                    to_device(rows_tensor, self.device),
-                    seqs,
-                    tiles,
-                    self.block_size,
-                    self.block_m,
-                )
-            )
-        return to_device(torch.tensor(positions), self.device), metas
+        metas = [
+            TritonAttentionMetadata(
+                to_device(slots, self.device),
+                to_device(tables, self.device),
+                seqs,
+                tiles,
+                self.block_size,
+                self.block_m,
+            )  # fmt: skip
+            for slots, tables in groups
+        ]
+        return to_device(positions, self.device), metas
 
 
 def error_against_pytorch(
