@@ -96,7 +96,13 @@ MODEL_FLAGS = (
     Flag("--max-num-batched-tokens", ENGINE.max_num_batched_tokens, int, env=True),
     Flag("--kv-cache-memory", help="KV cache size, e.g. 2GiB", env=True),
     Flag("--gpu-memory-utilization", ENGINE.gpu_memory_utilization, float, env=True),
-    Flag("--enforce-eager", ENGINE.enforce_eager, switch=True, env=True),
+    Flag(
+        "--enforce-eager",
+        ENGINE.enforce_eager,
+        switch=True,
+        env=True,
+        help="on a GPU: run decode steps op by op, without CUDA graphs",
+    ),
     Flag("--block-size", ENGINE.block_size, int, env=True),
     Flag("--enable-prefix-caching", ENGINE.enable_prefix_caching, switch=True, env=True),
     Flag(
