@@ -175,9 +175,9 @@ class CpuBackend:
 
 @dataclass
 class CudaBackend:
-    """A CUDA GPU: PyTorch ops, the weights dense in the model's dtype (bfloat16 by default), attention by
-    torch's fused SDPA over K/V gathered by block table. Its steps are not batch-invariant (kvserve does not make
-    GPU kernels so), so drafting stays off under `auto`."""
+    """A CUDA GPU: PyTorch ops, the weights dense in the model's dtype (bfloat16 by default), attention by the
+    Triton kernel (torch's fused SDPA where it cannot run), decode steps replayed from CUDA graphs. Its steps are
+    not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off under `auto`."""
 
     device: torch.device
     dtype: torch.dtype

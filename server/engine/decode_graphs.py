@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from model.attention import kernel_tables
 from model.attention_triton import TritonAttention, TritonAttentionMetadata
 from model.device import to_device
 from model.kv_cache import KVCache
@@ -116,28 +117,19 @@ class DecodeGraphs:
         return self.outputs[b][:n]
 
     def _fill(self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], b: int) -> None:
-        """The inputs of a step of len(ids) decodes, padded to b rows, copied into the graphs' tensors. A table's
-        columns past the step's longest sequence are left as they were: the kernel reads none of them."""
-        n, pad, bs = len(ids), b - len(ids), self.kv_cache.block_size
-        dummy = self.scratch * bs
-        width = max([-(-s // bs) for s in seq_lens] + [1])
-        host_ids = torch.tensor(list(ids) + [0] * pad, dtype=torch.long)
-        host_positions = torch.tensor([s - 1 for s in seq_lens] + [0] * pad, dtype=torch.long)
-        host_seqs = torch.tensor([[i, 1, s] for i, s in enumerate(seq_lens)] + [[i, 1, 1] for i in range(n, b)],
-                                 dtype=torch.int32)  # fmt: skip
-        slots, tables = [], []
-        for g in range(self.slots.shape[0]):
-            rows = [t[g] for t in block_tables]
-            slots.append([r[(s - 1) // bs] * bs + (s - 1) % bs for r, s in zip(rows, seq_lens, strict=True)])
-            slots[-1] += [dummy] * pad
-            # a negative entry (a sliding-window block behind its window) reads as block 0, which it masks
-            tables.append(
-                [r[:width] + [0] * (width - len(r[:width])) for r in rows] + [[self.scratch] * width] * pad
-            )
-        device = self.ids.device
-        self.ids[:b].copy_(to_device(host_ids, device), non_blocking=True)
-        self.positions[:b].copy_(to_device(host_positions, device), non_blocking=True)
-        self.seqs[:b].copy_(to_device(host_seqs, device), non_blocking=True)
-        self.slots[:, :b].copy_(to_device(torch.tensor(slots, dtype=torch.long), device), non_blocking=True)
-        host_tables = torch.tensor(tables, dtype=torch.int32).clamp_(min=0)
-        self.tables[:, :b, :width].copy_(to_device(host_tables, device), non_blocking=True)
+        """The inputs of a step of len(ids) decodes, padded to b rows, copied into the graphs' tensors: each padded
+        row a sequence of one token in the kept-back block. A table's columns past the step's longest sequence are
+        left as they were: the kernel reads none of them."""
+        pad = b - len(ids)
+        padded_tables = block_tables + [[[self.scratch]] * self.slots.shape[0]] * pad
+        positions, seqs, groups = kernel_tables(
+            [1] * b, seq_lens + [1] * pad, padded_tables, self.attention.block_size
+        )
+        slots = torch.stack([s for s, _ in groups])  # [groups, b]
+        tables = torch.stack([t for _, t in groups])  # [groups, b, width]
+        device, width = self.ids.device, tables.shape[-1]
+        self.ids[:b].copy_(to_device(torch.tensor(ids + [0] * pad), device), non_blocking=True)
+        self.positions[:b].copy_(to_device(positions, device), non_blocking=True)
+        self.seqs[:b].copy_(to_device(seqs, device), non_blocking=True)
+        self.slots[:, :b].copy_(to_device(slots, device), non_blocking=True)
+        self.tables[:, :b, :width].copy_(to_device(tables, device), non_blocking=True)
