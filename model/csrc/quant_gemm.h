@@ -125,7 +125,7 @@ struct Packed {
   ScaleForm scale_form() const { return sub_high ? SIX_BIT_SUBS : sub ? INT8_SUBS : HALF_SCALES; }
 
   // d and m (0 without a minimum) of lanes h VL .. h VL + VL - 1 of tile t's group g, float32 (exact)
-  void group_scales(int64_t t, int64_t g, int h, vfloat& d, vfloat& m) const {
+  [[gnu::always_inline]] void group_scales(int64_t t, int64_t g, int h, vfloat& d, vfloat& m) const {
     const int64_t i = (t * groups() + g) * TILE + h * VL;
     if (!sub) {
       d = load_halves(scale + i);
@@ -152,34 +152,36 @@ struct Packed {
   }
 };
 
-// The super-block forms' d and m (0 without a minimum) of a tile's groups, all 16 lanes in one vector (the
-// AVX-512 kernels'), for a kernel that walks a tile's groups in order: a super-block's scales (and high bits)
-// are read once, at its first group
+// The super-block forms' d and m (0 without a minimum) of lanes h VL .. h VL + VL - 1 of a tile's groups, for a
+// kernel that walks a tile's groups in order: a super-block's scales (and high bits) are read once, at its first
+// group, for each of the tile's NV vectors (Packed::group_scales' values, the same bits). With AVX2 (two vectors a
+// tile) the one-row kernels read them through Packed::group_scales for every group, a call GCC kept out of line:
+// ~40% of a one-row Q4_K GEMM's time (perf, Xeon forced to AVX2, [2048, 2048] in L2)
 template <int FORM, bool MIN, int G>
 struct SuperScales {
-  vfloat super_d{}, super_m{};
-  vint high{};  // SIX_BIT_SUBS
+  vfloat super_d[NV]{}, super_m[NV]{};
+  vint high[NV]{};  // SIX_BIT_SUBS
 
-  void group(const Packed& w, int64_t t, int64_t g, vfloat& d, vfloat& m) {
-    static_assert(FORM != HALF_SCALES && VL == TILE, "a super-block form, a tile in one vector");
+  void group(const Packed& w, int64_t t, int64_t g, int h, vfloat& d, vfloat& m) {
+    static_assert(FORM != HALF_SCALES, "a super-block form");
     if (g % (SUPER / G) == 0) {
-      const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE;
-      super_d = load_halves(w.super_d + at);
-      if constexpr (MIN && G != Q6_K_GROUP) super_m = load_halves(w.super_m + at);
-      if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high, w.sub_high + at, sizeof(high));
+      const int64_t at = (t * w.supers() + g / (SUPER / G)) * TILE + h * VL;
+      super_d[h] = load_halves(w.super_d + at);
+      if constexpr (MIN && G != Q6_K_GROUP) super_m[h] = load_halves(w.super_m + at);
+      if constexpr (FORM == SIX_BIT_SUBS) __builtin_memcpy(&high[h], w.sub_high + at, sizeof(high[h]));
     }
-    const int64_t at = (t * w.groups() + g) * TILE;
+    const int64_t at = (t * w.groups() + g) * TILE + h * VL;
     if constexpr (FORM == SIX_BIT_SUBS) {
       vint sc, sm;
-      six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high >> (2 * (g % (SUPER / G))), sc, sm);
-      d = __builtin_convertvector(sc, vfloat) * super_d;
-      m = __builtin_convertvector(sm, vfloat) * super_m;
+      six_bit_subs(load_ubytes(reinterpret_cast<const uint8_t*>(w.sub) + at), high[h] >> (2 * (g % (SUPER / G))), sc, sm);
+      d = __builtin_convertvector(sc, vfloat) * super_d[h];
+      m = __builtin_convertvector(sm, vfloat) * super_m[h];
     } else if constexpr (G == Q6_K_GROUP) {
-      d = load_bytes(w.sub + at) * super_d;
+      d = load_bytes(w.sub + at) * super_d[h];
       m = -32.0f * d;
     } else {
-      d = load_bytes(w.sub + at) * super_d;
-      m = MIN ? load_bytes(w.sub_min + at) * super_m : vfloat{};
+      d = load_bytes(w.sub + at) * super_d[h];
+      m = MIN ? load_bytes(w.sub_min + at) * super_m[h] : vfloat{};
     }
   }
 };

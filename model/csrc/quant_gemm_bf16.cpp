@@ -109,7 +109,7 @@ struct Bf16Kernel {
         }
         if constexpr (FORM != HALF_SCALES) {
           vfloat m;
-          supers.group(w, t, g, d, m);
+          supers.group(w, t, g, 0, d, m);
           offset = MIN ? m - 128.0f * d : vfloat{};
         } else {
           group_scales<MIN>(w, t, g, d, offset);

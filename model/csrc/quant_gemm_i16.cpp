@@ -417,7 +417,7 @@ struct I16Kernel {
       }
       vfloat d, m;
       if constexpr (FORM != HALF_SCALES)
-        supers.group(w, t, g, d, m);
+        supers.group(w, t, g, 0, d, m);
       else
         w.group_scales(t, g, 0, d, m);
       // y += d (s sum) (+ m s sum_k xq_k), as rows<R, false>

@@ -247,8 +247,8 @@ struct I8Kernel {
 
   void scales(int64_t t, int64_t g, int h, [[maybe_unused]] SuperScales<FORM, MIN, G>& supers, vfloat& d,
               vfloat& m) const {
-    if constexpr (FORM != HALF_SCALES && NV == 1)
-      supers.group(w, t, g, d, m);  // a super-block's scales read once for its groups
+    if constexpr (FORM != HALF_SCALES)
+      supers.group(w, t, g, h, d, m);  // a super-block's scales read once for its groups
     else
       w.group_scales(t, g, h, d, m);
     offset_of(d, m);
