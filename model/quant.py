@@ -88,7 +88,7 @@ class QuantizedTensor:
         d, m = self.scales()
         q = self.q
         if self.level_table:  # q indexes the levels
-            q = torch.tensor(self.level_table, dtype=torch.int8)[q.long()]
+            q = torch.tensor(self.level_table, dtype=torch.int8, device=q.device)[q.long()]
         w = q.view(N, K // self.group, self.group).float() * d[..., None]
         if m is not None:
             w = w + m[..., None]

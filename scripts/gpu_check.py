@@ -114,6 +114,13 @@ def main() -> int:
             (f"shape:{name}", lambda s=shape, n=name: shape_run(device, plan, work, n, s, report))
             for name, shape in plan.shapes.items()
         ),  # fmt: skip
+        *(  # the largest shape's weights quantized at load to 4 bits, on the quantized GEMM (Triton on a GPU)
+            (
+                f"shape:{name}-int4",
+                lambda s=shape, n=name: shape_run(device, plan, work, n, s, report, "int4"),
+            )
+            for name, shape in list(plan.shapes.items())[-1:]
+        ),  # fmt: skip
         ("http", lambda: http(device, plan, work)),
     ]
     wanted = None if args.sections == "all" else args.sections.split(",")
@@ -346,16 +353,23 @@ def build_shape(shape: Shape, path: Path, device: str) -> Path:
     return path
 
 
-def shape_run(device: str, plan: Plan, work: Path, name: str, shape: Shape, report: Report) -> dict:
+def shape_run(
+    device: str, plan: Plan, work: Path, name: str, shape: Shape, report: Report, quantization: str = "auto"
+) -> dict:
+    """The shape's figures; with `quantization` int4 (or int8) its weights quantized at load, and transformers'
+    generate not run again (the dense run's is the baseline)."""
     from server.bench.offline import active_weight_bytes, bench_model, random_prompts, run_requests
 
-    path = build_shape(shape, work / name, device)
+    path = work / name
+    if not (path / "config.json").is_file():
+        build_shape(shape, path, device)
     engine = engine_for(path, device, "bfloat16", max_num_seqs=max(plan.batches), kv_cache_memory=plan.kv_cache_memory,
-                        max_num_batched_tokens=max(plan.ttft_prompt_len, 512))  # fmt: skip
+                        max_num_batched_tokens=max(plan.ttft_prompt_len, 512), quantization=quantization)  # fmt: skip
     model = engine.runner.model
     params = sum(p.numel() for p in model.parameters())
     result = {"params": params, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-              "attention": type(engine.runner.attention).__name__}  # fmt: skip
+              "attention": type(engine.runner.attention).__name__, "weights": engine.runner.backend.weights.value,
+              "gemm": type(model.lm_head.method).__name__}  # fmt: skip
 
     # batch 1: the step, against the bytes it must read
     single = bench_model(engine, plan.input_len, plan.output_len, runs=3)
@@ -386,9 +400,12 @@ def shape_run(device: str, plan: Plan, work: Path, name: str, shape: Shape, repo
         engine.reset(max_num_seqs=batch)
         run = run_requests(engine, prompts, plan.output_len, f"b{batch}")
         throughput[batch] = round(run["output_tokens"] / run["wall_s"], 1)
-        baseline[batch] = transformers_generate(path, device, prompts, plan.output_len)
-    result.update(output_tokens_per_s=throughput, transformers_tokens_per_s=baseline,
-                  speedup_over_transformers={b: round(throughput[b] / baseline[b], 2) for b in plan.batches})  # fmt: skip
+        if quantization == "auto":
+            baseline[batch] = transformers_generate(path, device, prompts, plan.output_len)
+    result["output_tokens_per_s"] = throughput
+    if baseline:
+        result.update(transformers_tokens_per_s=baseline,
+                      speedup_over_transformers={b: round(throughput[b] / baseline[b], 2) for b in plan.batches})  # fmt: skip
     result["graph_replay_share"] = graph_replay_share(engine)
     del engine, model
     _transformers_models.clear()

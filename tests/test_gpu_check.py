@@ -21,7 +21,9 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     lines = (tmp_path / "gpu_check.jsonl").read_text().splitlines()
     sections = {r["section"]: r for r in map(json.loads, lines)}
     assert run.returncode == 0, (run.stdout[-6000:], run.stderr[-3000:])
-    assert list(sections) == ["environment", "copy_bandwidth", "cuda_tests", "parity", "shape:tiny", "http"]
+    assert list(sections) == [
+        "environment", "copy_bandwidth", "cuda_tests", "parity", "shape:tiny", "shape:tiny-int4", "http"
+    ]  # fmt: skip
 
     assert sections["environment"]["device"] == "cpu" and sections["copy_bandwidth"]["gb_per_s"] > 0
     # on a CPU the cuda tests are collected and skip (a GPU run fails on any skip)
@@ -39,6 +41,15 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     for figures in ("output_tokens_per_s", "transformers_tokens_per_s", "speedup_over_transformers"):
         assert set(shape[figures]) == {"1", "4"} and all(v > 0 for v in shape[figures].values())
     assert shape["graph_replay_share"] is None  # no CUDA graphs on a CPU
+    assert shape["weights"] == "dense" and shape["gemm"] in ("OneDnnLinear", "PlainLinear")
+    # the same shape's weights quantized at load (on a CPU the C++ kernel's; on a GPU the Triton GEMM's): fewer
+    # bytes a step, no second transformers baseline
+    quantized = sections["shape:tiny-int4"]
+    assert quantized["weights"] == "int4" and quantized["gemm"] == "QuantizedLinear"
+    assert quantized["bytes_read_per_step"] < shape["bytes_read_per_step"]
+    assert (
+        set(quantized["output_tokens_per_s"]) == {"1", "4"} and "transformers_tokens_per_s" not in quantized
+    )
 
     for concurrency in ("c1", "c4"):
         bench = sections["http"][concurrency]

@@ -175,25 +175,36 @@ class CpuBackend:
 
 @dataclass
 class CudaBackend:
-    """A CUDA GPU: PyTorch ops, the weights dense in the model's dtype (bfloat16 by default), attention by the
-    Triton kernel (torch's fused SDPA where it cannot run), decode steps replayed from CUDA graphs. Its steps are
-    not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off under `auto`."""
+    """A CUDA GPU: PyTorch ops; the weights dense in the model's dtype (bfloat16 by default), or, a quantized
+    checkpoint's (GGUF), kept quantized and multiplied by kvserve's Triton GEMM (model/linear_triton.py);
+    attention by the Triton kernel (torch's fused SDPA where it cannot run); decode steps replayed from CUDA
+    graphs. Its steps are not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off
+    under `auto`."""
 
     device: torch.device
     dtype: torch.dtype
     ops: Ops
-    weights = WeightFormat.DENSE
+    weights: WeightFormat = WeightFormat.DENSE
     sampler = TORCH_SAMPLER
 
     @classmethod
     def create(cls, config: EngineConfig, model, device: torch.device) -> "CudaBackend":
-        """Decides without touching the device: the dtype, and that a quantized checkpoint runs dequantized."""
+        """Decides without touching the device: the dtype, and how the weights run (a quantized checkpoint kept
+        quantized where Triton is here; --quantization int8 / int4 quantize dense ones at load alike)."""
         dtype = select_dtype(config.dtype, None)
-        select_quantization(config.quantization, model, "the quantized GEMMs are CPU kernels")
-        return cls(device, dtype, Ops(PlainLinear()))
+        weights = select_quantization(config.quantization, model, triton_missing())
+        linear = PlainLinear()
+        if weights is not WeightFormat.DENSE:
+            from model.linear_triton import TritonQuantLinear
+
+            linear = TritonQuantLinear(device, dtype, linear, weights.quantize_to)
+        return cls(device, dtype, Ops(linear), weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:
-        log.info("GEMMs: F.linear; attention and RMSNorm: PyTorch ops")
+        quantized = (
+            describe_weights(model, "kvserve's Triton GEMM") if self.weights is not WeightFormat.DENSE else ""
+        )
+        log.info("GEMMs: %sF.linear; norms and activations: PyTorch ops", quantized)
 
     def batch_invariant(self, model: torch.nn.Module) -> bool:
         return False  # cuBLAS picks kernels by shape; kvserve does not pin them
@@ -357,6 +368,15 @@ def select_quantization(mode: str, model, why_not: str | None) -> WeightFormat:
     return WeightFormat(mode)
 
 
+def triton_missing() -> str | None:
+    """Why the GPU cannot keep quantized weights so (None: it can): its GEMM is a Triton kernel."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton (the GPU's quantized GEMM) is not installed"
+    return None
+
+
 def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
     """Whether the quantized GEMMs round their activations to int8 per group of 32, as llama.cpp does on the same
     files: `auto` where the tier's kernels round this dtype's (kernels.gemm_int8: AVX512-VNNI with BF16 bfloat16
@@ -376,7 +396,7 @@ def select_gemm_activations(mode: str, cpu_kernels, dtype: torch.dtype) -> bool:
     return can
 
 
-def describe_weights(model) -> str:
+def describe_weights(model, kernel: str = "kvserve's quantized kernel") -> str:
     """e.g. 'Q4_K x 150, Q4_K+Q6_K x 14, Q6_K x 1 (kvserve's quantized kernel); dense ': what the quantized path
     holds, by the file's types (int4 / int8: quantized at load)."""
     counts: dict[str, int] = {}
@@ -384,9 +404,7 @@ def describe_weights(model) -> str:
         if isinstance(m, Linear):
             kind = "+".join(m.kinds) if m.bits else "dense"
             counts[kind] = counts.get(kind, 0) + 1
-    return (
-        ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())) + " (kvserve's quantized kernel); dense "
-    )
+    return ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())) + f" ({kernel}); dense "
 
 
 def bound_onednn_caches(capacity: int = 256) -> None:

@@ -80,23 +80,73 @@ def test_quantization_that_cannot_run_is_refused_by_name(tmp_path, byte_vocab):
 
 
 @pytest.mark.timeout(60)
-def test_on_a_gpu_quantized_weights_are_dequantized_and_logged(tmp_path, byte_vocab, caplog):
-    """The quantized GEMMs are CPU kernels: on CUDA the same GGUF is served dense (bfloat16 at load), with a
-    warning that says why; asking for a quantized format there is refused by name. Decided before any tensor
-    reaches the device, so it is checked here without one."""
+def test_on_a_gpu_quantized_weights_stay_quantized_where_triton_is_here(
+    tmp_path, byte_vocab, monkeypatch, caplog
+):
+    """On CUDA a GGUF's weights stay quantized, on the Triton GEMM (model/linear_triton.py); without Triton the
+    same file is served dense (bfloat16 at load) with a warning that says why, and asking for a quantized format
+    is refused by name. Decided before any tensor reaches the device, so it is checked here without one."""
+    import server.engine.backend
+    from model.linear import PlainLinear
+    from model.linear_triton import TritonQuantLinear
     from server.engine.backend import CudaBackend, WeightFormat, select_quantization
 
     write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     source = GGUFSource(tmp_path / "tiny.gguf")
     cuda = torch.device("cuda")
+    backend = CudaBackend.create(EngineConfig(), source, cuda)
+    assert backend.weights is WeightFormat.STORED and backend.dtype == torch.bfloat16
+    linear = backend.ops.linear
+    assert isinstance(linear, TritonQuantLinear) and linear.bits is None and linear.dtype == torch.bfloat16
+    assert type(linear.dense) is PlainLinear and linear.device == cuda
+    # --quantization int8 quantizes the weights no file keeps quantized at load, onto the same kernel
+    int8 = CudaBackend.create(EngineConfig(quantization="int8"), source, cuda)
+    assert int8.weights is WeightFormat.INT8 and int8.ops.linear.bits == 8
+    monkeypatch.setattr(server.engine.backend, "triton_missing", lambda: "Triton is not installed")
     with caplog.at_level("WARNING"):
-        backend = CudaBackend.create(EngineConfig(), source, cuda)
-    assert backend.weights == WeightFormat.DENSE and backend.dtype == torch.bfloat16
-    assert not backend.ops.linear.keeps_quantized  # the loader dequantizes what it does not keep
-    assert "dequantized: the quantized GEMMs are CPU kernels" in caplog.text
-    with pytest.raises(ValueError, match="--quantization int4: the quantized GEMMs are CPU kernels"):
+        dense = CudaBackend.create(EngineConfig(), source, cuda)
+    assert dense.weights is WeightFormat.DENSE and not dense.ops.linear.keeps_quantized
+    assert (
+        "dequantized: Triton is not installed" in caplog.text
+    )  # the loader dequantizes what it does not keep
+    with pytest.raises(ValueError, match="--quantization int4: Triton is not installed"):
         CudaBackend.create(EngineConfig(quantization="int4"), source, cuda)
     # where the quantized GEMMs run (why_not None): the file's own types, or dense weights quantized at load
     assert select_quantization("auto", source, None) == WeightFormat.STORED
     assert select_quantization("int4", source, None).quantize_to == 4
     assert select_quantization("none", source, None) == WeightFormat.DENSE
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_a_quantized_gguf_on_the_gpus_path_computes_what_its_dequantized_weights_do(
+    tmp_path, byte_vocab, type_name, triton_here
+):
+    """What a GPU runs for a GGUF (server/engine/backend.py's CudaBackend): its weights kept quantized and
+    multiplied by the Triton GEMM (model/linear_triton.py), attention by the Triton kernel, here on the CPU in
+    float32 under Triton's interpreter: the logits of the same file dequantized, on PyTorch's own ops."""
+    from model.kv_cache import KVCache
+    from model.linear import Linear, PlainLinear
+    from model.linear_triton import TritonQuantLinear
+    from tests.helpers.tiny_models import CpuPath, cache_blocks
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType[type_name], tied=True)
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    gpu_path, plain_path = CpuPath(kernels=False, gpu_attention="triton"), CpuPath(kernels=False)
+    model, config = gpu_path.load(
+        source, linear=TritonQuantLinear(torch.device("cpu"), torch.float32, PlainLinear())
+    )
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.bits for m in linears} == {8 if type_name == "Q8_0" else 4} and all(
+        m.weight.is_meta for m in linears
+    )
+    reference, _ = plain_path.load(GGUFSource(tmp_path / "tiny.gguf"))
+    prompt = list(range(3, 40))
+
+    def cache():
+        return KVCache(config, cache_blocks(config, 16), 4, torch.float32, "cpu")
+
+    ours = gpu_path.run(model, cache(), prompt, 0, list(range(16)))
+    want = plain_path.run(reference, cache(), prompt, 0, list(range(16)))
+    assert (ours - want).abs().max() < 1e-4 * want.abs().max()
+    assert torch.equal(ours.argmax(-1), want.argmax(-1))
