@@ -16,6 +16,9 @@ Sections, in order:
   bfloat16: the batch-1 decode step against its floor (weight and KV bytes read / copy bandwidth), output tok/s
   at batches 1, 32, 128, 256 against transformers' batched generate on the same prompts, the TTFT of a 2,000-token
   prompt against its compute floor, the share of decode steps replayed from CUDA graphs.
+- shape:<largest>-int4: the largest shape again, its weights quantized at load to 4 bits (Q4_1's form) and
+  multiplied by the quantized GEMM (on a GPU kvserve's Triton kernel, model/linear_triton.py): the same figures
+  against its own, smaller floor, without a second transformers baseline.
 - http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
 
 Predicted on the H200 before any run (../shared/GPU.md, a reading of the code at fc4b6d2): decode launch-bound,
