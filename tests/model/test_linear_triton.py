@@ -1,6 +1,7 @@
 """model/linear_triton.py, the GPU's GEMM on quantized weights, run on the CPU by Triton's interpreter: every GGUF
 block format (random blocks) and the formats made at load, against gguf-py's dequantized weights, at a decode's
-rows and a prefill's, fused layers of two formats, biases, embedding rows and float32 logits."""
+rows and a prefill's, fused layers of two formats, biases, embedding rows and float32 logits; and, where a GPU is,
+every format compiled on it in bfloat16."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from model.linear import Linear, PlainLinear
 from model.quant import QuantizedTensor
 from tests.helpers.gguf_blocks import random_blocks
 
-pytestmark = pytest.mark.usefixtures("triton_here")
+# the tests below but the last run the kernel under Triton's interpreter (skipped where a GPU compiles it)
+interpreted = pytest.mark.usefixtures("triton_here")
 
 
 def weight(type_name: str, N: int, K: int, seed: int = 0) -> tuple[QuantizedTensor, torch.Tensor]:
@@ -46,6 +48,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+@interpreted
 @pytest.mark.parametrize("type_name", sorted(BLOCKS))
 def test_every_gguf_format_multiplies_as_its_dequantized_weights(type_name):
     # N not a multiple of a tile (32, 64), K two super-blocks; 3 rows (a decode step's tile) and 37 (a prefill's)
@@ -59,6 +62,7 @@ def test_every_gguf_format_multiplies_as_its_dequantized_weights(type_name):
         assert relative_error(y, x.double() @ want_w.T) < 1e-5, type_name
 
 
+@interpreted
 @pytest.mark.parametrize("bits", [4, 8])
 def test_weights_quantized_at_load_multiply_as_dequantized(bits):
     g = torch.Generator().manual_seed(2)
@@ -77,6 +81,7 @@ def test_weights_quantized_at_load_multiply_as_dequantized(bits):
     assert relative_error(layer(x), x.double() @ dense.double().T) > (1e-3 if bits == 4 else 1e-5)
 
 
+@interpreted
 def test_a_fused_layer_of_two_formats_with_a_bias():
     # a Q4_K_M file's attn_q/attn_k (Q4_K) and attn_v (Q6_K) as one q/k/v layer, each run in its own format
     (qk, want_qk), (v, want_v) = weight("Q4_K", 48, 256, 3), weight("Q6_K", 16, 256, 4)
@@ -88,6 +93,7 @@ def test_a_fused_layer_of_two_formats_with_a_bias():
     assert relative_error(layer(x), want) < 1e-5
 
 
+@interpreted
 @pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS", "Q8_0", "Q6_K"])
 def test_embedding_rows_and_logits(type_name):
     qt, want_w = weight(type_name, 32, 256, 7)
@@ -99,6 +105,7 @@ def test_embedding_rows_and_logits(type_name):
     assert logits.dtype == torch.float32 and relative_error(logits, x.double() @ want_w.T) < 1e-5
 
 
+@interpreted
 def test_a_bfloat16_step_rounds_like_the_dequantized_weights():
     # the model's dtype in and out: within bfloat16's rounding of the float32 product
     qt, want_w = weight("Q4_K", 64, 512, 9)
@@ -110,6 +117,7 @@ def test_a_bfloat16_step_rounds_like_the_dequantized_weights():
     assert relative_error(y.float(), want.double()) < 2e-2
 
 
+@interpreted
 def test_the_start_check_measures_the_kernel():
     from model.linear_triton import error_against_dequantized
 
@@ -117,6 +125,7 @@ def test_the_start_check_measures_the_kernel():
     assert error_against_dequantized(qt, torch.device("cpu"), torch.float32) < 1e-5
 
 
+@interpreted
 def test_a_format_the_kernel_gets_wrong_is_served_dequantized(monkeypatch, caplog):
     import model.linear_triton
     from model.linear_triton import TritonQuantLinear
@@ -133,3 +142,28 @@ def test_a_format_the_kernel_gets_wrong_is_served_dequantized(monkeypatch, caplo
     assert layer.bits is None and not layer.weight.is_meta and torch.equal(layer.weight, want_w.float())
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(13))
     assert relative_error(layer(x), x.double() @ want_w.T) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+def test_on_the_gpu_every_format_multiplies_as_its_dequantized_bfloat16_weights(type_name):
+    """The compiled kernel on the device, bfloat16 in and out, at a decode's rows (K split), a tile's edge and a
+    prefill's, against F.linear in float32 on the same weights rounded to bfloat16 (what a dense GPU layer holds)."""
+    from model.linear_triton import TritonQuantLinear
+
+    cuda = torch.device("cuda")
+    qt, _ = weight(type_name, 1000, 2048, 14)
+    layer = Linear(2048, 1000, False, TritonQuantLinear(cuda, torch.bfloat16, PlainLinear()))
+    layer.quantized = qt
+    layer.method.prepare(layer)
+    assert layer.segments and layer.weight.is_meta
+    w = qt.dequantize().to(cuda, torch.bfloat16).float()
+    g = torch.Generator(device=cuda).manual_seed(15)
+    for rows in (1, 7, 16, 17, 300):
+        x = torch.randn(rows, 2048, generator=g, device=cuda).bfloat16()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 1000)
+        want = x.float() @ w.T
+        assert ((y.float() - want).abs().max() / want.abs().max()).item() < 1e-2, (type_name, rows)
