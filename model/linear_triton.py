@@ -135,11 +135,12 @@ class DeviceSegment:
         return {name: v for name, v in named.items() if v is not None}
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [len(ids), k]: rows of the exact weights (an embedding's lookups)."""
+        """float32 [len(ids), k]: rows of the exact weights (an embedding's lookups), on the device, without a
+        host copy (a decode step's lookups run inside its CUDA graph)."""
         rows = self.quantized.select_rows(ids)
         if rows.bits == 4:
             rows.q = torch.stack([rows.q & 15, rows.q >> 4], dim=-1).flatten(-2)
-        return rows.dequantize()
+        return rows.dequantize(self.levels)
 
     def block_k(self) -> int:
         """The kernel's step along K: 64 where it divides K (and so 256), else the group."""
@@ -248,7 +249,8 @@ class TritonQuantLinear:
     def rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
             return self.dense.rows(layer, ids)
-        return torch.cat([segment.dequantize_rows(ids) for segment in layer.segments], dim=-1)
+        (embedding,) = layer.segments  # rows are an embedding's lookups: one tensor, never a fused layer's
+        return embedding.dequantize_rows(ids)
 
     def logits(self, layer, x: torch.Tensor) -> torch.Tensor:
         """float32 outputs of the exact weights (the kernel's float32 sums, not rounded to the model's dtype)."""

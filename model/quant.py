@@ -82,13 +82,16 @@ class QuantizedTensor:
                 m = m * self.super_mins.float().repeat_interleave(per, dim=1)
         return d, m
 
-    def dequantize(self) -> torch.Tensor:
-        """The exact weights, float32 [N, K] (d * q, then + m: two roundings, as the kernel's rows)."""
+    def dequantize(self, levels: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact weights, float32 [N, K] (d * q, then + m: two roundings, as the kernel's rows). levels: the
+        level table on q's device, where one is there already (a GPU step makes none: no copy inside a graph)."""
         N, K = self.shape
         d, m = self.scales()
         q = self.q
         if self.level_table:  # q indexes the levels
-            q = torch.tensor(self.level_table, dtype=torch.int8, device=q.device)[q.long()]
+            if levels is None:
+                levels = torch.tensor(self.level_table, dtype=torch.int8, device=q.device)
+            q = levels[q.long()]
         w = q.view(N, K // self.group, self.group).float() * d[..., None]
         if m is not None:
             w = w + m[..., None]
