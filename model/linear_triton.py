@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from model.quant import SUPER, QuantizedTensor
+from model.quant import SUPER, QuantizedTensor, take_quantized
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +154,13 @@ class DeviceSegment:
         # a decode step's few rows: narrow tiles and K split (a GEMV reads the weight once, spread over the GPU's
         # SMs); a prefill's: square tiles of 64 (each weight tile dequantized once per 64 rows)
         decode = M <= MIN_ROWS
-        block_m, block_n, block_k = (MIN_ROWS, 32, self.block_k()) if decode else (64, 64, self.block_k())
+        block_m, block_n = (MIN_ROWS, 32) if decode else (64, 64)
+        block_k = self.block_k()
         grid_mn = (triton.cdiv(M, block_m), triton.cdiv(self.n, block_n))
         steps = self.k // block_k
-        splits = (
-            max(1, min(steps // MIN_SPLIT_STEPS, TARGET_PROGRAMS // (grid_mn[0] * grid_mn[1])))
-            if decode
-            else 1
-        )
+        splits = 1
+        if decode:
+            splits = max(1, min(steps // MIN_SPLIT_STEPS, TARGET_PROGRAMS // (grid_mn[0] * grid_mn[1])))
         k_per_split = triton.cdiv(steps, splits) * block_k
         splits = triton.cdiv(self.k, k_per_split)
         out = y if splits == 1 else torch.empty(splits, M, self.n, dtype=torch.float32, device=x.device)
@@ -199,21 +198,14 @@ class TritonQuantLinear:
         self.works: dict[tuple, bool] = {}  # format -> whether the kernel computes it right here
 
     def prepare(self, layer) -> None:
-        source = layer.quantized
-        if source is None and self.bits is not None:
-            source = QuantizedTensor.quantize(layer.weight, 8 if layer.reads_rows else self.bits)
-        if source is None:
-            layer.bits = None
+        segments = take_quantized(layer, self.bits)
+        if segments is None:
             return self.dense.prepare(layer)
-        segments = source if isinstance(source, list) else [source]
-        layer.quantized = None
         if not all(self._works(s) for s in segments):
             weight = torch.cat([s.dequantize() for s in segments]).to(self.device, self.dtype)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.bits = None
             return self.dense.prepare(layer)
-        layer.bits = segments[0].bits if len(segments) == 1 else "mixed"
-        layer.kinds = [s.kind for s in segments]
         layer.segments = [DeviceSegment.create(s, self.device) for s in segments]
         for i, segment in enumerate(layer.segments):  # as buffers too: what counts a module's bytes sees them
             for name, tensor in segment.tensors().items():

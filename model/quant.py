@@ -212,6 +212,24 @@ class QuantizedTensor:
         return low, high.to(torch.uint32).view(torch.int32)
 
 
+def take_quantized(layer, bits: int | None) -> list[QuantizedTensor] | None:
+    """A layer's weight as the quantized methods keep it, taken from layer.quantized: the checkpoint's quantized
+    tensor (or a fused layer's segments, one per format), or, with `bits` set, its dense weight quantized at load to
+    that many bits (the [vocab, hidden] matrix, whose rows are read, to 8: it stays finer). Sets layer.bits (None:
+    the weight stays dense) and layer.kinds."""
+    source = layer.quantized
+    layer.quantized = None
+    if source is None and bits is not None:
+        source = QuantizedTensor.quantize(layer.weight, 8 if layer.reads_rows else bits)
+    if source is None:
+        layer.bits = None
+        return None
+    segments = source if isinstance(source, list) else [source]
+    layer.bits = segments[0].bits if len(segments) == 1 else "mixed"
+    layer.kinds = [s.kind for s in segments]
+    return segments
+
+
 class QuantizedLinear:
     """The LinearMethod for quantized weights. A layer whose checkpoint weight is quantized (layer.quantized: one
     QuantizedTensor, or a fused layer's segments, one per format) keeps it so; with `bits` set, dense weights are
@@ -231,16 +249,9 @@ class QuantizedLinear:
         self.int8_activations = int8_activations
 
     def prepare(self, layer) -> None:
-        source = layer.quantized
-        if source is None and self.bits is not None:
-            bits = 8 if layer.reads_rows else self.bits  # the [vocab, hidden] matrix stays finer
-            source = QuantizedTensor.quantize(layer.weight, bits)
-        if source is None:
-            layer.bits = None
+        segments = take_quantized(layer, self.bits)
+        if segments is None:
             return self.dense.prepare(layer)
-        segments = source if isinstance(source, list) else [source]
-        layer.bits = segments[0].bits if len(segments) == 1 else "mixed"
-        layer.kinds = [s.kind for s in segments]
         gemms = []
         for i, segment in enumerate(segments):
             packed = segment.pack(self.kernels)
@@ -254,7 +265,6 @@ class QuantizedLinear:
         # attribute) each cost a trip through nn.Module.__getattr__, ~0.4 ms of a 1-row step.
         layer.gemm = self.kernels.QuantGemm(gemms, bias, layer.out_features, self.int8_activations)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
-        layer.quantized = None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.bits is None:
