@@ -183,7 +183,9 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_engine_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stop_string_spanning_tokens_is_cut(default_model_dir):
-    engine = Engine(str(default_model_dir), EngineConfig(kv_cache_memory=64 << 20, dtype="float32"))
+    # the float32 answer ("The capital of France is Paris."), on every tier: int8 activations tip its first token
+    config = EngineConfig(kv_cache_memory=64 << 20, dtype="float32", gemm_activations="wide")
+    engine = Engine(str(default_model_dir), config)
     tok = engine.tokenizer
     prompt = tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
