@@ -31,10 +31,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gemm_bfloat16_as") = "float32";
 #endif
 #if defined(__AVX2__)
-  m.attr("gemm_float32_as") = "int16";  // on AMX's int8 tiles too, as two bytes each (quant_gemm_amx.cpp)
+  m.attr("gemm_float32_as") = "int16";  // on AMX's int8 tiles too (quant_gemm_amx.cpp)
 #else
   m.attr("gemm_float32_as") = "float32";
 #endif
+  // where int16 activations are rounded to fewer levels: the largest |xq| by the bits of weights with a minimum
+  // (AMX's tiles multiply them as one byte product: quant_gemm_amx.cpp), else 32767
+  py::dict narrow;
+#if defined(__AMX_INT8__)
+  narrow[py::int_(4)] = 2047;
+  narrow[py::int_(5)] = 1023;
+#endif
+  m.attr("gemm_int16_narrow") = narrow;
   // which activations a GEMM asked for int8 ones (QuantGemm.int8) has rounded: bfloat16 ones with VNNI, any with
   // AVX2 alone, none elsewhere
 #if defined(INT8_ACTIVATIONS) && defined(__AVX512F__)

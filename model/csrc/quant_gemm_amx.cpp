@@ -2,18 +2,24 @@
 // int16 vector kernel (quant_gemm_i16.cpp), which runs the few rows, so that a row's bits are the same whichever
 // of the two multiplies it.
 //
-// x arrives as quant_gemm_i16.cpp rounds it: per row and 32 activations, int16 xq with a step s. Each xq splits
-// exactly into two bytes, xq = 256 xh + xl (xh signed, xl unsigned), so a group's sum
-//   sum_k xq_k q_k = 256 sum_k xh_k q_k + sum_k xl_k q_k
-// is two tile products into int32, from zero, exact (|sum| < 2^31 as there): the integer vpmaddwd's sums give.
-// Then, per group and in the same float32 operations in the same order as there, y += d (s sum), then
-// + m (s sum_k xq_k) with a minimum. A tile's products pay for 16 rows whatever it holds, and a group's unpacking
-// and sums cost the same at 1 row as at 16: at a decode step's few rows the vector kernel is ~2x faster (an
-// MoE's experts, 1 row: 2.0 against 3.7 ms a layer), at a prompt's hundreds the tiles (2x at 32 rows an expert).
+// x arrives as quant_gemm_i16.cpp rounds it: per row and 32 activations, integers xq with a step s, |xq| at most
+// amx_activation_limit (below). A group's sum sum_k xq_k q_k is exact in int32 either way; how xq is cut into
+// bytes depends on q:
+//  - narrow q with a minimum (4 or 5 bits, 0 .. 2^bits - 1: Q4_0 .. Q5_K): F q fits a byte for F = 2^(8 - bits),
+//    and |xq| < 128 F, so xq = F xh + xl (xh a signed byte, 0 <= xl < F) and the sum is ONE product of a row's
+//    [xh | xl] (2G bytes) by [F q ; q]:  sum_k xh_k (F q_k) + sum_k xl_k q_k. A tile product costs the same for
+//    32 bytes of K as for 64 (measured ~17 ns either way on an Emerald Rapids Xeon), so the second half is free.
+//    x then keeps 11 or 10 bits below its group's largest value (bfloat16 keeps 8 below each value).
+//  - Q6_K (10 bits of x only), 8-bit q and the formats' levels (up to 127 in magnitude): xq is int16,
+//    xq = 256 xh + xl, two products (high bytes, low ones) into int32, summed as 256 high + low.
+// Then, per group and in the same float32 operations in the same order as quant_gemm_i16.cpp, y += d (s sum),
+// then + m (s sum_k xq_k) with a minimum. A tile's products pay for 16 rows whatever it holds: at a decode step's
+// few rows the vector kernel is ~2x faster, at a prompt's hundreds the tiles.
 //
-// A: per block of 16 rows of xq and group, the rows' high bytes, then their low ones ([tile_rows][G] each).
-// B: per tile of 16 outputs and group, G / 4 rows of 64 bytes, each the 16 outputs' q for 4 consecutive k (AMX's
-// quad layout), unpacked from the packed layout once per step (quant_gemm.cpp).
+// A: per block of 16 rows of xq and group, tile_rows rows of 2G bytes (one product: a row's high bytes then its
+// low ones), or the rows' high bytes, then their low ones ([tile_rows][G] each: two products).
+// B: per tile of 16 outputs and group, rows of 64 bytes, each the 16 outputs' q (or F q) for 4 consecutive k
+// (AMX's quad layout), unpacked from the packed layout once per step (quant_gemm.cpp).
 //
 // The tiles are configured once per call and thread (LDTILECFG is per thread, and torch's oneDNN may have
 // configured them otherwise in between) and released at the end, so that a thread's context switches do not
@@ -44,9 +50,10 @@ inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg
 #define TILE_LOAD(tmm, base, stride) \
   asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm : : "r"(base), "r"(static_cast<long>(stride)) : "memory")
 
-// The tile registers: a group's products for one block of rows (A: its high bytes, its low ones) by two tiles of
-// outputs (B), each product's sums in its own C
-enum Tile { C0H, C0L, C1H, C1L, AH, AL, B0, B1 };
+// The tile registers: C in one of two sets by the group's parity, so that the next group's products run on the
+// tiles while this one's sums are scaled on vectors; A and B. One product a group: C0, C1 (the parities), A (a
+// row's [xh | xl]), B; two: C0H, C0L, C1H, C1L, AH, AL, B.
+enum Tile { C0H, C0L, C1H, C1L, AH, AL, B };
 
 // Linux hands out the tile state (8 KiB per thread) only to a process that asks (arch_prctl
 // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); model/cpu_tier.py asks before choosing this tier, and this asks
@@ -69,28 +76,31 @@ struct AmxKernel {
   static constexpr bool NIB = BITS < 8;
   static constexpr int HB = NIB ? BITS - 4 : 0;  // high bits above the nibble
   static constexpr bool LEVELS = NIB && !MIN;     // q indexes the format's levels (signed), as 8-bit q is
-  static constexpr int QUADS = G / 4;             // B's rows a group
+  static constexpr bool ONE = MIN && BITS <= 5;   // one product a group (narrow unsigned q), else two
+  static constexpr int SHIFT = 8 - BITS;          // F = 2^SHIFT (one product)
+  static constexpr int QUADS = G / 4;             // B's rows of a group's q
+  static constexpr int B_ROWS = ONE ? 2 * QUADS : QUADS;
   static constexpr int64_t GROUP_BYTES = TILE * G * BITS / 8;
 
   // Blocks of 16 rows (A's), two tiles a step, unpacked once a step for all its blocks
   static constexpr int MAX_ROWS = TILE, MAX_TILES = 2;
   Plan plan(int64_t) const { return {TILE, MAX_TILES, true, true}; }
   using Unpacked = __m512i;
-  static constexpr int UNPACKED = QUADS + 2;  // per group: B's rows, then d and m (float32)
+  static constexpr int UNPACKED = B_ROWS + 2;  // per group: B's rows, then d and m (float32)
 
   const Packed& w;
-  const uint8_t* a;     // [blocks, groups, 2, tile_rows, G]: A's high bytes, then its low ones
-  const float* step;    // [M, K / 32] s of each row's 32
-  const float* xsum;    // [M, K / G] s sum_k xq_k of each row's group (with a minimum)
+  const uint8_t* a;     // [blocks, groups, 2 tile_rows G bytes]: A (the header says how)
+  const float* step;    // [M, K / 32] s of each row's 32, 0 in the last block's rows past M
+  const float* xsum;    // [M, K / G] s sum_k xq_k of each row's group (with a minimum), the same
   int tile_rows;        // A's and C's rows: 16, or M where fewer
-  int64_t group_a() const { return 2 * tile_rows * G; }  // bytes of one group's two A tiles
+  int64_t group_a() const { return 2 * tile_rows * G; }  // bytes of one group's A
 
   struct ThreadScope {
     explicit ThreadScope(int rows) {
       TileConfig config;
       for (int t : {C0H, C0L, C1H, C1L}) config.rows[t] = rows, config.colsb[t] = TILE * sizeof(int32_t);
-      for (int t : {AH, AL}) config.rows[t] = rows, config.colsb[t] = G;
-      for (int t : {B0, B1}) config.rows[t] = QUADS, config.colsb[t] = TILE * 4;
+      for (int t : {AH, AL}) config.rows[t] = rows, config.colsb[t] = ONE ? 2 * G : G;
+      config.rows[B] = B_ROWS, config.colsb[B] = TILE * 4;
       load_tile_config(config);
     }
     ~ThreadScope() { _tile_release(); }
@@ -128,80 +138,122 @@ struct AmxKernel {
     const uint8_t* wt = w.tile(t);
     for (int64_t g = 0; g < w.groups(); ++g) {
       __m512i* o = out + g * UNPACKED;
-      for (int c = 0; c < QUADS; ++c) o[c] = quads(wt + g * GROUP_BYTES, c, w.levels);
+      for (int c = 0; c < QUADS; ++c) {
+        const __m512i q = quads(wt + g * GROUP_BYTES, c, w.levels);
+        if constexpr (ONE) {  // F q (each byte's shift keeps within it: F q < 256), then q
+          o[c] = _mm512_and_si512(_mm512_slli_epi16(q, SHIFT), _mm512_set1_epi8(static_cast<char>(0xFF << SHIFT)));
+          o[QUADS + c] = q;
+        } else {
+          o[c] = q;
+        }
+      }
       vfloat d, m;
       w.group_scales(t, g, 0, d, m);
-      o[QUADS] = bitcast<__m512i>(d);
-      o[QUADS + 1] = bitcast<__m512i>(m);
+      o[B_ROWS] = bitcast<__m512i>(d);
+      o[B_ROWS + 1] = bitcast<__m512i>(m);
     }
   }
 
-  // One group's products, C = A B from zero: both parts of A by `tiles` B tiles, stored into c (16 x 16 int32
-  // each: high, low, then the second tile's). q's sign picks the instruction: A's high bytes are signed, its low
-  // ones unsigned; q is unsigned with a minimum (0 .. 2^bits - 1), else signed (8-bit, IQ4's levels)
-  void products(int tiles, const uint8_t* ag, const __m512i* b0, const __m512i* b1, int32_t (*c)[TILE * TILE]) const {
-    constexpr long b_stride = TILE * 4, c_stride = TILE * sizeof(int32_t);
-    static_assert(C0H == 0 && C0L == 1 && C1H == 2 && C1L == 3 && AH == 4 && AL == 5 && B0 == 6 && B1 == 7);
-    TILE_LOAD(6, b0, b_stride);
-    if (tiles > 1) TILE_LOAD(7, b1, b_stride);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    TILE_LOAD(4, ag, G);
-    TILE_LOAD(5, ag + tile_rows * G, G);
-    if constexpr (MIN) {
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbuud(1, 5, 6);
-      if (tiles > 1) {
-        _tile_dpbsud(2, 4, 7);
-        _tile_dpbuud(3, 5, 7);
+  // One group's products into C set P (tiles 0, 1 or 2, 3), C = A B from zero. q's sign picks the instruction:
+  // A's high bytes are signed, its low ones unsigned (one product: below F, as signed too); q is unsigned with a
+  // minimum, else signed. (GCC's tile intrinsics take the registers' numbers as literals.)
+  template <int P>
+  void products(const uint8_t* ag, const __m512i* b) const {
+    static_assert(C0H == 0 && C0L == 1 && C1H == 2 && C1L == 3 && AH == 4 && AL == 5 && B == 6);
+    TILE_LOAD(6, b, TILE * 4);
+    TILE_LOAD(4, ag, ONE ? 2 * G : G);
+    if constexpr (ONE) {
+      if constexpr (P == 0) {
+        _tile_zero(0);
+        _tile_dpbsud(0, 4, 6);
+      } else {
+        _tile_zero(2);
+        _tile_dpbsud(2, 4, 6);
       }
     } else {
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbusd(1, 5, 6);
-      if (tiles > 1) {
-        _tile_dpbssd(2, 4, 7);
-        _tile_dpbusd(3, 5, 7);
+      TILE_LOAD(5, ag + tile_rows * G, G);
+      if constexpr (P == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbusd(1, 5, 6);
+      } else {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_dpbssd(2, 4, 6);
+        _tile_dpbusd(3, 5, 6);
       }
     }
-    _tile_stored(0, c[0], c_stride);
-    _tile_stored(1, c[1], c_stride);
-    if (tiles > 1) {
-      _tile_stored(2, c[2], c_stride);
-      _tile_stored(3, c[3], c_stride);
+  }
+  template <int P>
+  static void store(int32_t (*c)[TILE * TILE]) {
+    constexpr long stride = TILE * sizeof(int32_t);
+    if constexpr (P == 0) {
+      _tile_stored(0, c[0], stride);
+      if constexpr (!ONE) _tile_stored(1, c[1], stride);
+    } else {
+      _tile_stored(2, c[0], stride);
+      if constexpr (!ONE) _tile_stored(3, c[1], stride);
     }
   }
 
-  // Rows m0 .. m0 + R - 1 (one block: m0 a multiple of 16) of tiles t .. t + nt - 1 into y ([R][nt * 16])
-  void rows(int R, int nt, int64_t t, int64_t m0, const __m512i* unpacked, const uint8_t* next, float* y) const {
+  // A group's stored sums into the rows' accumulators: y += d (s sum) (+ m s sum_k xq_k), in the float32
+  // operations and order of quant_gemm_i16.cpp's lanes. All 16 rows: past M, s and the sums of x are 0.
+  [[gnu::always_inline]] void scale(const int32_t (*c)[TILE * TILE], const __m512i* ug, const float* s, const float* xs,
+                                    __m512 (&y)[TILE]) const {
+    const int64_t steps = w.K / GROUP, groups = w.groups();
+    const __m512 d = _mm512_castsi512_ps(ug[B_ROWS]), m = _mm512_castsi512_ps(ug[B_ROWS + 1]);
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; ++r) {
+      __m512i total = _mm512_load_si512(c[0] + r * TILE);
+      if constexpr (!ONE) total = _mm512_add_epi32(_mm512_slli_epi32(total, 8), _mm512_load_si512(c[1] + r * TILE));
+      y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(s[r * steps])), d, y[r]);
+      if constexpr (MIN) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups]), y[r]);
+    }
+  }
+
+  // Rows m0 .. m0 + R - 1 (one block: m0 a multiple of 16) of tiles t .. t + nt - 1 into y ([R][nt * 16]): a
+  // tile at a time, its 16 rows' sums in registers; each group's products issued one group ahead of its store
+  // and two ahead of its scaling, so the tiles and the vectors work side by side
+  void rows(int R, int nt, int64_t, int64_t m0, const __m512i* unpacked, const uint8_t* next, float* y) const {
     const int64_t groups = w.groups(), steps = w.K / GROUP, per_tile = groups * UNPACKED;
     const uint8_t* ab = a + m0 / TILE * groups * group_a();
     const int width = nt * TILE;
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < width; l += VL) _mm512_storeu_ps(y + r * width + l, _mm512_setzero_ps());
-    alignas(64) int32_t c[4][TILE * TILE];
-    for (int64_t g = 0; g < groups; ++g) {
-      if (next)  // the next step's bytes, asked for ahead: see quant_gemm_bf16.cpp
-        for (int j = 0; j < nt; ++j)
-          for (int64_t i = 0; i < GROUP_BYTES; i += 64) prefetch_l2(next + (j * groups + g) * GROUP_BYTES + i);
-      const __m512i* u = unpacked + g * UNPACKED;
-      products(nt, ab + g * group_a(), u, u + per_tile, c);
-      for (int j = 0; j < nt; ++j) {
-        const __m512i* uj = u + j * per_tile;
-        const __m512 d = _mm512_castsi512_ps(uj[QUADS]), m = _mm512_castsi512_ps(uj[QUADS + 1]);
-        for (int r = 0; r < R; ++r) {
-          const __m512i high = _mm512_load_si512(c[2 * j] + r * TILE), low = _mm512_load_si512(c[2 * j + 1] + r * TILE);
-          const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-          // y += d (s sum) (+ m s sum_k xq_k), as quant_gemm_i16.cpp's lanes compute it
-          const __m512 s = _mm512_set1_ps(step[(m0 + r) * steps + g * G / GROUP]);
-          float* yr = y + r * width + j * TILE;
-          __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), s), d, _mm512_loadu_ps(yr));
-          if constexpr (MIN) v = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(m0 + r) * groups + g]), v);
-          _mm512_storeu_ps(yr, v);
+    alignas(64) int32_t c[4][2][TILE * TILE];  // four groups' stored sums: a group's are read two groups on
+    const float* s0 = step + m0 * steps;
+    const float* x0 = MIN ? xsum + m0 * groups : nullptr;
+    for (int j = 0; j < nt; ++j) {
+      const __m512i* u = unpacked + j * per_tile;
+      __m512 acc[TILE];
+#pragma GCC unroll 16
+      for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+      const auto scaled = [&](int64_t g) [[gnu::always_inline]] {
+        scale(c[g % 4], u + g * UNPACKED, s0 + g * G / GROUP, MIN ? x0 + g : nullptr, acc);
+      };
+      products<0>(ab, u);
+      for (int64_t g = 0; g < groups; g += 2) {
+        if (next && j == 0) fetch(next, nt, g);
+        if (g + 1 < groups) products<1>(ab + (g + 1) * group_a(), u + (g + 1) * UNPACKED);
+        store<0>(c[g % 4]);
+        if (g >= 2) scaled(g - 2);
+        if (g + 1 < groups) {
+          if (next && j == 0) fetch(next, nt, g + 1);
+          if (g + 2 < groups) products<0>(ab + (g + 2) * group_a(), u + (g + 2) * UNPACKED);
+          store<1>(c[(g + 1) % 4]);
+          if (g >= 1) scaled(g - 1);
         }
       }
+      for (int64_t g = std::max<int64_t>(groups - 2, 0); g < groups; ++g) scaled(g);
+#pragma GCC unroll 16
+      for (int r = 0; r < TILE; ++r)
+        if (r < R) _mm512_storeu_ps(y + r * width + j * TILE, acc[r]);
     }
+  }
+
+  // Group g of the next step's tiles, asked for ahead into L2: see quant_gemm_bf16.cpp
+  void fetch(const uint8_t* next, int nt, int64_t g) const {
+    for (int i = 0; i < nt; ++i)
+      for (int64_t o = 0; o < GROUP_BYTES; o += 64) prefetch_l2(next + (i * w.groups() + g) * GROUP_BYTES + o);
   }
 };
 
@@ -219,13 +271,15 @@ void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float
   auto* a = reinterpret_cast<uint8_t*>(buffer.data());  // a pointer: in the region a thread_local is a worker's
   dispatch(w, [&](auto bits, auto g, auto min) {
     constexpr int G = g();
+    using Kernel = AmxKernel<bits(), G, min()>;
     const int64_t groups = K / G;
     at::parallel_for(0, blocks, blocks > 1 ? 1 : blocks + 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t gi = 0; gi < groups; ++gi)
           for (int r = 0; r < tile_rows; ++r) {
-            uint8_t* high = a + b * per_block + gi * 2 * tile_rows * G + r * G;
-            uint8_t* low = high + tile_rows * G;
+            // one product: row r's 2G bytes, xh then xl; two: row r's G high bytes, then (a tile on) its low ones
+            uint8_t* high = a + b * per_block + gi * 2 * tile_rows * G + r * (Kernel::ONE ? 2 * G : G);
+            uint8_t* low = high + (Kernel::ONE ? G : tile_rows * G);
             const int64_t row = b * TILE + r;
             if (row >= M) {  // the last block's rows past x: zeros, whose sums nobody reads
               std::memset(high, 0, G);
@@ -235,12 +289,20 @@ void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float
             const int16_t* src = xq + row * K + gi * G;
             for (int k = 0; k < G; k += 16) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(high + k), _mm256_cvtepi16_epi8(_mm256_srai_epi16(v, 8)));
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(low + k), _mm256_cvtepi16_epi8(v));
+              __m256i h, l;
+              if constexpr (Kernel::ONE) {  // xq = F xh + xl, 0 <= xl < F
+                h = _mm256_srai_epi16(v, Kernel::SHIFT);
+                l = _mm256_and_si256(v, _mm256_set1_epi16((1 << Kernel::SHIFT) - 1));
+              } else {
+                h = _mm256_srai_epi16(v, 8);
+                l = v;
+              }
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(high + k), _mm256_cvtepi16_epi8(h));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(low + k), _mm256_cvtepi16_epi8(l));
             }
           }
     });
-    run_tiles(AmxKernel<bits(), G, min()>{w, a, step, xsum, tile_rows}, w, M, out);
+    run_tiles(Kernel{w, a, step, xsum, tile_rows}, w, M, out);
   });
 }
 

@@ -8,7 +8,9 @@
 // of a lane sum into int32 without rounding (|xq q| <= 32767 * 128: 32 of them stay below 2^31). So the sum of a
 // group is the same whatever the order of its additions, and the float32 work is per group only, in a fixed
 // order: y += d (s sum_k xq_k q_k), then + m (s sum_k xq_k) (with a minimum). Weights are the file's integers as
-// they are, and a row's result is its rounded activations times them.
+// they are, and a row's result is its rounded activations times them. On the amx tier, x is rounded to fewer
+// levels for 4- and 5-bit weights with a minimum (2047, 1023: amx_activation_limit), so that a group is one
+// product on its int8 tiles; its few rows here take the same xq, so the same bits.
 //
 // The packed layout (quant_gemm.cpp), read 8 lanes at a time: 16 bytes of a chunk widened to 16-bit words give
 // each lane the int16 pairs (q[4c], q[4c+1]) and, from the high nibbles, (q[4c+2], q[4c+3]) (4-bit), or
@@ -176,7 +178,7 @@ inline float hadd(__m256 v) {  // a fixed tree
 
 // One row's group of 32 activations rounded to int16 (to nearest, ties to even), with its step s and its own sum.
 // A group holding an infinity or a NaN gets s = NaN, so that its outputs are NaN as float32 arithmetic's would be.
-inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) {
+inline void quantize_group(const float* x, float limit, int16_t* q, float& step, float& sum) {
   __m256 v[4], amax = _mm256_setzero_ps();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int i = 0; i < 4; ++i) {
@@ -190,8 +192,8 @@ inline void quantize_group(const float* x, int16_t* q, float& step, float& sum) 
     std::memset(q, 0, GROUP * sizeof(int16_t));
     return;
   }
-  step = a / 32767.0f;
-  const GroupRounding rounding = group_rounding(a, 32767.0f);
+  step = a / limit;
+  const GroupRounding rounding = group_rounding(a, limit);
   const __m256 up = _mm256_set1_ps(rounding.up), scale = _mm256_set1_ps(rounding.scale);
   for (int i = 0; i < 4; i += 2) {
     const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], up), scale));
@@ -475,10 +477,18 @@ constexpr int64_t VECTOR_ROWS = 4;
 
 void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
   const int64_t groups = w.K / GROUP, K = w.K;
+#if defined(__AMX_INT8__)
+  const int64_t padded = (M + TILE - 1) / TILE * TILE;  // the tiles scale whole blocks of 16 rows: 0 past M
+  const float limit = amx_activation_limit(w);         // so that the tiles' bytes hold it: quant_gemm_amx.cpp
+#else
+  const int64_t padded = M;
+  const float limit = 32767.0f;
+#endif
   std::vector<int16_t> xq(M * K);
-  std::vector<float> step(M * groups), xsum(M * groups);  // xsum: where quantize_group finds infinities, NaNs
+  std::vector<float> step(padded * groups), xsum(M * groups);  // xsum: where quantize_group finds infinities, NaNs
   at::parallel_for(0, M * groups, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * GROUP, xq.data() + i * GROUP, step[i], xsum[i]);
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_group(x + i * GROUP, limit, xq.data() + i * GROUP, step[i], xsum[i]);
   });
   dispatch(w, [&](auto bits, auto g, auto min) {
     constexpr int G = g();
@@ -486,7 +496,7 @@ void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
     // rounding), so that a row's result is its rounded x times the exact weights, minimum included. With x's
     // float32 sum instead, the rounding's error came back weighted by q (up to 63) rather than by w (measured:
     // a tiny Q6_K / Q5_0 model's scores 7x further from float32's).
-    std::vector<float> sums(min() ? M * K / G : 0);
+    std::vector<float> sums(min() ? padded * K / G : 0);
     if constexpr (min())
       at::parallel_for(0, M * K / G, 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {

@@ -37,7 +37,13 @@ def layer_for(qt, kernels, int8_activations: bool = False) -> Linear:
     return layer
 
 
-def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch.Tensor:
+def int16_limit(kernels, qt: QuantizedTensor) -> int:
+    """The largest int16 activation the tier rounds x to for these weights: 32767, or fewer levels where its
+    kernels.gemm_int16_narrow says (AMX's one tile product a group for 4- and 5-bit q with a minimum)."""
+    return kernels.gemm_int16_narrow.get(qt.bits, 32767) if qt.min is not None else 32767
+
+
+def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str, kernels=None) -> torch.Tensor:
     """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
     over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
     they add: |x| times |d| (128 + max |q|) and |m| per group (the bfloat16 kernel adds 128 d to a 4-bit q and
@@ -52,7 +58,7 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str) -> torch
     xg = x.double().abs().view(M, K // G, G).sum(-1)  # [M, groups]
     bound = xg @ per_group.T * (K / G + 64) * 2.0**-24
     if activations in ("int16", "int8"):
-        largest = 32767 if activations == "int16" else 127
+        largest = (int16_limit(kernels, qt) if kernels else 32767) if activations == "int16" else 127
         half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / largest / 2  # [M, K / 32]
         w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
         bound = bound + half_step @ w.T
@@ -109,7 +115,7 @@ def test_gemm_computes_x_times_the_file_weights(tier_kernels, type_name, M, N, K
         out = layer(x)
     assert logits.dtype == torch.float32 and out.dtype == dtype and out.shape == (M, N)
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
-    bound = error_bound(x, qt, activations)
+    bound = error_bound(x, qt, activations, tier_kernels)
     assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
     ids = torch.tensor([0, N - 1, N // 2])
@@ -209,7 +215,7 @@ def test_int8_activations_at_the_largest_products(tier, type_name):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_XS", "Q4_1", "Q8_0"])
 def test_int16_activations_at_every_scale(tier, type_name):
     """Where float32 activations are rounded to int16 per group of 32 (AVX2 tiers; AMX's tiles take the same
-    integers), the result is x so rounded times the file's exact weights at every scale: groups too small for
+    integers, to fewer levels for 4- and 5-bit weights with a minimum: kernels.gemm_int16_narrow), the result is x so rounded times the file's exact weights at every scale: groups too small for
     32767 / a in float32 (below ~2^-113) are scaled up first, as the int8 kernel's are."""
     kernels = load(tier)
     assert kernels.gemm_float32_as == "int16"
@@ -217,7 +223,7 @@ def test_int16_activations_at_every_scale(tier, type_name):
     layer = layer_for(qt, kernels)
     x = rows_of_every_scale(512)
     x[6] *= 1e-36  # a whole row of groups below 2^-113
-    xr = rounded_to(x, 32767)
+    xr = rounded_to(x, int16_limit(kernels, qt))
     exact = xr @ torch.from_numpy(ref).T
     with torch.inference_mode():
         logits = layer.logits(x)
@@ -279,7 +285,9 @@ def test_level_tables_are_a_format_of_their_own(tier_kernels):
     exact = x.double() @ torch.from_numpy(np.concatenate([iq4_ref, mxfp4_ref])).T
     with torch.inference_mode():
         fused = layer_for(segments, tier_kernels).logits(x)
-    bound = torch.cat([error_bound(x, q, tier_kernels.gemm_float32_as) for q in (iq4, mxfp4)], dim=1)
+    bound = torch.cat(
+        [error_bound(x, q, tier_kernels.gemm_float32_as, tier_kernels) for q in (iq4, mxfp4)], dim=1
+    )
     assert ((fused.double() - exact).abs() <= bound).all()
 
 

@@ -55,12 +55,15 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(kind):
 ROUNDED_TO = {"int16": 32767, "int8": 127}  # integer activations (kernels.gemm_*_as): their largest magnitude
 
 
-def rounding_bound(x: torch.Tensor, w: torch.Tensor, activations: str) -> torch.Tensor:
+def rounding_bound(
+    x: torch.Tensor, w: torch.Tensor, activations: str, limit: int | None = None
+) -> torch.Tensor:
     """[M, N]: how far x W^T may move when each group of 32 of a row of x is rounded to int16 or int8 against the
-    group's largest magnitude (half a step, max|x| / 32767 / 2 or max|x| / 127 / 2, at most per input)."""
+    group's largest magnitude (half a step, max|x| / 32767 / 2 or max|x| / 127 / 2, at most per input); `limit`:
+    the tier's own largest integer where it rounds to fewer levels (kernels.gemm_int16_narrow)."""
     M, K = x.shape
     groups = x.double().view(M, K // 32, 32)
-    half_step = groups.abs().amax(-1) / ROUNDED_TO[activations] / 2  # [M, G]
+    half_step = groups.abs().amax(-1) / (limit or ROUNDED_TO[activations]) / 2  # [M, G]
     return half_step @ w.double().abs().view(-1, K // 32, 32).sum(-1).T  # [M, N]
 
 
@@ -84,9 +87,15 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
     allowed = 1e-5 * scale  # float32 sums
     if activations in ROUNDED_TO:
-        allowed = allowed + rounding_bound(x, qt.dequantize(), activations)
+        allowed = allowed + rounding_bound(x, qt.dequantize(), activations, narrow_limit(tier_kernels, qt))
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
+
+
+def narrow_limit(kernels, qt: QuantizedTensor) -> int | None:
+    """The largest int16 activation the tier rounds to for these weights, where it takes fewer levels than 32767
+    (AMX's one tile product a group for 4- and 5-bit q with a minimum)."""
+    return kernels.gemm_int16_narrow.get(qt.bits) if qt.min is not None else None
 
 
 @pytest.mark.timeout(120)
@@ -96,18 +105,25 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind):
     """On the amx tier a GEMM of a few rows runs on vectors and one of many on AMX's int8 tiles, with the same
-    integer sums: every row count gives the avx512 tier's bits (int16 activations on vectors alone). The
-    K-quants' blocks are random bytes: every 6-bit sub-scale and sub-minimum."""
+    integer sums: every row count gives each row the bits it gets alone (on vectors), and where the tier keeps
+    int16's 32767 levels (Q6_K, Q8_0: two tile products a group), the avx512 tier's bits. The K-quants' blocks
+    are random bytes: every 6-bit sub-scale and sub-minimum."""
     K = 512
     if kind in GGUF_TYPES:
         qt, _ = gguf_weight(kind, 100, K)
     else:
         qt = from_gguf_blocks(kind, torch.from_numpy(random_blocks(kind, 100, K)), (100, K))
-    amx, vectors = layer_for(qt, kernels=load("amx")), layer_for(qt, kernels=load("avx512"))
+    kernels = load("amx")
+    amx, vectors = layer_for(qt, kernels=kernels), layer_for(qt, kernels=load("avx512"))
+    narrow = narrow_limit(kernels, qt) is not None
+    assert narrow == (kind in ("Q4_1", "Q4_K", "Q5_K"))
     for rows in (1, 4, 5, 16, 17, 40):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
-            assert torch.equal(amx.logits(x), vectors.logits(x)), rows
+            together = amx.logits(x)
+            assert torch.equal(together, torch.cat([amx.logits(row) for row in x.split(1)])), rows
+            if not narrow:
+                assert torch.equal(together, vectors.logits(x)), rows
 
 
 @pytest.mark.timeout(120)
