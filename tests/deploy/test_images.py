@@ -177,13 +177,22 @@ def test_cpu_image_serves_turns_healthy_and_drains_on_stop(oci_engine, run_flags
         )
         assert metric(page, "kvserve:request_success_total") >= 2
 
-        # stop: SIGTERM to the server, which lets the running stream finish, then exits 0.
+        # stop: SIGTERM to the server, which lets the running stream finish, then exits 0. The stream must still
+        # be running when the stop arrives (16 tokens took 0.1 s, less than `podman stop` takes to signal: the
+        # drain found no request in flight) and end well inside the drain (1,500 tokens outlasted its 30 s on a
+        # host busy with a build): sized to a quarter of the drain at the rate this container decodes now.
+        start = time.monotonic()
+        timed = httpx.post(
+            f"{url}/v1/completions", json={**body, "max_tokens": 128, "stream": False}, timeout=120
+        )
+        assert timed.status_code == 200, timed.text
+        rate = 128 / (time.monotonic() - start)
+        stream_tokens = int(min(1500, max(64, rate * SHUTDOWN_TIMEOUT / 4)))
+        print(f"{rate:.0f} tokens/s: a stream of {stream_tokens} tokens to drain")
         lines: list[str] = []
 
         def stream() -> None:
-            # long enough to be running when the stop arrives: 16 tokens took 0.1 s, less than `podman stop` takes
-            # to signal, and the drain then found no request in flight (red in make test)
-            request = {**body, "max_tokens": 1500}
+            request = {**body, "max_tokens": stream_tokens}
             with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
                 lines.extend(line for line in r.iter_lines() if line)
 
