@@ -3,6 +3,7 @@
 
 #include "kernels.h"
 #include "layer_stack.h"
+#include "quant_gemm.h"  // amx_activation_limit
 
 // The heavy kernels let go of the GIL while they run: the engine steps on its own thread, and the server's event
 // loop must be able to stream tokens and take requests meanwhile (holding it, a kernel made the loop wait for
@@ -39,8 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (AMX's tiles multiply them as one byte product: quant_gemm_amx.cpp), else 32767
   py::dict narrow;
 #if defined(__AMX_INT8__)
-  narrow[py::int_(4)] = 2047;
-  narrow[py::int_(5)] = 1023;
+  for (int bits : {4, 5}) narrow[py::int_(bits)] = amx_activation_limit(bits, true);
 #endif
   m.attr("gemm_int16_narrow") = narrow;
   // which activations a GEMM asked for int8 ones (QuantGemm.int8) has rounded: bfloat16 ones with VNNI, any with

@@ -409,8 +409,8 @@ void gemm_i8(const Packed& w, const Int8Activations& x, int64_t M, const Output&
 #if defined(__AMX_INT8__)
 // The largest |xq| gemm_i16 rounds x to for AMX's tiles (quant_gemm_amx.cpp): 128 F - 1 where q with a minimum
 // (4 or 5 bits) times F = 2^(8 - bits) fits a byte (xq is then one byte product: 2047, 1023), else int16's
-inline float amx_activation_limit(const Packed& w) {
-  return w.has_min && w.bits <= 5 ? (128 << (8 - w.bits)) - 1 : 32767;
+inline int amx_activation_limit(int bits, bool has_min) {
+  return has_min && bits <= 5 ? (128 << (8 - bits)) - 1 : 32767;
 }
 // x as gemm_i16 rounds it: xq [M, K] int16, step [M, K / 32], xsum [M, K / group] (with a minimum)
 void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float* xsum, int64_t M,

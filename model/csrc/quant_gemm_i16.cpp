@@ -479,7 +479,7 @@ void gemm_i16(const Packed& w, const float* x, int64_t M, const Output& out) {
   const int64_t groups = w.K / GROUP, K = w.K;
 #if defined(__AMX_INT8__)
   const int64_t padded = (M + TILE - 1) / TILE * TILE;  // the tiles scale whole blocks of 16 rows: 0 past M
-  const float limit = amx_activation_limit(w);         // so that the tiles' bytes hold it: quant_gemm_amx.cpp
+  const float limit = amx_activation_limit(w.bits, w.has_min);  // that the tiles' bytes hold: quant_gemm_amx.cpp
 #else
   const int64_t padded = M;
   const float limit = 32767.0f;

@@ -29,3 +29,10 @@ def random_blocks(type_name: str, N: int, K: int, seed: int = 0) -> np.ndarray:
         at = E8M0[type_name]
         blocks[..., at] = rng.integers(127 - 12, 127 - 4, (N, K // size))
     return blocks.reshape(N, -1)
+
+
+def int16_limit(kernels, qt) -> int:
+    """The largest integer a tier rounds float32 activations to where it rounds them to int16 per 32, for the
+    QuantizedTensor qt: 32767, or fewer levels where kernels.gemm_int16_narrow says (AMX's one tile product a group
+    for 4- and 5-bit q with a minimum)."""
+    return kernels.gemm_int16_narrow.get(qt.bits, 32767) if qt.min is not None else 32767

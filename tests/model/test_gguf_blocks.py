@@ -12,7 +12,7 @@ from model.gguf_blocks import BLOCKS, from_gguf_blocks, gguf_weight
 from model.kernels import load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
-from tests.helpers.gguf_blocks import HALVES, random_blocks
+from tests.helpers.gguf_blocks import HALVES, int16_limit, random_blocks
 
 NEW_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4"]
 
@@ -37,12 +37,6 @@ def layer_for(qt, kernels, int8_activations: bool = False) -> Linear:
     return layer
 
 
-def int16_limit(kernels, qt: QuantizedTensor) -> int:
-    """The largest int16 activation the tier rounds x to for these weights: 32767, or fewer levels where its
-    kernels.gemm_int16_narrow says (AMX's one tile product a group for 4- and 5-bit q with a minimum)."""
-    return kernels.gemm_int16_narrow.get(qt.bits, 32767) if qt.min is not None else 32767
-
-
 def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str, kernels=None) -> torch.Tensor:
     """[M, N]: how far the kernel's float32 sums may stray from x W^T in float64. Each group's sum and the sum
     over groups round at most once per addition (K / group + 64 roundings of 2^-24 bound them), relative to what
@@ -58,7 +52,7 @@ def error_bound(x: torch.Tensor, qt: QuantizedTensor, activations: str, kernels=
     xg = x.double().abs().view(M, K // G, G).sum(-1)  # [M, groups]
     bound = xg @ per_group.T * (K / G + 64) * 2.0**-24
     if activations in ("int16", "int8"):
-        largest = (int16_limit(kernels, qt) if kernels else 32767) if activations == "int16" else 127
+        largest = int16_limit(kernels, qt) if activations == "int16" else 127
         half_step = x.double().view(M, K // 32, 32).abs().amax(-1) / largest / 2  # [M, K / 32]
         w = qt.dequantize().double().abs().view(-1, K // 32, 32).sum(-1)  # [N, K / 32]
         bound = bound + half_step @ w.T

@@ -12,7 +12,7 @@ from model.gguf_blocks import gguf_weight as read_gguf_weight
 from model.kernels import cpu_kernels, load
 from model.linear import Linear, PlainLinear
 from model.quant import QuantizedLinear, QuantizedTensor
-from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.gguf_blocks import int16_limit, random_blocks
 
 GGUF_TYPES = {
     "Q4_0": GGMLQuantizationType.Q4_0,
@@ -52,18 +52,12 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(kind):
         assert np.array_equal(ours, reference)
 
 
-ROUNDED_TO = {"int16": 32767, "int8": 127}  # integer activations (kernels.gemm_*_as): their largest magnitude
-
-
-def rounding_bound(
-    x: torch.Tensor, w: torch.Tensor, activations: str, limit: int | None = None
-) -> torch.Tensor:
-    """[M, N]: how far x W^T may move when each group of 32 of a row of x is rounded to int16 or int8 against the
-    group's largest magnitude (half a step, max|x| / 32767 / 2 or max|x| / 127 / 2, at most per input); `limit`:
-    the tier's own largest integer where it rounds to fewer levels (kernels.gemm_int16_narrow)."""
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, largest: int) -> torch.Tensor:
+    """[M, N]: how far x W^T may move when each group of 32 of a row of x is rounded to integers of at most
+    `largest` in magnitude against the group's largest magnitude (half a step, max|x| / largest / 2, per input)."""
     M, K = x.shape
     groups = x.double().view(M, K // 32, 32)
-    half_step = groups.abs().amax(-1) / (limit or ROUNDED_TO[activations]) / 2  # [M, G]
+    half_step = groups.abs().amax(-1) / largest / 2  # [M, G]
     return half_step @ w.double().abs().view(-1, K // 32, 32).sum(-1).T  # [M, N]
 
 
@@ -86,16 +80,12 @@ def test_gemm_computes_x_times_the_exact_weights(tier_kernels, kind, N, K, dtype
     scale = exact.abs().max()
     activations = getattr(tier_kernels, f"gemm_{str(dtype)[6:]}_as")
     allowed = 1e-5 * scale  # float32 sums
-    if activations in ROUNDED_TO:
-        allowed = allowed + rounding_bound(x, qt.dequantize(), activations, narrow_limit(tier_kernels, qt))
+    # integer activations (kernels.gemm_*_as): their largest magnitude
+    largest = {"int16": int16_limit(tier_kernels, qt), "int8": 127}.get(activations)
+    if largest:
+        allowed = allowed + rounding_bound(x, qt.dequantize(), largest)
     assert ((logits.double() - exact).abs() <= allowed).all()
     assert torch.equal(out, logits.to(dtype))  # the same sums, rounded once
-
-
-def narrow_limit(kernels, qt: QuantizedTensor) -> int | None:
-    """The largest int16 activation the tier rounds to for these weights, where it takes fewer levels than 32767
-    (AMX's one tile product a group for 4- and 5-bit q with a minimum)."""
-    return kernels.gemm_int16_narrow.get(qt.bits) if qt.min is not None else None
 
 
 @pytest.mark.timeout(120)
@@ -115,7 +105,7 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind):
         qt = from_gguf_blocks(kind, torch.from_numpy(random_blocks(kind, 100, K)), (100, K))
     kernels = load("amx")
     amx, vectors = layer_for(qt, kernels=kernels), layer_for(qt, kernels=load("avx512"))
-    narrow = narrow_limit(kernels, qt) is not None
+    narrow = int16_limit(kernels, qt) < 32767
     assert narrow == (kind in ("Q4_1", "Q4_K", "Q5_K"))
     for rows in (1, 4, 5, 16, 17, 40):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
