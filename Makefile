@@ -16,12 +16,12 @@ serve: install
 
 test: install-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -rs $(ARGS)
+	$(PY) -m pytest -q -rfEs $(ARGS)
 
 # No real model, browser, container or live replica (tests/conftest.py fails a test that needs one unmarked).
 test-fast: install-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -rs -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -rfEs -m "not slow" $(ARGS)
 
 lint: install-test
 	$(PY) -m ruff check .

@@ -362,17 +362,18 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     parts = {name: 1e3 * statistics.median(ts[1:]) for name, ts in totals.items()}
     active = active_weight_bytes(model)
     read = read_ms(active)
+    # milliseconds to the microsecond: a tiny model's parts and read take a few (0.004 ms on a fast host)
     return {
         "batch_size": B,
         "context_len": context_len,
         "dtype": str(dtype).removeprefix("torch."),
-        "step_ms": round(step_ms, 2),
+        "step_ms": round(step_ms, 3),
         # a lone step against one read of what it must read (a floor: the weights a token touches, read once)
         "active_weight_mib": round(active / 2**20, 1),
-        "weights_read_ms": round(read, 2),
+        "weights_read_ms": round(read, 3),
         "step_over_read": round(step_ms / read, 2),
-        **{f"{name}_ms": round(ms, 2) for name, ms in parts.items()},
-        "rest_ms": round(step_ms - sum(parts.values()), 2),
+        **{f"{name}_ms": round(ms, 3) for name, ms in parts.items()},
+        "rest_ms": round(step_ms - sum(parts.values()), 3),
         "gemm_us_per_call": {
             f"{name} {blocks[name][0].out_features}x{blocks[name][0].in_features}": round(
                 1e6 * statistics.median(ts[len(blocks[name]) :]), 1
