@@ -18,10 +18,13 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     tools: Tools | None = None,
     template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The prompt the chat template makes of the messages (OpenAI's chat shape) and the tools offered, after the
     server's system prompt if they have none."""
-    return chat_prompt(serving, messages, add_generation_prompt, tools, template_kwargs).ids
+    return chat_prompt(
+        serving, messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+    ).ids
 
 
 @dataclass(slots=True)
@@ -38,9 +41,14 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     tools: Tools | None = None,
     template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
 ) -> Prompt:
     """chat_prompt_ids(), and where the reply starts against the reasoning: read from what the template adds for
-    the reply (its generation prompt), which may open the reasoning, or open and close it."""
+    the reply (its generation prompt), which may open the reasoning, or open and close it.
+
+    continue_final_message: the last message is the start of the assistant's reply (a prefill: Anthropic's final
+    assistant message, vLLM's continue_final_message), rendered without its end of turn, so that the model writes
+    on from its last character; the reply holds only what the model adds, outside the reasoning."""
     dicts = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else dict(m) for m in messages]
     for m in dicts:
         if m["role"] == "developer":
@@ -57,6 +65,10 @@ def chat_prompt(
     try:
         # The template writes the special tokens (BOS, role markers) itself.
         template_tools = tools.template_tools() if tools is not None and native else None
+        if continue_final_message:
+            final = final_assistant_text(dicts)
+            text = tokenizer.apply_chat_template(dicts, False, template_tools, template_kwargs)
+            return Prompt(tokenizer.encode(cut_after(text, final)))
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt, template_tools, template_kwargs)
         prompt = Prompt(tokenizer.encode(text))
         if serving.reasoning is not None and add_generation_prompt:
@@ -66,6 +78,34 @@ def chat_prompt(
         return prompt
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
+
+
+def final_assistant_text(messages: list[dict]) -> str:
+    """The text of the reply to continue: the last message's, which must be the assistant's, text only."""
+    final = messages[-1]
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content)
+    if final["role"] != "assistant" or final.get("tool_calls") or not (content or "").strip():
+        raise ApiError(
+            400,
+            "continuing the final message needs it to be an assistant message with text",
+            param="messages",
+        )
+    return content
+
+
+def cut_after(rendered: str, final: str) -> str:
+    """The rendered conversation up to the end of the final message's text, without what the template closes
+    its turn with. Templates may strip a message's text: its leading and trailing whitespace is kept only where
+    the template kept it (as transformers' continue_final_message does)."""
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ApiError(400, "the chat template does not render the final message's text as sent, so it cannot be "
+                       "continued", param="messages")  # fmt: skip
+    kept = final.lstrip()
+    end = at + (len(kept) if rendered.startswith(kept, at) else len(final.strip()))
+    return rendered[:end]
 
 
 # What the renderer sets itself: a request's template variables may not replace them

@@ -235,6 +235,9 @@ class TokenizeRequest(Body):
     add_generation_prompt: bool = Field(
         True, description="For messages: end with the assistant's turn opening."
     )
+    continue_final_message: bool = Field(
+        False, description="For messages: the last is an assistant reply's start, left open (a prefill)."
+    )
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):

@@ -144,7 +144,13 @@ def tokenize(body: p.TokenizeRequest, serving: Ready) -> p.TokenizeResponse:
     if body.prompt is not None:
         ids = serving.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        ids = chat_prompt_ids(serving, body.messages, body.add_generation_prompt)
+        continued = body.continue_final_message
+        ids = chat_prompt_ids(
+            serving,
+            body.messages,
+            body.add_generation_prompt and not continued,
+            continue_final_message=continued,
+        )
     return p.TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids)
 
 

@@ -82,6 +82,22 @@ def test_stop_sequences_and_max_tokens(client):
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
 
 
+def test_a_prefilled_reply_is_continued(client):
+    """Anthropic's prefill: a final assistant message is the reply's start; the model writes on from it and the
+    reply holds only what follows (the default model puts ' Paris' first at p ~0.95 after this one)."""
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    kw = dict(model="smollm2", messages=prefill, max_tokens=8, extra_body=GREEDY)
+    (block,) = client.messages.create(**kw).content
+    assert block.text.startswith(" Paris"), block.text
+    with client.messages.stream(**kw) as stream:
+        assert stream.get_final_message().content[0].text == block.text
+    # the prefill's few tokens after the question's prompt (which ends with the assistant's turn opening)
+    question = client.messages.count_tokens(model="smollm2", messages=QUESTION).input_tokens
+    assert (
+        question < client.messages.count_tokens(model="smollm2", messages=prefill).input_tokens < question + 8
+    )
+
+
 def test_json_schema_output(client):
     schema = {
         "type": "object",

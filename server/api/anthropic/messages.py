@@ -41,7 +41,16 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     budget = body.thinking.budget_tokens if thinking else None
     if budget is not None:
         check_budget(budget, "thinking.budget_tokens")
-    prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=thinking_kwargs(body))
+    if thinking and prefills(body):
+        raise ApiError(400, "a final assistant message (a prefill) cannot be continued with thinking enabled",
+                       param="messages")  # fmt: skip
+    prompt = chat_prompt(
+        serving,
+        chat_messages(body),
+        tools=tools,
+        template_kwargs=thinking_kwargs(body),
+        continue_final_message=prefills(body),
+    )
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
@@ -121,10 +130,15 @@ def chat_messages(body: mp.MessagesRequest) -> list[dict]:
             )
         elif texts or thoughts:
             messages.append({"role": m.role, "content": "\n".join(texts), **reasoning})
-    if body.messages[-1].role == "assistant":
-        why = "a final assistant message (a prefill for the reply to continue) is not supported"
-        raise ApiError(400, why, param="messages")
+    if prefills(body) and (messages[-1].get("content") or "") != (messages[-1].get("content") or "").rstrip():
+        # Anthropic's rule (a prefill ending in a space would have the model write a token that starts with one)
+        raise ApiError(400, "final assistant content cannot end with trailing whitespace", param="messages")
     return messages
+
+
+def prefills(body: mp.MessagesRequest) -> bool:
+    """The conversation ends with an assistant message: the start of the reply, which the model continues."""
+    return body.messages[-1].role == "assistant"
 
 
 @dataclass

@@ -4,7 +4,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from server.api.anthropic import protocol as mp
-from server.api.anthropic.messages import chat_messages, message, request_tools, thinking_kwargs
+from server.api.anthropic.messages import chat_messages, message, prefills, request_tools, thinking_kwargs
 from server.api.prompt import chat_prompt_ids
 from server.api.routes import Ready, check_api_key, documented_errors, documented_stream, reply
 
@@ -36,5 +36,11 @@ def count_tokens(body: mp.CountTokensRequest, serving: Ready) -> mp.TokenCount:
     """The prompt tokens a /v1/messages request with this body would have."""
     serving.check_model(body.model)
     tools = request_tools(body)
-    ids = chat_prompt_ids(serving, chat_messages(body), tools=tools, template_kwargs=thinking_kwargs(body))
+    ids = chat_prompt_ids(
+        serving,
+        chat_messages(body),
+        tools=tools,
+        template_kwargs=thinking_kwargs(body),
+        continue_final_message=prefills(body),
+    )
     return mp.TokenCount(input_tokens=len(ids))

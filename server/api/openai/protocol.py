@@ -196,11 +196,29 @@ class ChatCompletionRequest(SamplingFields):
         None, description='More variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).'
     )
     include_reasoning: bool = Field(True, description="false: the reasoning is left out of the reply.")
+    add_generation_prompt: bool = Field(
+        True, description="vLLM's: end the prompt with the opening of the assistant's turn."
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's: the last message is the start of the assistant's reply (a prefill), which the model "
+        "continues; the reply holds only the new text. Implies add_generation_prompt false.",
+    )
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_or_open_a_turn(self):
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
     @field_validator("messages")
