@@ -82,7 +82,7 @@ def chat_prompt(
 
 def final_assistant_text(messages: list[dict]) -> str:
     """The text of the reply to continue: the last message's, which must be the assistant's, text only."""
-    final = messages[-1]
+    final = messages[-1] if messages else {"role": None}
     content = final.get("content")
     if isinstance(content, list):
         content = "\n".join(part.get("text", "") for part in content)

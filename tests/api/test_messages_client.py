@@ -193,8 +193,11 @@ def test_errors_in_anthropics_shape(client, default_server):
     assert refused(anthropic.NotFoundError, model="claude-opus-4")["type"] == "not_found_error"
     result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "x"}]}
     assert "toolu_x" in refused(anthropic.BadRequestError, messages=[result])["message"]
-    prefill = [*QUESTION, {"role": "assistant", "content": "The capital"}]
-    assert "prefill" in refused(anthropic.BadRequestError, messages=prefill)["message"]
+    prefill = [
+        *QUESTION,
+        {"role": "assistant", "content": "The capital "},
+    ]  # Anthropic's rule: no trailing space
+    assert "trailing whitespace" in refused(anthropic.BadRequestError, messages=prefill)["message"]
 
 
 def test_claude_codes_requests(default_server, caplog):

@@ -82,6 +82,7 @@ def test_without_continue_final_message_a_final_assistant_message_is_a_closed_tu
             "cannot both be true",
         ),  # fmt: skip
         ("/tokenize", {"messages": START[:1], "continue_final_message": True}, 400, "assistant"),
+        ("/tokenize", {"messages": [], "continue_final_message": True}, 400, "assistant"),  # was a 500
         (
             "/v1/messages",
             {"messages": [START[0], {**START[1], "content": "My answer is "}]},

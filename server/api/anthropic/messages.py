@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from server.api.anthropic import protocol as mp
 from server.api.blocks import Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
-from server.api.prompt import chat_prompt
+from server.api.prompt import Prompt, chat_prompt
 from server.api.reasoning import check_budget, reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
@@ -44,13 +44,7 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     if thinking and prefills(body):
         raise ApiError(400, "a final assistant message (a prefill) cannot be continued with thinking enabled",
                        param="messages")  # fmt: skip
-    prompt = chat_prompt(
-        serving,
-        chat_messages(body),
-        tools=tools,
-        template_kwargs=thinking_kwargs(body),
-        continue_final_message=prefills(body),
-    )
+    prompt = render(serving, body, tools)
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
@@ -67,6 +61,16 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     )
     shape = MessagesShape(serving, body, message_id, ReplyBlocks(parser), thinking)
     return await serving.answer(choices, shape, body.stream)
+
+
+def render(serving: Serving, body: mp.MessagesRequest, tools: Tools | None) -> Prompt:
+    """The request's prompt: its conversation and tools through the chat template, as its thinking asks, and a
+    final assistant message continued (a prefill)."""
+    messages = chat_messages(body)
+    kwargs = thinking_kwargs(body)
+    return chat_prompt(
+        serving, messages, tools=tools, template_kwargs=kwargs, continue_final_message=prefills(body)
+    )
 
 
 def thinks(body: mp.MessagesRequest) -> bool:

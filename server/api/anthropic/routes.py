@@ -4,8 +4,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from server.api.anthropic import protocol as mp
-from server.api.anthropic.messages import chat_messages, message, prefills, request_tools, thinking_kwargs
-from server.api.prompt import chat_prompt_ids
+from server.api.anthropic.messages import message, render, request_tools
 from server.api.routes import Ready, check_api_key, documented_errors, documented_stream, reply
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
@@ -36,11 +35,4 @@ def count_tokens(body: mp.CountTokensRequest, serving: Ready) -> mp.TokenCount:
     """The prompt tokens a /v1/messages request with this body would have."""
     serving.check_model(body.model)
     tools = request_tools(body)
-    ids = chat_prompt_ids(
-        serving,
-        chat_messages(body),
-        tools=tools,
-        template_kwargs=thinking_kwargs(body),
-        continue_final_message=prefills(body),
-    )
-    return mp.TokenCount(input_tokens=len(ids))
+    return mp.TokenCount(input_tokens=len(render(serving, body, tools).ids))
