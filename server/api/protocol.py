@@ -99,11 +99,14 @@ def refuse_other(kinds: tuple[str, ...], what: str) -> Any:
 
 
 def one_of(handler, value: Any, message: str) -> Any:
-    # Pydantic reports a failed union once per member ("prompt.str", "prompt.list[int]", ...); say it once.
+    # Pydantic reports a failed union once per member ("prompt.str", "prompt.list[int]", ...); say it once. A
+    # value of the right kind that a member's own check refused (a string with a lone surrogate) says why instead:
+    # only the member of the value's kind gets as far as running its checks.
     try:
         return handler(value)
-    except ValidationError:
-        raise ValueError(message) from None
+    except ValidationError as e:
+        why = [err["msg"].removeprefix("Value error, ") for err in e.errors() if err["type"] == "value_error"]
+        raise ValueError(why[0] if why else message) from None
 
 
 Effort = Literal["none", "minimal", "low", "medium", "high"]

@@ -124,6 +124,17 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
     )
     assert_error(r, 400, contains="UTF-8")
+    # a lone surrogate escape is valid JSON but no text: the 400 says so, whichever of a field's shapes it came in
+    for route, body in [
+        ("/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 1}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        ),
+    ]:
+        r = post(route, content=body, headers={"content-type": "application/json"})
+        assert_error(r, 400, contains="lone surrogate")
     # beyond the context: the numbers are in the message
     r = post("/v1/completions", json={**PROMPT, "max_tokens": 10_000})
     assert_error(r, 400, "prompt", contains="10000")
