@@ -47,6 +47,7 @@ class Serving:
     received: float  # time.monotonic() when the request's whole body was here (RequestGuard)
     disconnected: Disconnected  # returns when the client has gone away
     reasoning: ReasoningFormat | None = None  # how the model writes its reasoning; None: not parsed
+    grammar_param: str | None = None  # the field its grammar came from: named if the grammar fails midway
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -250,7 +251,7 @@ class Serving:
                     c.num_output_tokens = out.num_output_tokens
                     c.num_cached_tokens = out.num_cached_tokens
                     if out.error is not None and out.error.by_request:  # its grammar failed midway
-                        raise ApiError(400, out.error.message)
+                        raise ApiError(400, out.error.message, param=self.grammar_param)
                     if out.error is not None:
                         raise ApiError(500, "internal error while generating", type="internal_error")
                     if out.finished:

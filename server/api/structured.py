@@ -42,6 +42,8 @@ async def compiled(serving: Serving, requested: tuple[GrammarSpec, str] | None):
         return None
     spec, param = requested
     try:
-        return await serving.engine.compile_grammar(spec, serving.received)
+        grammar = await serving.engine.compile_grammar(spec, serving.received)
     except ValueError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
+    serving.grammar_param = param
+    return grammar

@@ -446,13 +446,15 @@ def test_a_grammar_failing_midway_is_a_400_or_an_error_event_naming_the_grammar(
     url, _ = start_server(tight_grammar_engine)
     chat = {**MESSAGE, "max_tokens": 40, "temperature": 0, "response_format": SCHEMA_FORMAT}
     with httpx.Client(base_url=url, timeout=30) as client:
+        # named by the field the grammar came from, as a grammar refused at its compile is
         error = assert_error(
-            client.post("/v1/chat/completions", json=chat), 400, None, "grammar failed after"
+            client.post("/v1/chat/completions", json=chat), 400, "response_format", "grammar failed after"
         )
         assert error["type"] == "invalid_request_error" and "<state>" not in error["message"]
         events = sse_events(client.post("/v1/chat/completions", json={**chat, "stream": True}).content)
         assert events[-1]["error"]["type"] == "invalid_request_error"
         assert "grammar failed after" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["param"] == "response_format"
         schema = SCHEMA_FORMAT["json_schema"]["schema"]
         messages = {
             **MESSAGE,
