@@ -47,8 +47,9 @@ def chat_prompt(
     the reply (its generation prompt), which may open the reasoning, or open and close it.
 
     continue_final_message: the last message is the start of the assistant's reply (a prefill: Anthropic's final
-    assistant message, vLLM's continue_final_message), rendered without its end of turn, so that the model writes
-    on from its last character; the reply holds only what the model adds, outside the reasoning."""
+    assistant message, vLLM's continue_final_message), rendered without its end of turn (and no generation
+    prompt, whatever add_generation_prompt says), so that the model writes on from its last character; the reply
+    holds only what the model adds, outside the reasoning."""
     dicts = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else dict(m) for m in messages]
     for m in dicts:
         if m["role"] == "developer":

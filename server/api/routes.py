@@ -146,10 +146,7 @@ def tokenize(body: p.TokenizeRequest, serving: Ready) -> p.TokenizeResponse:
     else:
         continued = body.continue_final_message
         ids = chat_prompt_ids(
-            serving,
-            body.messages,
-            body.add_generation_prompt and not continued,
-            continue_final_message=continued,
+            serving, body.messages, body.add_generation_prompt, continue_final_message=continued
         )
     return p.TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids)
 

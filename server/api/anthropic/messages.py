@@ -134,7 +134,8 @@ def chat_messages(body: mp.MessagesRequest) -> list[dict]:
             )
         elif texts or thoughts:
             messages.append({"role": m.role, "content": "\n".join(texts), **reasoning})
-    if prefills(body) and (messages[-1].get("content") or "") != (messages[-1].get("content") or "").rstrip():
+    final = (messages[-1].get("content") or "") if prefills(body) and messages else ""
+    if final != final.rstrip():
         # Anthropic's rule (a prefill ending in a space would have the model write a token that starts with one)
         raise ApiError(400, "final assistant content cannot end with trailing whitespace", param="messages")
     return messages

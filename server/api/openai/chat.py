@@ -24,12 +24,7 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
     tools = chat_tools(body)
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     prompt = chat_prompt(
-        serving,
-        body.messages,
-        body.add_generation_prompt and not body.continue_final_message,
-        tools,
-        kwargs,
-        body.continue_final_message,
+        serving, body.messages, body.add_generation_prompt, tools, kwargs, body.continue_final_message
     )
     ids = prompt.ids
     max_tokens = body.max_completion_tokens or body.max_tokens or serving.rest_of_context(ids, "messages")
