@@ -31,8 +31,8 @@ KEY_TILE = 16
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
+    k: torch.Tensor | None,  # [T, KVH, D]; None: a layer that reads an earlier layer's K/V (q comes rotated)
+    v: torch.Tensor | None,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [KVH, num_slots, D] this layer's keys
     v_cache: torch.Tensor,
     meta,  # the step's metadata, from the backend's build()
@@ -100,7 +100,10 @@ def kernel_tables(
 
 def rotate_and_store(q, k, v, k_cache, v_cache, slot_mapping, rope):
     """q and k rotated by their positions (rope = (cos, sin), or None), the new k and v written into the cache
-    by slot (in the cache's dtype, which may differ from the step's: bfloat16 under float32, cpu_tier.py)."""
+    by slot (in the cache's dtype, which may differ from the step's: bfloat16 under float32, cpu_tier.py). k and
+    v None: a layer that reads another's K/V, writing none (its q comes rotated)."""
+    if k is None:
+        return q, k
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
@@ -116,7 +119,8 @@ def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> 
 @dataclass
 class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query slot; padding repeats a real token
-    # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D]; per KV group (None until set)
+    # [B * KVH * N] rows of the cache viewed as [KVH * blocks, block_size * D], or where the KV groups' heads differ
+    # (a strided cache: model/kv_cache.py) the [B * N] blocks; per KV group (None until set)
     gather_index: torch.Tensor | None
     masked: dict[int | None, torch.Tensor]  # its window -> [B, 1, Q, 1, L] bool, True = may NOT attend
     valid: torch.Tensor  # [n] indices into the flattened [B * Q] query slots that are real tokens
@@ -137,14 +141,12 @@ class TorchAttentionMetadata:
         self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
         q, k = rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping, rope)
-        KVH, _, D = k_cache.shape
         fn = attend_sdpa if self.sdpa else attend
         out = None
         for g in self.groups:  # at most two: decodes, prefill chunks
             B, Q = g.query_index.shape
             keys, values = (
-                gather_blocks(c, g.gather_index, self.block_size).view(B, KVH, -1, D).to(q.dtype)
-                for c in (k_cache, v_cache)
+                gather_keys(c, g.gather_index, self.block_size, B).to(q.dtype) for c in (k_cache, v_cache)
             )
             queries = q.view(B, Q, *q.shape[1:]) if g.whole else q[g.query_index]
             o = fn(queries, keys, values, g.masked[window], scale, softcap, sinks)  # [B, Q, H, D]
@@ -163,14 +165,15 @@ class TorchAttention:
     def __init__(
         self,
         block_size: int,
-        num_kv_heads: int,
+        num_kv_heads: int | None,
         num_cache_blocks: int,
         device: torch.device | str = "cpu",
         group_windows: Sequence[int | None] = (None,),
         min_query_len: int = 1,
         sdpa: bool = False,
     ):
-        """group_windows: each KV group's sliding window (None: full attention), in the order of a sequence's
+        """num_kv_heads: the cache's, None where its KV groups' heads differ (then it is gathered by block).
+        group_windows: each KV group's sliding window (None: full attention), in the order of a sequence's
         block tables; a sliding group's rows gather only the blocks their window reaches. sdpa: torch's fused
         SDPA (GPUs) rather than two matmuls (whose rows are batch-invariant on CPU)."""
         self.block_size, self.num_kv_heads, self.num_cache_blocks = block_size, num_kv_heads, num_cache_blocks
@@ -247,6 +250,8 @@ class TorchAttention:
             t = table[first : first + group.num_blocks]
             key_blocks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
         key_blocks.clamp_(min=0)
+        if self.num_kv_heads is None:
+            return to_device(key_blocks.flatten(), self.device)
         rows = cache_rows(key_blocks, self.num_kv_heads, self.num_cache_blocks)
         return to_device(rows, self.device)
 
@@ -280,6 +285,16 @@ def cache_rows(key_blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> 
     [KVH * num_blocks, block_size * D]: sequence-major, so the gathered keys are [B, KVH, keys, D]."""
     heads = torch.arange(num_kv_heads, device=key_blocks.device)[:, None] * num_blocks  # [KVH, 1]
     return (key_blocks[:, None, :] + heads).flatten()
+
+
+def gather_keys(cache: torch.Tensor, index: torch.Tensor, block_size: int, batch: int) -> torch.Tensor:
+    """[batch, KVH, keys, D]: the blocks `index` names (TorchAttention's gather_index) of a [KVH, slots, D] cache:
+    rows of a contiguous cache (gather_blocks), or blocks of a strided one (whose groups' heads differ)."""
+    KVH, _, D = cache.shape
+    if cache.is_contiguous():
+        return gather_blocks(cache, index, block_size).view(batch, KVH, -1, D)
+    blocks = cache.unflatten(1, (-1, block_size)).index_select(1, index)  # [KVH, batch * N, block_size, D]
+    return blocks.view(KVH, batch, -1, D).transpose(0, 1)
 
 
 def gather_blocks(cache: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:

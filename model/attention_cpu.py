@@ -28,10 +28,11 @@ class CpuKernelMetadata:
     ) -> torch.Tensor:
         """One call: q and k rotated (rope = (cos, sin) or None), k and v written by slot, attention."""
         cos, sin = rope if rope is not None else (None, None)
+        slots = self.slot_mapping if k is not None else None  # none written: a layer reading another's K/V
         # all positional: pybind11 matches keywords by name on every call, ~0.1 ms of a 1-row step over 30 layers
         return self.kernel(
             q, k_cache, v_cache, self.block_tables, self.seqs, self.block_size, scale, window or 0, softcap or 0.0, KERNEL_CHUNK,
-            k, v, self.slot_mapping, cos, sin, sinks,
+            k, v, slots, cos, sin, sinks,
         )  # fmt: skip
 
 

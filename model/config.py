@@ -27,7 +27,7 @@ class Rope:
 
     theta: float
     dim: int  # rotary dims of a head: all of them but for partial rotary
-    kind: str = "default"  # default | linear | llama3 | longrope
+    kind: str = "default"  # default | linear | llama3 | longrope | yarn | proportional
     scaling: tuple[tuple[str, float], ...] = ()  # the kind's parameters, sorted (key, value) pairs
     # longrope (Phi-3): per-frequency divisors for sequences that stay within the pretraining length, and for
     # those that may grow past it (one list per request: switching would change every cached key)
@@ -45,6 +45,17 @@ class LayerSpec:
     # attention: over the paged KV cache | linear_attention: Gated DeltaNet, a recurrent state per sequence
     # (ModelConfig.linear_attention, model/deltanet.py)
     mixer: str = "attention"
+    # this layer's attention heads where they differ from the model's (Gemma 4's full-attention layers: wider heads,
+    # fewer KV heads); 0: ModelConfig.head_dim, num_kv_heads
+    head_dim: int = 0
+    num_kv_heads: int = 0
+    k_eq_v: bool = False  # the key projection's output is the values too (Gemma 4's full layers: no v_proj)
+    # an earlier layer whose cached K/V this one reads, having none of its own (Gemma 4's last
+    # num_kv_shared_layers: no k/v projections, nothing written); -1: its own
+    kv_source: int = -1
+    intermediate_size: int = (
+        0  # this layer's MLP's where not the model's (Gemma 4's double-wide MLPs); 0: the model's
+    )
 
 
 @dataclass(frozen=True)
@@ -90,11 +101,13 @@ class LinearAttentionSpec:
 
 @dataclass(frozen=True)
 class KvGroup:
-    """Attention layers whose K/V share one block table per sequence: layers of one window (None: full attention).
-    Every group holds the same number of layers in a page (ModelConfig.kv_groups)."""
+    """Attention layers whose K/V share one block table per sequence: layers of one window (None: full attention)
+    and one head shape. Every group holds the same number of layers in a page (ModelConfig.kv_groups)."""
 
     window: int | None
     layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,12 @@ class ModelConfig:
     logits_scaling: float = 1.0  # Granite: logits divided by this
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
     attn_sinks: bool = False  # GPT-OSS: a learned logit per head in each query's softmax, with no value
+    v_norm: bool = False  # Gemma 4: the values RMS-normalised per head (no weight) before they are cached
+    layer_scalar: bool = False  # Gemma 4: each block's output (the residual stream) times a loaded scalar
+    # Gemma 4's per-layer embeddings (PLE): this many values of a token's own embedding table, and of a projection of
+    # its embedding, for each layer, which the layer gates into its output (model/transformer.py); 0: none
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0  # the per-layer embeddings' rows (vocab_size_per_layer_input)
     final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -147,6 +166,23 @@ class ModelConfig:
     def family(self) -> Family:
         return FAMILIES[self.architecture]
 
+    def kv_shape(self, spec: LayerSpec) -> tuple[int, int]:
+        """A layer's (KV heads, head dim)."""
+        return spec.num_kv_heads or self.num_kv_heads, spec.head_dim or self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """The widest attention layer's K (or V) values a token: KV heads x head dim."""
+        return max(
+            (g.num_kv_heads * g.head_dim for g in self.kv_groups), default=self.num_kv_heads * self.head_dim
+        )
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every attention layer's K/V have the model's head shape (then the cache keeps each head's slots
+        together: model/kv_cache.py)."""
+        return all((g.num_kv_heads, g.head_dim) == (self.num_kv_heads, self.head_dim) for g in self.kv_groups)
+
     @property
     def kv_page_layers(self) -> int:
         """The layers whose K/V one page of the cache holds: the largest KV group's (0: no attention layer)."""
@@ -159,34 +195,39 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        """The layers that keep K/V in the paged cache (the others keep a state per sequence)."""
-        return [i for i, layer in enumerate(self.layers) if layer.mixer == "attention"]
+        """The layers that keep K/V in the paged cache (the others keep a state per sequence, or read an earlier
+        layer's K/V)."""
+        return [
+            i for i, layer in enumerate(self.layers) if layer.mixer == "attention" and layer.kv_source < 0
+        ]
 
     @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
-        """The attention layers in groups of one window each, as the KV cache pages them: a page holds a block of
-        tokens of every layer of one group, and each group has its own block table per sequence, so a
-        sliding-window layer's blocks can be freed once they leave its window while a full layer's stay (vLLM's
-        hybrid allocator does the same). Groups are as large as the smallest kind's layers: Gemma 3 270M's 3 full
-        and 15 sliding layers make 1 + 5 groups of 3; a kind that does not divide leaves part of its last group's
-        pages unused (Gemma 3 1B's 4 and 22: one group of 2 in 4 places). Full attention first."""
-        kinds: dict[int | None, list[int]] = {}
+        """The attention layers in groups of one window and head shape each, as the KV cache pages them: a page
+        holds a block of tokens of every layer of one group, and each group has its own block table per sequence,
+        so a sliding-window layer's blocks can be freed once they leave its window while a full layer's stay
+        (vLLM's hybrid allocator does the same). Groups are as large as the smallest kind's layers: Gemma 3 270M's
+        3 full and 15 sliding layers make 1 + 5 groups of 3; a kind that does not divide leaves part of its last
+        group's pages unused (Gemma 3 1B's 4 and 22: one group of 2 in 4 places). Full attention first."""
+        kinds: dict[tuple[int | None, int, int], list[int]] = {}
         for i in self.attention_layers:
-            kinds.setdefault(self.layers[i].window, []).append(i)
+            kinds.setdefault((self.layers[i].window, *self.kv_shape(self.layers[i])), []).append(i)
         if not kinds:
             return ()
         size = min(len(layers) for layers in kinds.values())
-        order = sorted(kinds, key=lambda w: -1 if w is None else w)
+        order = sorted(kinds, key=lambda kind: (-1 if kind[0] is None else kind[0], kind[1:]))
         return tuple(
-            KvGroup(window, tuple(kinds[window][j : j + size]))
-            for window in order
-            for j in range(0, len(kinds[window]), size)
+            KvGroup(kind[0], tuple(kinds[kind][j : j + size]), *kind[1:])
+            for kind in order
+            for j in range(0, len(kinds[kind]), size)
         )
 
     @property
     def kv_rows(self) -> dict[int, tuple[int, int]]:
-        """Each attention layer's (KV group, its row in that group's pages)."""
-        return {i: (g, j) for g, group in enumerate(self.kv_groups) for j, i in enumerate(group.layers)}
+        """Each attention layer's (KV group, its row in that group's pages); a layer that reads another's K/V,
+        that layer's."""
+        rows = {i: (g, j) for g, group in enumerate(self.kv_groups) for j, i in enumerate(group.layers)}
+        return rows | {i: rows[spec.kv_source] for i, spec in enumerate(self.layers) if spec.kv_source >= 0}
 
     @property
     def linear_layers(self) -> list[int]:
@@ -256,8 +297,11 @@ class ModelConfig:
             )
         hidden, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or hidden // heads
-        ropes = rope_by_layer_type(cfg, head_dim)
         kinds = layer_types(cfg, family, n)
+        # layer -> (head dim, KV heads, keys as values, KV source, MLP size) where not the model's (Gemma 4's)
+        own_heads = gemma4_layers(cfg, kinds) if family.gemma4 else {}
+        full_dim = next((d for i, (d, *_) in own_heads.items() if kinds[i] == "full_attention"), head_dim)
+        ropes = rope_by_layer_type(cfg, head_dim, full_dim)
         nope = [i for i, uses_rope in enumerate(cfg.get("no_rope_layers") or [1] * n) if not uses_rope]
         window = cfg.get("sliding_window")
         moe, sparse = moe_spec(cfg, family), sparse_layers(cfg, family, n)
@@ -268,10 +312,16 @@ class ModelConfig:
                 None if i in nope or kind == linear else ropes[kind],
                 "moe" if i in sparse else "dense",
                 linear if kind == linear else "attention",
+                *own_heads.get(i, ()),
             )
             for i, kind in enumerate(kinds)
         )
         bias = bool(cfg.get("attention_bias", False))
+        per_layer_size = (cfg.get("hidden_size_per_layer_input") or 0) if family.gemma4 else 0
+        if per_layer_size and cfg["vocab_size_per_layer_input"] < cfg["vocab_size"]:
+            raise UnsupportedModelError(
+                "per-layer embeddings for fewer tokens than the vocabulary are not served"
+            )
         scalar = cfg.get("query_pre_attn_scalar")
         return cls(
             **common,
@@ -294,7 +344,12 @@ class ModelConfig:
             o_bias=bias and not family.qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             norm_offset=family.norm_offset,
-            attention_scale=scalar**-0.5 if scalar else cfg.get("attention_multiplier", 0.0),
+            # Gemma 4: 1, its q/k norms scale
+            attention_scale=1.0
+            if family.gemma4
+            else scalar**-0.5
+            if scalar
+            else cfg.get("attention_multiplier", 0.0),
             embedding_scale=math.sqrt(hidden)
             if family.embedding_scale_sqrt_hidden
             else cfg.get("embedding_multiplier", 1.0),
@@ -306,7 +361,56 @@ class ModelConfig:
             moe=moe,
             linear_attention=linear_attention_spec(cfg) if linear in kinds else None,
             attn_output_gate=family.attn_output_gate,
+            v_norm=family.gemma4,
+            layer_scalar=family.gemma4,
+            per_layer_input_size=per_layer_size,
+            per_layer_vocab_size=cfg["vocab_size_per_layer_input"] if per_layer_size else 0,
         )
+
+
+def gemma4_layers(cfg: dict, kinds: list[str]) -> dict[int, tuple[int, int, bool, int, int]]:
+    """Gemma 4's layers that differ from the model's: (head dim, KV heads, keys as values, KV source, MLP size),
+    LayerSpec's fields. Its full-attention layers' heads as transformers' Gemma4TextConfig reads them:
+    per_layer_config where the config has it (what save_pretrained writes), else global_head_dim (512) and, where
+    attention_k_eq_v, num_global_key_value_heads (the hub's configs). Its last num_kv_shared_layers read the cache
+    of the last earlier layer of their kind (E2B, E4B), with MLPs twice as wide where use_double_wide_mlp. What
+    kvserve does not serve yet is refused by name."""
+    if cfg.get("enable_moe_block"):
+        raise UnsupportedModelError(
+            "Gemma 4's mixture-of-experts layers (26B-A4B: enable_moe_block) are not served yet"
+        )
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError(
+            "bidirectional attention (use_bidirectional_attention='all') is not served"
+        )
+    k_eq_v = bool(cfg.get("attention_k_eq_v"))
+    if "per_layer_config" in cfg:
+        overrides = {int(i): o for i, o in cfg["per_layer_config"].items()}
+    else:
+        override = {"head_dim": cfg.get("global_head_dim", 512)}
+        if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+            override["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        overrides = {i: override for i, kind in enumerate(kinds) if kind == "full_attention"}
+    n = len(kinds)
+    first_shared = n - (cfg.get("num_kv_shared_layers") or 0)
+    layers = {}
+    for i, kind in enumerate(kinds):
+        o = overrides.get(i, {})
+        kv = o.get("num_key_value_heads") or cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        source, size = -1, 0
+        if i >= first_shared:
+            source = max((j for j in range(first_shared) if kinds[j] == kind), default=-1)
+            if source < 0:
+                raise UnsupportedModelError(f"layer {i} shares the KV cache of no earlier {kind} layer")
+            size = cfg["intermediate_size"] * 2 if cfg.get("use_double_wide_mlp") else 0
+        layers[i] = (
+            o.get("head_dim") or cfg["head_dim"],
+            kv,
+            k_eq_v and kind == "full_attention",
+            source,
+            size,
+        )
+    return layers
 
 
 def linear_attention_spec(cfg: dict) -> LinearAttentionSpec:
@@ -401,14 +505,17 @@ def layer_types(cfg: dict, family: Family, n: int) -> list[str]:
         kinds = [full] * n
     if len(kinds) != n:
         raise UnsupportedModelError(f"layer_types lists {len(kinds)} layers, the model has {n}")
+    if family.gemma4:  # as Gemma4TextConfig forces it, whatever layer_types say
+        kinds[-1] = full
     if not cfg.get("sliding_window"):  # a sliding layer without a window attends to everything
         kinds = [full if kind == sliding else kind for kind in kinds]
     return kinds
 
 
-def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
+def rope_by_layer_type(cfg: dict, head_dim: int, full_dim: int | None = None) -> dict[str, Rope]:
     """The Rope of each layer type, from transformers 5's `rope_parameters` (one dict, or one per layer type) or
-    4.x's `rope_theta` / `rope_scaling` (with Gemma 3's `rope_local_base_freq` for sliding layers)."""
+    4.x's `rope_theta` / `rope_scaling` (with Gemma 3's `rope_local_base_freq` for sliding layers). full_dim: the
+    full-attention layers' head dim, where theirs is not head_dim (Gemma 4's)."""
     params = cfg.get("rope_parameters")
     if params and all(isinstance(v, dict) for v in params.values()):
         per_type = params
@@ -419,7 +526,8 @@ def rope_by_layer_type(cfg: dict, head_dim: int) -> dict[str, Rope]:
         per_type = {"full_attention": flat, "sliding_attention": flat}
         if "rope_local_base_freq" in cfg:
             per_type["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
-    ropes = {kind: rope(p, head_dim, cfg) for kind, p in per_type.items()}
+    dims = {"full_attention": full_dim or head_dim}
+    ropes = {kind: rope(p, dims.get(kind, head_dim), cfg) for kind, p in per_type.items()}
     ropes.setdefault("sliding_attention", ropes["full_attention"])
     return ropes
 
@@ -433,6 +541,7 @@ def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "longrope": (),
         "yarn": (),
+        "proportional": ("factor", "partial_rotary_factor"),
     }
     if kind not in keys:
         raise UnsupportedModelError(
@@ -440,6 +549,13 @@ def rope(params: dict, head_dim: int, cfg: dict) -> Rope:
         )
     dim = int(head_dim * params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     theta = float(params["rope_theta"] if "rope_theta" in params else cfg["rope_theta"])
+    if (
+        kind == "proportional"
+    ):  # Gemma 4: the whole head's pairs, only the first partial_rotary_factor turning
+        defaults = {"factor": 1.0, "partial_rotary_factor": 1.0}
+        return Rope(
+            theta, head_dim, kind, tuple(sorted((k, float(params.get(k, v))) for k, v in defaults.items()))
+        )
     scaling = tuple(sorted((k, float(params[k])) for k in keys[kind]))
     if kind == "yarn":
         return yarn(params, dim, theta, cfg)

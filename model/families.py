@@ -291,16 +291,40 @@ class Family:
     moe: Moe | None = None  # sparse experts in place of the MLP (model/moe.py), in the layers Moe.layers says
     linear_attention: bool = False  # Gated DeltaNet layers where layer_types say linear_attention (Qwen3.5)
     attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
+    # Gemma 4: full-attention layers with heads of their own (global_head_dim, num_global_key_value_heads, keys as
+    # values where attention_k_eq_v), q/k norms that do the scaling (the scores' scale is 1), values normed per head
+    # (no weight), each block's output times a loaded layer_scalar, and per-layer embeddings
+    # (hidden_size_per_layer_input); the last layer is always full attention
+    gemma4: bool = False
     # config.json key -> transformers' default for it (see LLAMA_DEFAULTS above); tests/model/test_config_defaults.py
     # checks each against the class and that nothing else is read
     config_defaults: dict = field(default_factory=dict, compare=False)
 
+
+# Gemma 4: Gemma 3's block (no 1 + w norms), a layer_scalar per block, full-attention layers without v_proj where
+# keys are values, and the per-layer embeddings (PLE): a table of per-layer token embeddings, a projection of the
+# token's embedding to every layer's input and its norm; in each layer, a gate, a projection back and a norm
+GEMMA4_WEIGHTS = llama_weights(**GEMMA_NORMS, **QK_NORMS) | {
+    "layers.{i}.attn.qkv.weight": [
+        ([_layer(f"self_attn.{p}_proj.weight") for p in "qkv"], "cat"),
+        ([_layer(f"self_attn.{p}_proj.weight") for p in "qk"], "cat"),
+        ([_layer("self_attn.q_proj.weight")], ""),  # a layer that reads an earlier one's K/V
+    ],
+    "layers.{i}.layer_scalar": ([_layer("layer_scalar")], ""),
+    "per_layer_embed.weight": (["model.embed_tokens_per_layer.weight"], ""),
+    "per_layer_projection.weight": (["model.per_layer_model_projection.weight"], ""),
+    "per_layer_norm.weight": (["model.per_layer_projection_norm.weight"], ""),
+    "layers.{i}.per_layer_gate.weight": ([_layer("per_layer_input_gate.weight")], ""),
+    "layers.{i}.per_layer_projection.weight": ([_layer("per_layer_projection.weight")], ""),
+    "layers.{i}.per_layer_norm.weight": ([_layer("post_per_layer_input_norm.weight")], ""),
+}
 
 # A multimodal checkpoint's text model: the family it is, its config under text_config and its weights under
 # model.language_model (kvserve serves the text; the vision tower's weights are left unread)
 TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
@@ -358,6 +382,43 @@ FAMILIES = {
             # the config class is Gemma3TextConfig; sliding layers rotate with rope_local_base_freq
             config_defaults=GEMMA_DEFAULTS
             | dict(max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
+        ),
+        Family(
+            "Gemma4ForCausalLM",  # the text model (Gemma4TextConfig): Gemma 4 31B, E2B, E4B
+            GEMMA4_WEIGHTS,
+            block="sandwich",
+            qk_norm="head",
+            embedding_scale_sqrt_hidden=True,
+            window_layers=6,
+            gemma4=True,
+            config_defaults=dict(
+                tie_word_embeddings=True,
+                bos_token_id=2,
+                eos_token_id=1,
+                rms_norm_eps=1e-6,
+                hidden_activation="gelu_pytorch_tanh",
+                head_dim=256,
+                num_key_value_heads=4,
+                max_position_embeddings=131072,
+                sliding_window=512,
+                attention_bias=False,
+                final_logit_softcapping=None,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {
+                        "rope_type": "proportional",
+                        "partial_rotary_factor": 0.25,
+                        "rope_theta": 1000000.0,
+                    },
+                },
+                attention_k_eq_v=False,
+                num_kv_shared_layers=0,
+                hidden_size_per_layer_input=256,
+                vocab_size_per_layer_input=262144,
+                enable_moe_block=False,
+                use_double_wide_mlp=False,
+                use_bidirectional_attention=None,
+            ),
         ),
         Family(
             "Olmo2ForCausalLM",

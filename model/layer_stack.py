@@ -64,6 +64,11 @@ CONFIG_FIELDS = {
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
     "linear_attention": _any,  # the shape of the layers whose mixer says linear_attention (LAYER_FIELDS)
     "attn_output_gate": _any,  # Qwen3.5's gated attention: its output times sigmoid(gate)
+    # Gemma 4's value norm, layer scalars and per-layer embeddings: not in the loop
+    "v_norm": lambda c: not c.v_norm,
+    "layer_scalar": lambda c: not c.layer_scalar,
+    "per_layer_input_size": lambda c: c.per_layer_input_size == 0,
+    "per_layer_vocab_size": _any,
 }  # fmt: skip
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
@@ -74,6 +79,12 @@ LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
     # attention, or Gated DeltaNet (model/csrc/deltanet.cpp)
     "mixer": lambda spec, c: spec.mixer in ("attention", "linear_attention"),
+    # the model's heads on every layer (the loop reads the cache as one [layers, KVH, slots, D] pool)
+    "head_dim": lambda spec, c: spec.head_dim in (0, c.head_dim),
+    "num_kv_heads": lambda spec, c: spec.num_kv_heads in (0, c.num_kv_heads),
+    "k_eq_v": lambda spec, c: not spec.k_eq_v,
+    "kv_source": lambda spec, c: spec.kv_source < 0,
+    "intermediate_size": lambda spec, c: spec.intermediate_size == 0,
 }
 
 

@@ -72,6 +72,11 @@ def rope_inv_freq(rope: Rope) -> torch.Tensor:
         return (inv_freq / s["factor"]).float()
     if rope.kind == "yarn":
         return yarn_inv_freq(inv_freq, d, rope.theta, s)
+    if (
+        rope.kind == "proportional"
+    ):  # Gemma 4: the first partial_rotary_factor of the pairs turn, the rest stay
+        turning = int(s["partial_rotary_factor"] * d // 2)
+        return (inv_freq * (torch.arange(d // 2) < turning) / s["factor"]).float()
     if rope.kind != "llama3":
         return inv_freq.float()
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between
@@ -151,16 +156,17 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, spec: LayerSpec, ops: Ops):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
+        self.num_heads = config.num_heads
+        self.num_kv_heads, self.head_dim = config.kv_shape(spec)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Qwen3.5: each head's query rows followed by as many rows of its output gate
         self.gated = config.attn_output_gate
         q_rows = 2 * q_size if self.gated else q_size
-        self.qkv = Linear(config.hidden_size, q_rows + 2 * kv_size, config.qkv_bias, ops.linear)
+        # Gemma 4's full layers: no value projection, the keys (before their norm and RoPE) are the values; its last
+        # layers: no K/V of their own, they read an earlier layer's (kv_source)
+        self.k_eq_v, self.reads_kv = spec.k_eq_v, spec.kv_source >= 0
+        kv_rows = 0 if self.reads_kv else kv_size if self.k_eq_v else 2 * kv_size
+        self.qkv = Linear(config.hidden_size, q_rows + kv_rows, config.qkv_bias, ops.linear)
         self.o = Linear(q_size, config.hidden_size, config.o_bias, ops.linear)
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.window, self.softcap = spec.window, config.attn_softcap
@@ -172,7 +178,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             per_head = self.qk_norm == "head"
             self.q_norm = Norm(self.head_dim if per_head else q_size, config, ops.rms_norm)
-            self.k_norm = Norm(self.head_dim if per_head else kv_size, config, ops.rms_norm)
+            self.k_norm = (
+                None if self.reads_kv else Norm(self.head_dim if per_head else kv_size, config, ops.rms_norm)
+            )
+        self.v_norm = config.v_norm  # Gemma 4: each value head RMS-normalised, with no weight
+        self.eps = config.norm_eps
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -181,9 +191,20 @@ class Attention(nn.Module):
             q_gate, kv = self.qkv(x).split((2 * H * D, 2 * KVH * D), dim=1)
             q, gate = q_gate.view(T, H, 2 * D).chunk(2, dim=-1)
             k, v = kv.view(T, 2 * KVH, D).chunk(2, dim=1)
+        elif self.reads_kv:  # queries only: the keys and values are in the cache already
+            q, k, v = self.qkv(x).view(T, H, D), None, None
+        elif self.k_eq_v:
+            q, k = self.qkv(x).view(T, H + KVH, D).split_with_sizes((H, KVH), dim=1)
+            v = k
         else:
             q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
-        if self.qk_norm == "head":
+        if self.v_norm and v is not None:  # in float32, as the reference
+            v = F.rms_norm(v.float(), (D,), eps=self.eps).to(v.dtype)
+        if self.reads_kv:
+            q = self.q_norm(q) if self.qk_norm == "head" else q
+            if rope is not None:  # rotated here: the kernels rotate queries only beside keys they store
+                q, rope = apply_rope(q, *rope), None
+        elif self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "proj":
             q, k = self.q_norm(q.reshape(T, -1)).view(T, H, D), self.k_norm(k.reshape(T, -1)).view(T, KVH, D)
@@ -247,17 +268,36 @@ class Block(nn.Module):
         self.post_attn_norm = norm(ops.rms_norm) if post else None
         self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
         # the FFN, of the layer's kind: dense, or sparse experts (model/moe.py)
-        self.mlp = MoE(config, ops, MLP) if spec.ffn == "moe" else MLP(config, ops)
+        self.mlp = (
+            MoE(config, ops, MLP) if spec.ffn == "moe" else MLP(config, ops, spec.intermediate_size or None)
+        )
         self.post_mlp_norm = norm(ops.rms_norm) if post else None
         self.residual_scale = config.residual_scale
+        # Gemma 4: the token's per-layer input gated into the stream, then the stream times a loaded scalar
+        self.per_layer_gate = self.per_layer_projection = self.per_layer_norm = None
+        if size := config.per_layer_input_size:
+            self.per_layer_gate = Linear(config.hidden_size, size, False, ops.linear)
+            self.per_layer_projection = Linear(size, config.hidden_size, False, ops.linear)
+            self.per_layer_norm = norm(ops.rms_norm)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalar else None
 
-    def forward(self, x, residual, rope, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous block's output, residual: the stream it adds to (None before the first block).
-        Returns this block's output and the stream it adds to: the next norm adds them (one fused pass)."""
+    def forward(
+        self, x, residual, rope, k_cache, v_cache, meta, per_layer_input=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the previous block's output, residual: the stream it adds to (None before the first block, or where
+        the previous block returned the stream whole). Returns this block's output and the stream it adds to: the
+        next norm adds them (one fused pass). per_layer_input: this layer's [T, per_layer_input_size] (Gemma 4)."""
         h, residual = self.norm1.add_forward(x, residual)
         attended = self.branch_out(self.attn(h, rope, k_cache, v_cache, meta), self.post_attn_norm)
         h, residual = self.norm2.add_forward(attended, residual)
-        return self.branch_out(self.mlp(h), self.post_mlp_norm), residual
+        out = self.branch_out(self.mlp(h), self.post_mlp_norm)
+        if self.layer_scalar is None:
+            return out, residual
+        x = out + residual
+        if self.per_layer_gate is not None:
+            gated = F.gelu(self.per_layer_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.per_layer_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar, None
 
     def branch_out(self, x: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
         """What a branch adds to the residual stream: normed after (Gemma, OLMo 2), scaled (Granite)."""
@@ -290,6 +330,14 @@ class Transformer(nn.Module):
         )
         self.layers = nn.ModuleList(Block(config, spec, ops) for spec in config.layers)
         self.norm = Norm(config.hidden_size, config, ops.rms_norm)
+        # Gemma 4's per-layer embeddings: each token's own [layers x size] row, and a projection of its embedding
+        self.per_layer_embed = self.per_layer_projection = self.per_layer_norm = None
+        if size := config.per_layer_input_size:
+            width = config.num_layers * size
+            vocab = config.per_layer_vocab_size
+            self.per_layer_embed = Linear(width, vocab, False, ops.linear, rows=True, gemm=False)
+            self.per_layer_projection = Linear(config.hidden_size, width, False, ops.linear)
+            self.per_layer_norm = Norm(size, config, ops.rms_norm)
         self.inv_freqs: dict[Rope, torch.Tensor] = {}  # each distinct Rope's frequencies (rope_tables_to)
         self._build_layer_stack = ops.layer_stack
         self.layer_stack = None  # the blocks as one call, once the weights are ready
@@ -322,14 +370,25 @@ class Transformer(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
+        per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
         if self.layer_stack is not None:
             x, residual = self.layer_stack(x, ropes, kv_cache, meta, states)
         else:
             residual = None
             for i, layer in enumerate(self.layers):
                 step = states if layer.linear else meta[kv_cache.group_of[i]]
-                x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), step)
+                extra = () if per_layer is None else (per_layer[:, i],)
+                x, residual = layer(x, residual, ropes.get(layer.rope), *kv_cache.layer(i), step, *extra)
         return self.norm.add_forward(x, residual)[0]
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's [T, layers, size] per-layer inputs: (norm(projection of the scaled embedding x / sqrt(hidden))
+        + the token's own row * sqrt(size)) / sqrt(2), with the reference's roundings."""
+        size, dtype = self.config.per_layer_input_size, x.dtype
+        own = self.per_layer_embed.rows(input_ids, dtype) * torch.tensor(size**0.5, dtype=dtype)
+        projected = self.per_layer_projection(x) * self.config.hidden_size**-0.5
+        projected = self.per_layer_norm(projected.view(x.shape[0], -1, size))
+        return (projected + own.view_as(projected)) * 2**-0.5
 
     def rope(
         self, rope: Rope, positions: torch.Tensor, dtype: torch.dtype, long_rope: torch.Tensor | None = None

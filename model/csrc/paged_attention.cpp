@@ -64,13 +64,13 @@ inline void rotate(const T* x, const T* cos, const T* sin, int64_t D, float* out
 // The step's new keys (rotated when cos is given) and values, written into the caches at their slots.
 template <typename T, typename C>
 void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slots, int64_t T_, int64_t KVH,
-           int64_t D, const T* cos, const T* sin, C* k_cache, C* v_cache, int64_t num_slots) {
+           int64_t D, const T* cos, const T* sin, C* k_cache, C* v_cache, int64_t head_stride, int64_t slot_stride) {
   at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> rotated(D);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < KVH; ++h) {
         const T* src = k + t * k_stride + h * D;
-        C* kd = k_cache + (h * num_slots + slots[t]) * D;
+        C* kd = k_cache + h * head_stride + slots[t] * slot_stride;
         if (cos) {
           rotate(src, cos + t * D, sin + t * D, D, rotated.data());
           for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<C>(rotated[d]);
@@ -78,7 +78,7 @@ void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int
           for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<C>(to_float(src[d]));
         }
         const T* vs = v + t * v_stride + h * D;
-        C* vd = v_cache + (h * num_slots + slots[t]) * D;
+        C* vd = v_cache + h * head_stride + slots[t] * slot_stride;
         for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<C>(to_float(vs[d]));
       }
   });
@@ -88,7 +88,7 @@ void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int
 // pos0 .. pos0 + n_pos - 1, with the G query heads that share the KV head. DC is the head size when known at
 // compile time (the output rows then stay in registers), else 0.
 template <typename T, typename C, int DC>
-void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t num_slots,
+void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t head_stride, int64_t slot_stride,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
             int64_t n_pos, int64_t pos0, int64_t window, float scale, float softcap, T* out, int64_t H, const T* cos,
             const T* sin, const float* sinks) {
@@ -124,10 +124,10 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
         for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
       for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
     }
-  const C* k_head = k_cache + head * num_slots * D;
-  const C* v_head = v_cache + head * num_slots * D;
+  const C* k_head = k_cache + head * head_stride;
+  const C* v_head = v_cache + head * head_stride;
   auto row = [&](const C* base, int64_t pos) {
-    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * D;
+    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride;
   };
   // The rows of keys (or values) [t0, t0 + KT), asked for into L2 two tiles ahead of their use: the block table
   // scatters a sequence's rows over the cache, and the hardware's prefetcher stops at each block's few KB
@@ -238,7 +238,7 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
 }  // namespace
 
 // q [T, H, D] (heads contiguous, rows may be strided: a view of the fused qkv output), k_cache and v_cache
-// [KVH, slots, D] contiguous, of q's dtype or bfloat16, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
+// [KVH, slots, D] (a head's values contiguous; heads and slots at any strides, the same in both), of q's dtype or bfloat16, block_tables [S, N] int32, seqs [S, 3] int32 rows of (first flat token, query
 // length, sequence length). Returns [T, H, D]: each query attends causally (and within `window` when > 0) to
 // its sequence's keys, its scores soft-capped when softcap > 0, with sinks ([H] float32, GPT-OSS) a logit per head in
 // each softmax's denominator. With k and v ([T, KVH, D], rows may be strided) and slots [T] int64, the step's new keys
@@ -251,7 +251,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
                               std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.stride(2) == 1 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.strides() == k_cache.strides(),
+              "the caches must be [KVH, slots, D] views alike, each head's values contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "float32, bfloat16 or float16 only (the kernel computes in float32)");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -259,7 +261,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               "the caches must be of q's dtype or bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seqs.scalar_type() == at::kInt, "metadata must be int32");
   TORCH_CHECK(chunk > 0 && block_size > 0, "chunk and block_size must be positive");
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0);
+  const int64_t head_stride = k_cache.stride(0), slot_stride = k_cache.stride(1);
+  TORCH_CHECK(k_cache.size(2) == D, "the caches' head size must be q's");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   const int64_t G = H / KVH;
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slots.has_value(), "k, v and slots go together");
@@ -318,7 +322,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     const T* sp = cos ? sin_c.data_ptr<T>() : nullptr;
     if (k)
       store(k->data_ptr<T>(), k->stride(0), v->data_ptr<T>(), v->stride(0), slot_ids.data_ptr<int64_t>(), T_, KVH, D,
-            cp, sp, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), num_slots);
+            cp, sp, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), head_stride, slot_stride);
     const int64_t N = tables.size(1);
     // Work items are dealt out round-robin: a prompt's later chunks cost more (more keys), so contiguous
     // ranges per thread would leave one thread with most of the work.
@@ -328,7 +332,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         for (int64_t w = w0; w < n_work; w += n_threads) {
           const Work& it = work[w];
           const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
-          fn(qp, q.stride(0), kp, vp, num_slots, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
+          fn(qp, q.stride(0), kp, vp, head_stride, slot_stride, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
              std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
              static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp, sinks_p);
         }

@@ -284,7 +284,12 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     sparse = [layer for layer in model.layers if hasattr(layer.mlp, "experts")]
     deltanet = [i for i, layer in enumerate(model.layers) if layer.linear]  # Gated DeltaNet mixers
     attention = [i for i, layer in enumerate(model.layers) if not layer.linear]
-    schedule = [gemm for layer in model.layers for gemm in block_gemms(layer)]
+    # by name and shape: a family's layers may differ (Gemma 4's full layers' heads, its double-wide MLPs)
+    schedule = [
+        (f"{name} {linear.out_features}x{linear.in_features}", linear)
+        for layer in model.layers
+        for name, linear in block_gemms(layer)
+    ]
     blocks: dict[str, list] = {}
     for name, linear in schedule:
         blocks.setdefault(name, []).append(linear)
@@ -296,18 +301,24 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     n = -(-(context_len + 1) // block_size)
     tables = [[list(range((i * G + g) * n, (i * G + g + 1) * n)) for g in range(G)] for i in range(B)]
     positions, meta = runner.attention.build([1] * B, [context_len + 1] * B, tables)
-    first = model.layers[attention[0]]
-    attn = first.attn
-    # the kernel rotates full-width heads; a partial rotary's first dims turn before it (model/transformer.py)
-    rope = (
-        model.rope(first.rope, positions, dtype) if first.rope and attn.rotary_dim == attn.head_dim else None
-    )
-    q, k, v = (
-        rand(B, attn.num_heads, attn.head_dim),
-        *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
-    )
+
+    def attention_inputs(layer) -> tuple:
+        """(q, k, v, rope) of one decode row per sequence for a layer's attention: its own heads (Gemma 4's full
+        layers have theirs), no k and v where it reads another layer's; the kernel rotates full-width heads, a
+        partial rotary's first dims turn before it (model/transformer.py)."""
+        attn = layer.attn
+        q, k, v = (
+            rand(B, attn.num_heads, attn.head_dim),
+            *(rand(B, attn.num_kv_heads, attn.head_dim) for _ in "kv"),
+        )
+        rotates = layer.rope is not None and attn.rotary_dim == attn.head_dim and not attn.reads_kv
+        rope = model.rope(layer.rope, positions, dtype) if rotates else None
+        return (q, None, None, rope) if attn.reads_kv else (q, k, v, rope)
+
+    inputs_of = {i: attention_inputs(model.layers[i]) for i in attention}
     hidden, residual = rand(B, model.config.hidden_size), rand(B, model.config.hidden_size)
-    up = rand(B, blocks["gate_up"][0].out_features) if "gate_up" in blocks else None  # none: all sparse
+    gate_up = next((linears[0] for name, linears in blocks.items() if name.startswith("gate_up ")), None)
+    up = rand(B, gate_up.out_features) if gate_up is not None else None  # none: all sparse
     per_call: dict[str, list[float]] = {name: [] for name in blocks}
     totals: dict[str, list[float]] = {
         "block_gemms": [],
@@ -344,8 +355,8 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
             totals["block_gemms"].append(gemms)
             totals["lm_head"].append(timed(model.lm_head.logits, head_input))
             totals["attention"].append(
-                sum(timed(meta[runner.kv_cache.group_of[i]].attend, q, k, v, *runner.kv_cache.layer(i), rope,
-                          attn.scale, model.layers[i].attn.window)
+                sum(timed(meta[runner.kv_cache.group_of[i]].attend, *inputs_of[i][:3], *runner.kv_cache.layer(i),
+                          inputs_of[i][3], model.layers[i].attn.scale, model.layers[i].attn.window)
                     for i in attention)
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))
@@ -375,10 +386,7 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
         **{f"{name}_ms": round(ms, 3) for name, ms in parts.items()},
         "rest_ms": round(step_ms - sum(parts.values()), 3),
         "gemm_us_per_call": {
-            f"{name} {blocks[name][0].out_features}x{blocks[name][0].in_features}": round(
-                1e6 * statistics.median(ts[len(blocks[name]) :]), 1
-            )
-            for name, ts in per_call.items()
+            name: round(1e6 * statistics.median(ts[len(blocks[name]) :]), 1) for name, ts in per_call.items()
         },
     }
 

@@ -137,14 +137,19 @@ class CpuBackend:
         if self.kernels is not None:  # batch-invariant as it is
             return CpuKernelAttention(self.kernels, block_size)
         mc = model_config
+        shapes = {(g.num_kv_heads, g.head_dim) for g in mc.kv_groups} or {(mc.num_kv_heads, mc.head_dim)}
         min_query_len = (
-            min_query_len_for_invariance(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+            max(
+                min_query_len_for_invariance(mc.num_heads, *shape, self.dtype, self.device)
+                for shape in shapes
+            )
             if self.pad_gemms
             else 1
         )
         log.info("attention pads queries to %d", min_query_len)
+        kv_heads = mc.num_kv_heads if mc.uniform_kv else None
         return TorchAttention(
-            block_size, mc.num_kv_heads, num_blocks, self.device, mc.kv_group_windows, min_query_len
+            block_size, kv_heads, num_blocks, self.device, mc.kv_group_windows, min_query_len
         )
 
     @property
@@ -229,6 +234,8 @@ class CudaBackend:
         else torch's fused SDPA over K/V gathered out of the cache in every layer. Logged with why."""
         mc = model_config
         try:
+            if not mc.uniform_kv:
+                raise ValueError("the kernel takes one head shape, and this model's layers have two")
             from model.attention_triton import TritonAttention, error_against_pytorch
 
             error = error_against_pytorch(
@@ -244,9 +251,8 @@ class CudaBackend:
         log.warning(
             "attention: torch's SDPA over K/V gathered by block table (the Triton kernel %s)", why_not
         )
-        return TorchAttention(
-            block_size, mc.num_kv_heads, num_blocks, self.device, mc.kv_group_windows, sdpa=True
-        )
+        kv_heads = mc.num_kv_heads if mc.uniform_kv else None
+        return TorchAttention(block_size, kv_heads, num_blocks, self.device, mc.kv_group_windows, sdpa=True)
 
     def ready(self, model: torch.nn.Module) -> None:
         pass

@@ -141,13 +141,17 @@ def describe_kv_groups(model_config: ModelConfig) -> str:
     kinds: dict[int | None, list] = {}
     for group in model_config.kv_groups:
         kinds.setdefault(group.window, []).append(group)
+    heads = "" if model_config.uniform_kv else " of {} KV heads x {}"
+    readers = sum(spec.kv_source >= 0 for spec in model_config.layers)
     return ", ".join(
         f"{sum(len(g.layers) for g in groups)} "
         + ("full-attention" if window is None else f"sliding-window ({window})")
-        + f" layers in {len(groups)} group{'s' if len(groups) > 1 else ''}"
+        + " layers"
+        + heads.format(groups[0].num_kv_heads, groups[0].head_dim)
+        + f" in {len(groups)} group{'s' if len(groups) > 1 else ''}"
         + ("" if window is None else " (blocks behind the window freed)")
         for window, groups in kinds.items()
-    )
+    ) + (f"; {readers} layers read an earlier layer's K/V" if readers else "")
 
 
 def context_length(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:

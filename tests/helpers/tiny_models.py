@@ -20,6 +20,7 @@ TINY_NAMES = {
     "GraniteForCausalLM": "granite",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
     "GPT2LMHeadModel": "gpt2",
@@ -50,6 +51,15 @@ FAMILY_OVERRIDES = {
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
+    ),
+    # Gemma 4: full layers of their own heads (32 wide, one KV head, keys as values, a quarter of the pairs turning),
+    # sliding layers of 16-wide heads, per-layer inputs, a final soft-cap; the last two layers read the K/V of the
+    # last earlier one of their kind, with double-wide MLPs (E2B's shape)
+    "gemma4": dict(
+        num_hidden_layers=5, head_dim=16, sliding_window=8, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=32, vocab_size_per_layer_input=300,
+        final_logit_softcapping=30.0, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
     ),
     "gemma2": dict(
         num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
@@ -135,6 +145,15 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
                 p.normal_(0, 0.1)
             elif arch in NORMS_PERTURBED:  # norms away from their init (1, or Gemma's 0), so offsets show
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, 1 at init
+                b.uniform_(0.5, 1.5)
+        if (
+            arch == "gemma4"
+        ):  # its q norm scales the scores (no 1/sqrt(d)): as a trained one does, not at init's 1
+            for name, p in model.named_parameters():
+                if name.endswith("q_norm.weight"):
+                    p.mul_(p.shape[0] ** -0.5)
     model.save_pretrained(out, safe_serialization=True)
     save_tiny_tokenizer(out)
     return out
@@ -230,7 +249,7 @@ def forward_sequence(
     else:
         attention = TorchAttention(
             cache.block_size,
-            config.num_kv_heads,
+            config.num_kv_heads if config.uniform_kv else None,
             cache.num_blocks,
             "cpu",
             config.kv_group_windows,
