@@ -41,7 +41,9 @@ class LayerSpec:
 
     window: int | None = None  # keys further back than this are not attended (sliding-window layers)
     rope: Rope | None = None  # None: no rotary positions (NoPE layers, learned positions)
-    ffn: str = "dense"  # dense: the MLP | moe: sparse experts (ModelConfig.moe, model/moe.py)
+    # dense: the MLP | moe: sparse experts (ModelConfig.moe, model/moe.py) | dense_and_moe: both, side by side
+    # (Gemma 4 26B-A4B)
+    ffn: str = "dense"
     # attention: over the paged KV cache | linear_attention: Gated DeltaNet, a recurrent state per sequence
     # (ModelConfig.linear_attention, model/deltanet.py)
     mixer: str = "attention"
@@ -68,6 +70,9 @@ class MoeSpec:
     renormalize: bool  # the top k weights divided by their sum
     shared_intermediate_size: int = 0  # a shared expert every token takes, behind a sigmoid gate (Qwen2-MoE)
     bias: bool = False  # the router and every expert's projections have biases (GPT-OSS)
+    # Gemma 4: the router reads rms_norm(x) * a learned scale / sqrt(hidden), and each chosen expert's weight is
+    # times its own learned scale
+    scaled_router: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,7 +315,7 @@ class ModelConfig:
             LayerSpec(
                 window if kind == "sliding_attention" else None,
                 None if i in nope or kind == linear else ropes[kind],
-                "moe" if i in sparse else "dense",
+                ("dense_and_moe" if family.gemma4 else "moe") if i in sparse else "dense",
                 linear if kind == linear else "attention",
                 *own_heads.get(i, ()),
             )
@@ -375,10 +380,6 @@ def gemma4_layers(cfg: dict, kinds: list[str]) -> dict[int, tuple[int, int, bool
     attention_k_eq_v, num_global_key_value_heads (the hub's configs). Its last num_kv_shared_layers read the cache
     of the last earlier layer of their kind (E2B, E4B), with MLPs twice as wide where use_double_wide_mlp. What
     kvserve does not serve yet is refused by name."""
-    if cfg.get("enable_moe_block"):
-        raise UnsupportedModelError(
-            "Gemma 4's mixture-of-experts layers (26B-A4B: enable_moe_block) are not served yet"
-        )
     if cfg.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError(
             "bidirectional attention (use_bidirectional_attention='all') is not served"
@@ -439,7 +440,16 @@ def text_model_config(cfg: dict) -> dict:
 
 def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
     """The experts of a MoE family's sparse layers; None for a dense family. The expert's size is
-    moe_intermediate_size where dense layers keep intermediate_size (Qwen)."""
+    moe_intermediate_size where dense layers keep intermediate_size (Qwen). Gemma 4's, where enable_moe_block:
+    top_k_experts of num_experts, renormalized, its router scaled."""
+    if family.gemma4 and cfg.get("enable_moe_block"):
+        return MoeSpec(
+            num_experts=cfg["num_experts"],
+            top_k=cfg["top_k_experts"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            renormalize=True,
+            scaled_router=True,
+        )
     if family.moe is None:
         return None
     if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
@@ -463,7 +473,9 @@ def moe_spec(cfg: dict, family: Family) -> MoeSpec | None:
 
 def sparse_layers(cfg: dict, family: Family, n: int) -> set[int]:
     """The layers whose FFN is sparse experts: all of a MoE family's, but for Qwen's dense ones (those listed in
-    mlp_only_layers, and all but every decoder_sparse_step-th)."""
+    mlp_only_layers, and all but every decoder_sparse_step-th); every layer of a Gemma 4 with enable_moe_block."""
+    if family.gemma4:
+        return set(range(n)) if cfg.get("enable_moe_block") else set()
     if family.moe is None:
         return set()
     if family.moe.layers == "all":

@@ -317,6 +317,18 @@ GEMMA4_WEIGHTS = llama_weights(**GEMMA_NORMS, **QK_NORMS) | {
     "layers.{i}.per_layer_gate.weight": ([_layer("per_layer_input_gate.weight")], ""),
     "layers.{i}.per_layer_projection.weight": ([_layer("per_layer_projection.weight")], ""),
     "layers.{i}.per_layer_norm.weight": ([_layer("post_per_layer_input_norm.weight")], ""),
+    # 26B-A4B's FFN: the dense MLP and its norm after, the experts (stacked, gate and up in one) with their norms
+    # before and after, and the router's projection, input scale and per-expert scales
+    "layers.{i}.mlp.dense.up.weight": ([_layer("mlp.gate_proj.weight"), _layer("mlp.up_proj.weight")], "cat"),
+    "layers.{i}.mlp.dense.down.weight": ([_layer("mlp.down_proj.weight")], ""),
+    "layers.{i}.mlp.dense_norm.weight": ([_layer("post_feedforward_layernorm_1.weight")], ""),
+    "layers.{i}.mlp.moe_in_norm.weight": ([_layer("pre_feedforward_layernorm_2.weight")], ""),
+    "layers.{i}.mlp.moe_norm.weight": ([_layer("post_feedforward_layernorm_2.weight")], ""),
+    "layers.{i}.mlp.moe.router.weight": ([_layer("router.proj.weight")], ""),
+    "layers.{i}.mlp.moe.router_scale": ([_layer("router.scale")], ""),
+    "layers.{i}.mlp.moe.expert_scale": ([_layer("router.per_expert_scale")], ""),
+    "layers.{i}.mlp.moe.experts.{e}.up.weight": ([_layer("experts.gate_up_proj")], "expert"),
+    "layers.{i}.mlp.moe.experts.{e}.down.weight": ([_layer("experts.down_proj")], "expert"),
 }
 
 # A multimodal checkpoint's text model: the family it is, its config under text_config and its weights under
@@ -384,7 +396,7 @@ FAMILIES = {
             | dict(max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
         ),
         Family(
-            "Gemma4ForCausalLM",  # the text model (Gemma4TextConfig): Gemma 4 31B, E2B, E4B
+            "Gemma4ForCausalLM",  # the text model (Gemma4TextConfig): Gemma 4 31B, 26B-A4B, E2B, E4B
             GEMMA4_WEIGHTS,
             block="sandwich",
             qk_norm="head",

@@ -77,13 +77,21 @@ class MoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.router = Gate(moe.num_experts, hidden, moe.bias)
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        # Gemma 4: the router's input scale [hidden] and each expert's weight's scale [experts]
+        self.scaled_router = moe.scaled_router
+        self.router_scale = nn.Parameter(torch.ones(hidden)) if moe.scaled_router else None
+        self.expert_scale = nn.Parameter(torch.ones(moe.num_experts)) if moe.scaled_router else None
+        self.eps = config.norm_eps
         self.experts = nn.ModuleList(
             mlp(config, ops, moe.intermediate_size, moe.bias) for _ in range(moe.num_experts)
         )
         self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
-        # the C++ MoE FFN's constructor, or None; it runs SwiGLU experts, clamped or not, with biases or not
-        self.fused_ffn = ops.moe if config.mlp in ("swiglu", "clamped_swiglu") else None
+        # the C++ MoE FFN's constructor, or None; it runs SwiGLU experts, clamped or not, with biases or not, behind
+        # the plain routers
+        self.fused_ffn = (
+            ops.moe if config.mlp in ("swiglu", "clamped_swiglu") and not moe.scaled_router else None
+        )
         self.alpha, self.limit = (
             (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
         )
@@ -106,10 +114,12 @@ class MoE(nn.Module):
             swiglu_limit=self.limit,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; router_input: what the router reads where not x (Gemma 4's: the residual
+        stream, where the experts read its norm)."""
         if self.fused is not None:
             return self.fused(x)
-        weights, ids = self.route(x)
+        weights, ids = self.route(x if router_input is None else router_input)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # (expert, token) pairs sorted by expert: each used expert runs once on all of its tokens
         order = ids.flatten().argsort(stable=True)
@@ -132,8 +142,41 @@ class MoE(nn.Module):
         """Each token's top k experts: ([T, k] float32 weights, [T, k] ids). Softmax over every expert, then
         top k; renormalized, the k weights are the softmax over the chosen k (Mixtral, Granite's softmax of
         the top k logits, Qwen3-MoE's norm_topk_prob)."""
+        if self.scaled_router:  # Gemma 4's: rms_norm(x) * scale / sqrt(hidden), in x's dtype as the reference
+            x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+            x = x * self.router_scale * x.shape[-1] ** -0.5
         probs = torch.softmax(self.router(x), dim=-1)  # [T, experts]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaled_router:
+            weights = weights * self.expert_scale.float()[ids]
         return weights, ids
+
+
+class DenseAndMoE(nn.Module):
+    """Gemma 4 26B-A4B's FFN: the dense MLP on the block's normed stream, and beside it sparse experts on the stream
+    normed apart, routed by the stream itself; each branch normed after, then summed (the block norms the sum)."""
+
+    def __init__(self, config: ModelConfig, ops, mlp, norm, size: int | None = None):
+        """mlp(config, ops, size): the dense MLP, of the layer's size where not the model's; norm(): an RMSNorm of
+        the hidden size (model/transformer.py's)."""
+        super().__init__()
+        self.dense, self.dense_norm = mlp(config, ops, size), norm()
+        self.moe = MoE(config, ops, mlp)
+        self.moe_in_norm, self.moe_norm = norm(), norm()
+        self.top_k = self.moe.top_k
+
+    def weights_ready(self) -> None:
+        self.moe.weights_ready()
+
+    @property
+    def experts(self) -> nn.ModuleList:
+        return self.moe.experts
+
+    def forward(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """x: the block's normed stream (the dense MLP's input); stream: the residual stream."""
+        dense = self.dense_norm(self.dense(x))
+        return dense + self.moe_norm(self.moe(self.moe_in_norm(stream), stream))
+
+    __call__ = forward

@@ -26,7 +26,7 @@ from model.deltanet import GatedDeltaNet, StepStates
 from model.kv_cache import KVCache
 from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
-from model.moe import MoE
+from model.moe import DenseAndMoE, MoE
 
 
 @dataclass(frozen=True)
@@ -267,10 +267,15 @@ class Block(nn.Module):
         self.attn = GatedDeltaNet(config, ops) if self.linear else Attention(config, spec, ops)
         self.post_attn_norm = norm(ops.rms_norm) if post else None
         self.norm2 = norm(ops.rms_norm) if pre else NoNorm()
-        # the FFN, of the layer's kind: dense, or sparse experts (model/moe.py)
-        self.mlp = (
-            MoE(config, ops, MLP) if spec.ffn == "moe" else MLP(config, ops, spec.intermediate_size or None)
-        )
+        # the FFN, of the layer's kind: dense, sparse experts (model/moe.py), or both side by side (Gemma 4)
+        if spec.ffn == "dense_and_moe":
+            size = spec.intermediate_size or None
+            self.mlp = DenseAndMoE(config, ops, MLP, functools.partial(norm, ops.rms_norm), size)
+        elif spec.ffn == "moe":
+            self.mlp = MoE(config, ops, MLP)
+        else:
+            self.mlp = MLP(config, ops, spec.intermediate_size or None)
+        self.ffn_reads_stream = spec.ffn == "dense_and_moe"  # its experts and router read the residual stream
         self.post_mlp_norm = norm(ops.rms_norm) if post else None
         self.residual_scale = config.residual_scale
         # Gemma 4: the token's per-layer input gated into the stream, then the stream times a loaded scalar
@@ -290,7 +295,9 @@ class Block(nn.Module):
         h, residual = self.norm1.add_forward(x, residual)
         attended = self.branch_out(self.attn(h, rope, k_cache, v_cache, meta), self.post_attn_norm)
         h, residual = self.norm2.add_forward(attended, residual)
-        out = self.branch_out(self.mlp(h), self.post_mlp_norm)
+        out = self.branch_out(
+            self.mlp(h, residual) if self.ffn_reads_stream else self.mlp(h), self.post_mlp_norm
+        )
         if self.layer_scalar is None:
             return out, residual
         x = out + residual
@@ -350,7 +357,7 @@ class Transformer(nn.Module):
     def weights_ready(self) -> None:
         """Called by the loader once every weight is loaded and prepared (packed, quantized)."""
         for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
+            if isinstance(layer.mlp, MoE | DenseAndMoE):
                 layer.mlp.weights_ready()  # its experts as one C++ call, where they are quantized
         if self._build_layer_stack is not None:
             self.layer_stack = self._build_layer_stack(self)

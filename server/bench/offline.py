@@ -361,7 +361,9 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
             )  # fmt: skip
             totals["norms_and_swiglu"].append(sum(timed(norms_and_swiglu, layer) for layer in model.layers))
             if sparse:
-                totals["moe_ffn"].append(sum(timed(layer.mlp, hidden) for layer in sparse))
+                totals["moe_ffn"].append(
+                    sum(timed(layer.mlp, hidden, *[hidden] * layer.ffn_reads_stream) for layer in sparse)
+                )
             if deltanet:
                 totals["deltanet"].append(
                     sum(

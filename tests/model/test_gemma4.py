@@ -88,6 +88,23 @@ def test_the_last_layers_read_an_earlier_layers_cache():
     assert all(cache.layer(i)[0].data_ptr() == cache.layer(sources[i])[0].data_ptr() for i in sources)
 
 
+def test_26b_a4bs_layers_are_dense_and_sparse_side_by_side():
+    config = ModelConfig.from_dict(
+        hub_config(
+            hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+            num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True, num_experts=128,
+            top_k_experts=8, moe_intermediate_size=704, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        )
+    )  # fmt: skip
+    assert {spec.ffn for spec in config.layers} == {"dense_and_moe"}
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, moe.scaled_router) == (
+        128, 8, 704, True, True
+    )  # fmt: skip
+    assert config.kv_shape(config.layers[5]) == (2, 512) and config.kv_shape(config.layers[0]) == (8, 256)
+    assert not ModelConfig.from_dict(hub_config()).moe  # 31B: dense
+
+
 def test_the_hub_config_and_the_one_transformers_writes_read_the_same(tmp_path):
     """transformers reads global_head_dim and num_global_key_value_heads into per_layer_config, and writes that."""
     import transformers
@@ -105,7 +122,6 @@ def test_the_hub_config_and_the_one_transformers_writes_read_the_same(tmp_path):
 @pytest.mark.parametrize(
     "key, value, named",
     [
-        ("enable_moe_block", True, "mixture-of-experts"),
         ("num_kv_shared_layers", 60, "shares the KV cache of no earlier"),
         ("use_bidirectional_attention", "all", "bidirectional"),
     ],
@@ -178,3 +194,81 @@ def test_a_multimodal_checkpoints_text_model_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = reference(torch.tensor([PROMPT])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+# 26B-A4B's shape in small: every layer's FFN a dense MLP beside 8 experts (2 a token), with Gemma 4's scaled router
+MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+
+
+def tiny_moe_model(path, seed: int = 0):
+    """A tiny random Gemma 4 with 26B-A4B's FFNs, its scales and norms away from their init so that each shows."""
+    import transformers
+
+    config = tiny_config("gemma4", **(FAMILY_OVERRIDES["gemma4"] | MOE))
+    config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+            elif name.endswith("per_expert_scale"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("q_norm.weight"):
+                p.mul_(p.shape[0] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_moe_layers_match_transformers(tmp_path, kernels):
+    """The dense MLP and the experts side by side: the router reads the stream (rms-normed, scaled), the experts
+    its own norm, each chosen expert's weight times its per-expert scale."""
+    reference = tiny_moe_model(tmp_path)
+    path = CpuPath(kernels=kernels)
+    model, config = path.load(tmp_path)
+    assert {spec.ffn for spec in config.layers} == {"dense_and_moe"} and config.moe.scaled_router
+    cache = KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu")
+    ours = path.run(model, cache, PROMPT, 0, list(range(16)))
+    with torch.no_grad():
+        ref = reference(torch.tensor([PROMPT])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_the_moe_layers_tokens_do_not_depend_on_their_batch(tmp_path, kernels):
+    """Six prompts together through the engine (prefill chunks beside decodes, past the window) give each one's
+    greedy tokens alone: a token's experts and sums never depend on what shares its step."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    tiny_moe_model(tmp_path)
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
+                          batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
+    engine = Engine(str(tmp_path), config)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
+               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))}  # fmt: skip
+
+    def run(batch):
+        tokens = {rid: [] for rid in batch}
+        for rid, ids in batch.items():
+            engine.add_request(rid, ids, params)
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    together = run(prompts)
+    assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
