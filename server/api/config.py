@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 # --reasoning-parser's choices (server/api/reasoning.py): its own names, then vLLM's for the same formats
-REASONING_PARSERS = ("auto", "think", "harmony", "none")
+REASONING_PARSERS = ("auto", "think", "gemma4", "harmony", "none")
 REASONING_ALIASES = {
     "deepseek_r1": "think",
     "qwen3": "think",

@@ -2,12 +2,14 @@
 template or --reasoning-parser), what the engine is told about it, and the parser that splits each reply, as it
 streams, into reasoning, answer text and tool calls, by token ids.
 
-Two formats, each known by marker tokens that must be single tokens of the tokenizer (else the format cannot be
+Three formats, each known by marker tokens that must be single tokens of the tokenizer (else the format cannot be
 parsed and the reasoning stays in the answer, as before):
 - think (Qwen3, the DeepSeek-R1 distills, SmolLM3): reasoning between `<think>` and `</think>`, then the answer.
   The chat template decides where the reply starts: a generation prompt that opens `<think>` (R1 distills,
   Qwen3-Thinking-2507) starts it inside the reasoning; one that opens and closes it (Qwen3 with enable_thinking
   false) leaves none; one with neither leaves it to the model's first token.
+- gemma4 (Gemma 4): think's shape with its own markers, `<|channel>thought\n...<channel|>`; the channel's label
+  (`thought\n`) is not reasoning and is dropped.
 - harmony (GPT-OSS): messages `<|start|>assistant<|channel|>NAME<|message|>...<|end|>`; `analysis` is the
   reasoning, `final` the answer, and a `commentary` message to `functions.NAME` (in its header) a tool call whose
   body is the arguments' JSON, ended by `<|call|>`.
@@ -26,6 +28,8 @@ from server.api.tools import CallDelta, ToolCallParser, Tools, new_call_id
 from server.engine.request import ReasoningSpec, RequestOutput, SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# the formats of reasoning between two markers: (opening, closing, the label the opening is followed by)
+TAGS = {"think": (THINK_OPEN, THINK_CLOSE, ""), "gemma4": ("<|channel>", "<channel|>", "thought\n")}
 HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 # Harmony's end of reasoning: the answer's header, and what the model writes to close its analysis and open it
 HARMONY_ANSWER, HARMONY_CLOSE = "<|channel|>final<|message|>", "<|end|><|start|>assistant"
@@ -37,10 +41,15 @@ MIN_BUDGET = 1024  # Anthropic's least budget_tokens
 class ReasoningFormat:
     """A model's reasoning format, with its marker tokens' ids in the tokenizer."""
 
-    name: str  # think | harmony
+    name: str  # think | gemma4 | harmony
     ids: dict[str, int]  # marker text -> its token id
     answer: tuple[int, ...] = ()  # harmony: the answer's header tokens
     close: tuple[int, ...] = ()  # what closes the reasoning when the budget runs out
+
+    @property
+    def tags(self) -> tuple[str, str, str]:
+        """A format of reasoning between two markers: (opening, closing, the label after the opening)."""
+        return TAGS[self.name]
 
     @property
     def markers(self) -> frozenset[int]:
@@ -56,7 +65,7 @@ class ReasoningFormat:
         (the model's first token decides)."""
         if self.name == "harmony":
             return "in"  # its reply opens with a message's header; the answer's header ends any reasoning
-        opening, closing = self.ids[THINK_OPEN], self.ids[THINK_CLOSE]
+        opening, closing = (self.ids[tag] for tag in self.tags[:2])
         last = [t for t in generation_prompt if t in (opening, closing)]
         if not last:
             return "open"
@@ -68,8 +77,8 @@ class ReasoningFormat:
             return None
         if self.name == "harmony":
             return ReasoningSpec(self.answer, None, budget, self.close)
-        closing = self.ids[THINK_CLOSE]
-        opens_with = self.ids[THINK_OPEN] if start == "open" else None
+        opening, closing = (self.ids[tag] for tag in self.tags[:2])
+        opens_with = opening if start == "open" else None
         return ReasoningSpec((closing,), opens_with, budget, (closing,))
 
 
@@ -87,17 +96,20 @@ def choose_format(tokenizer, name: str = "auto") -> tuple[ReasoningFormat | None
     if name == "auto":
         if "<|channel|>" in template:
             name = "harmony"
+        elif "<channel|>" in template:
+            name = "gemma4"
         elif THINK_CLOSE in template or THINK_OPEN in template:
             name = "think"
         else:
             return None, "the chat template writes no reasoning markers"
-    markers = HARMONY if name == "harmony" else (THINK_OPEN, THINK_CLOSE)
+    markers = HARMONY if name == "harmony" else TAGS[name][:2]
     ids = {m: single_token(tokenizer, m) for m in markers}
     missing = [m for m, i in ids.items() if i is None]
     if missing:
         return None, f"{name}: the tokenizer has no single token for {', '.join(missing)}"
-    if name == "think":
-        return ReasoningFormat(name, ids), "think: <think> ... </think>"
+    if name in TAGS:
+        opening, closing, label = TAGS[name]
+        return ReasoningFormat(name, ids), f"{name}: {opening}{label.strip()} ... {closing}"
     answer = tuple(tokenizer.encode(HARMONY_ANSWER))
     close = tuple(tokenizer.encode(HARMONY_CLOSE)) + answer
     return ReasoningFormat(name, ids, answer, close), "harmony: analysis, commentary and final channels"
@@ -157,12 +169,14 @@ class ReplyParser:
     _header_tokens: int = 0
     _body: str = ""  # harmony: reasoning | content | call | none (a call of no offered function: dropped)
     _call_index: int = 0  # harmony: the open call's index in the reply
+    _label: str | None = None  # gemma4: the reasoning's first text so far, while it may still be the label
 
     def __post_init__(self):
         if self.format is not None and self.format.name == "harmony":
             self._state = "header"
         elif self.format is not None and self.start == "in":
             self._state = "reasoning"
+            self._label = ""
 
     @property
     def num_calls(self) -> int:
@@ -195,7 +209,7 @@ class ReplyParser:
     # think and harmony alike: which stretch the tokens and text go to
 
     def _count_token(self) -> None:
-        if self.format.name == "think":
+        if self.format.name != "harmony":
             self.num_reasoning_tokens += self._state == "reasoning"
         elif self._state == "header":
             self._header_tokens += 1
@@ -205,9 +219,9 @@ class ReplyParser:
     def _text(self, pieces: list[Piece], text: str) -> None:
         if not text:
             return
-        if self.format.name == "think":
+        if self.format.name != "harmony":
             if self._state == "reasoning":
-                pieces.append(Piece("reasoning", text))
+                self._reasoning(pieces, text)
             else:
                 self._content(pieces, text)
             return
@@ -219,6 +233,19 @@ class ReplyParser:
             pieces.append(Piece("call", call=CallDelta(self._call_index, None, None, text)))
         elif self._body != "none":  # the final channel, a preamble, or text outside any message
             self._content(pieces, text)
+
+    def _reasoning(self, pieces: list[Piece], text: str) -> None:
+        """Reasoning text, less the label its opening is followed by (Gemma 4's "thought\n"): held back while
+        what came may still be the label, the label dropped once it came whole, all of it kept if not."""
+        label = self.format.tags[2]
+        if self._label is not None and label:
+            self._label += text
+            if label.startswith(self._label) and len(self._label) < len(label):
+                return
+            text = self._label.removeprefix(label)
+            self._label = None
+        if text:
+            pieces.append(Piece("reasoning", text))
 
     def _content(self, pieces: list[Piece], text: str, final: bool = False) -> None:
         if self.calls is None:
@@ -238,17 +265,15 @@ class ReplyParser:
 
     def _marker(self, pieces: list[Piece], token_id: int) -> None:
         ids = self.format.ids
-        if self.format.name == "think":
-            if (
-                token_id == ids[THINK_OPEN]
-                and self._state == "content"
-                and self._first
-                and self.start == "open"
-            ):
-                self._state = "reasoning"
+        if self.format.name != "harmony":
+            opening, closing = (ids[tag] for tag in self.format.tags[:2])
+            if token_id == opening and self._state == "content" and self._first and self.start == "open":
+                self._state, self._label = "reasoning", ""
                 self.num_reasoning_tokens += 1
-            elif token_id == ids[THINK_CLOSE] and self._state == "reasoning":
-                self._state = "content"
+            elif token_id == closing and self._state == "reasoning":
+                if self._label:  # held back as a part of the label, which never came whole: reasoning
+                    pieces.append(Piece("reasoning", self._label))
+                self._state, self._label = "content", None
                 self.num_reasoning_tokens += 1
             return
         if token_id == ids["<|start|>"]:

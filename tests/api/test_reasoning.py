@@ -49,6 +49,7 @@ def models(tmp_path_factory):
         "open": tm.think_model(root / "open", tm.OPEN_THINK_TEMPLATE),
         "loop": tm.think_model(root / "loop", script=tm.LOOP_SCRIPT, max_len=1200),
         "harmony": tm.harmony_model(root / "harmony"),
+        "gemma4": tm.gemma4_model(root / "gemma4"),
         "call": tm.harmony_model(root / "call", tm.HARMONY_CALL_SCRIPT),
     }
 
@@ -112,18 +113,19 @@ def joined(deltas, kind: str) -> str:
 # --- Chat Completions ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["think", "open", "harmony"])
+@pytest.mark.parametrize("name", ["think", "open", "harmony", "gemma4"])
 def test_chat_gives_the_reasoning_apart(servers, name):
-    """Qwen3's way (the model opens <think>), the R1 distills' (the prompt opened it) and GPT-OSS's harmony."""
+    """Qwen3's way (the model opens <think>), the R1 distills' (the prompt opened it), GPT-OSS's harmony and
+    Gemma 4's thought channel (its label dropped)."""
     r = chat(servers(name))
     message = r.choices[0].message
     assert message.content == "OK" and r.choices[0].finish_reason == "stop"
     assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == "Sum: 4"
-    reasoning_tokens = {"think": 8, "open": 7, "harmony": 10}[name]
+    reasoning_tokens = {"think": 8, "open": 7, "harmony": 10, "gemma4": 9}[name]
     assert r.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
 
 
-@pytest.mark.parametrize("name", ["think", "harmony"])
+@pytest.mark.parametrize("name", ["think", "harmony", "gemma4"])
 def test_chat_streams_the_reasoning_before_the_answer(servers, name):
     deltas, usage = streamed_chat(servers(name))
     kinds = [k for k, _ in deltas]
@@ -145,6 +147,15 @@ def test_chat_template_kwargs_reach_the_template(servers):
     )
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
     assert r.usage.prompt_tokens == chat(url).usage.prompt_tokens + 6  # <think>\n\n</think>\n\n
+
+
+def test_gemma4s_thinking_off_closes_the_channel_in_the_prompt(servers):
+    """Gemma 4's template with enable_thinking false writes an empty thought channel: the reply is the answer."""
+    url = servers("gemma4")
+    r = chat(url, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = r.choices[0].message
+    assert message.content == "OK" and message.model_extra["reasoning_content"] is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_reasoning_effort_reaches_the_template(servers):
@@ -478,6 +489,7 @@ def test_the_format_is_chosen_from_the_template_or_the_flag(servers, models):
 
     think, harmony = Tokenizer.from_dir(models["think"]), Tokenizer.from_dir(models["harmony"])
     assert choose_format(think)[0].name == "think" and choose_format(harmony)[0].name == "harmony"
+    assert choose_format(Tokenizer.from_dir(models["gemma4"]))[0].name == "gemma4"
     assert choose_format(think, "qwen3")[0].name == choose_format(think, "deepseek_r1")[0].name == "think"
     assert choose_format(harmony, "gpt_oss")[0].name == "harmony"
     assert choose_format(think, "none")[0] is None

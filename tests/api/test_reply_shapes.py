@@ -258,3 +258,27 @@ def test_an_aborted_message_is_an_error_in_anthropic_shape():
     with pytest.raises(anthropic.APIStatusError) as e, client.messages.stream(**kw) as s:
         s.get_final_message()
     assert e.value.body["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize(
+    "deltas, reasoning",
+    [
+        (["thought\nSum", ": 4"], "Sum: 4"),  # the label whole in one delta
+        (["tho", "ught", "\n", "Sum: 4"], "Sum: 4"),  # split over deltas: held back until whole
+        (["thou"], "thou"),  # a part of it, then the channel closes: reasoning after all
+        (["thinking it over"], "thinking it over"),  # no label: nothing dropped
+    ],
+)
+def test_gemma4s_channel_label_is_not_reasoning(deltas, reasoning):
+    """Gemma 4 writes <|channel>thought\\n...<channel|>: the label "thought\\n" is the channel's, dropped however the
+    deltas cut it, and kept where it never comes whole."""
+    from server.api.reasoning import ReasoningFormat
+
+    fmt = ReasoningFormat("gemma4", {"<|channel>": 100, "<channel|>": 101})
+    parser = ReplyParser(fmt, start="open")
+    pieces = parser.feed(RequestOutput("r", [100], "", marks=[(0, 100)]))
+    for text in deltas:
+        pieces += parser.feed(RequestOutput("r", [7], text))
+    pieces += parser.feed(RequestOutput("r", [101, 8], "OK", finished=True, marks=[(0, 101)]))
+    assert "".join(p.text for p in pieces if p.kind == "reasoning") == reasoning
+    assert "".join(p.text for p in pieces if p.kind == "content") == "OK"

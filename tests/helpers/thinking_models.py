@@ -45,7 +45,17 @@ HARMONY_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
+# Gemma 4's shape: turns between <|turn> and <turn|>, the model's reasoning in a "thought" channel, which the
+# template closes empty when thinking is off
+GEMMA4_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+    "<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<|channel>thought\n<channel|>{% endif %}"
+    "{% endif %}"
+)
 THINK_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+GEMMA4_SPECIALS = ["<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
 HARMONY_SPECIALS = [
     "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
     "<|constrain|>",
@@ -190,6 +200,28 @@ HARMONY_CALL_SCRIPT = [
     (["<|message|>", '{"city": "Paris"}'], "after"),
     (['{"city": "Paris"}', "<|call|>"], None),
 ]
+
+
+# Gemma 4: the channel's label, then "Sum: 4" as reasoning, then "OK". Phases by `<channel|>`: before it, the
+# generation prompt's last "\n" opens the channel; after it (thinking off closes an empty one in the prompt), the
+# answer.
+GEMMA4_SCRIPT = [
+    (["\n", "<|channel>"], "before"),
+    (["<|channel>", "thought\n", *THINK_REASONING, "<channel|>", *THINK_ANSWER, "<turn|>"], None),
+]
+
+
+def gemma4_model(out: Path, max_len: int = 512) -> Path:
+    return build_scripted_model(
+        out,
+        GEMMA4_SPECIALS,
+        ["thought\n"],
+        GEMMA4_TEMPLATE,
+        GEMMA4_SCRIPT,
+        "<channel|>",
+        ["<turn|>"],
+        max_len,
+    )
 
 
 def think_model(out: Path, template: str = THINK_TEMPLATE, script=None, max_len: int = 512) -> Path:
