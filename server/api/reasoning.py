@@ -9,7 +9,9 @@ parsed and the reasoning stays in the answer, as before):
   Qwen3-Thinking-2507) starts it inside the reasoning; one that opens and closes it (Qwen3 with enable_thinking
   false) leaves none; one with neither leaves it to the model's first token.
 - gemma4 (Gemma 4): think's shape with its own markers, `<|channel>thought\n...<channel|>`; the channel's label
-  (`thought\n`) is not reasoning and is dropped.
+  (`thought\n`) is not reasoning and is dropped. Its calls are its own too, read here by their marker tokens:
+  `<|tool_call>call:NAME{key:value,...}<tool_call|>`, strings between `<|"|>` (server/api/tools.py's
+  gemma4_arguments reads the arguments).
 - harmony (GPT-OSS): messages `<|start|>assistant<|channel|>NAME<|message|>...<|end|>`; `analysis` is the
   reasoning, `final` the answer, and a `commentary` message to `functions.NAME` (in its header) a tool call whose
   body is the arguments' JSON, ended by `<|call|>`.
@@ -18,18 +20,22 @@ The engine leaves the marker tokens out of the text and says where they fell (Re
 reads ids, never the text's look-alikes: a model that writes the characters "</think>" in its answer wrote text.
 """
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.api.config import REASONING_ALIASES, REASONING_PARSERS
 from server.api.errors import ApiError
-from server.api.tools import CallDelta, ToolCallParser, Tools, new_call_id
+from server.api.tools import CallDelta, ToolCallParser, Tools, gemma4_call, new_call_id
 from server.engine.request import ReasoningSpec, RequestOutput, SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # the formats of reasoning between two markers: (opening, closing, the label the opening is followed by)
 TAGS = {"think": (THINK_OPEN, THINK_CLOSE, ""), "gemma4": ("<|channel>", "<channel|>", "thought\n")}
+# Gemma 4's call markers: a call's opening and end, and its strings' delimiter (optional: without them as single
+# tokens its calls are not read)
+GEMMA4_CALL, GEMMA4_CALL_END, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 # Harmony's end of reasoning: the answer's header, and what the model writes to close its analysis and open it
 HARMONY_ANSWER, HARMONY_CLOSE = "<|channel|>final<|message|>", "<|end|><|start|>assistant"
@@ -109,7 +115,13 @@ def choose_format(tokenizer, name: str = "auto") -> tuple[ReasoningFormat | None
         return None, f"{name}: the tokenizer has no single token for {', '.join(missing)}"
     if name in TAGS:
         opening, closing, label = TAGS[name]
-        return ReasoningFormat(name, ids), f"{name}: {opening}{label.strip()} ... {closing}"
+        why = f"{name}: {opening}{label.strip()} ... {closing}"
+        if name == "gemma4":
+            calls = {m: single_token(tokenizer, m) for m in (GEMMA4_CALL, GEMMA4_CALL_END, GEMMA4_QUOTE)}
+            if None not in calls.values():
+                ids |= calls
+                why += f", calls {GEMMA4_CALL}...{GEMMA4_CALL_END}"
+        return ReasoningFormat(name, ids), why
     answer = tuple(tokenizer.encode(HARMONY_ANSWER))
     close = tuple(tokenizer.encode(HARMONY_CLOSE)) + answer
     return ReasoningFormat(name, ids, answer, close), "harmony: analysis, commentary and final channels"
@@ -159,10 +171,10 @@ class ReplyParser:
     format: ReasoningFormat | None
     start: str = "out"  # in | out | open: ReasoningFormat.start
     calls: ToolCallParser | None = None  # the answer's calls, written as text
-    tool_names: set[str] = field(default_factory=set)  # harmony: the functions a call may name
+    tool_names: set[str] = field(default_factory=set)  # harmony, gemma4: the functions a call may name
     new_id: Callable[[], str] = new_call_id
     num_reasoning_tokens: int = 0
-    num_calls_written: int = 0  # harmony's calls
+    num_calls_written: int = 0  # harmony's and gemma4's calls
     _state: str = "content"  # think: reasoning | content; harmony: header | body | between
     _first: bool = True
     _header: str = ""  # harmony: the message's header text so far
@@ -170,6 +182,7 @@ class ReplyParser:
     _body: str = ""  # harmony: reasoning | content | call | none (a call of no offered function: dropped)
     _call_index: int = 0  # harmony: the open call's index in the reply
     _label: str | None = None  # gemma4: the reasoning's first text so far, while it may still be the label
+    _call: str | None = None  # gemma4: the open call's text so far (None: no call open)
 
     def __post_init__(self):
         if self.format is not None and self.format.name == "harmony":
@@ -203,6 +216,9 @@ class ReplyParser:
             self._first = False
         self._text(pieces, out.text[cut:])
         if out.finished:
+            if self._call is not None:  # a call cut short: its text, as written
+                self._content(pieces, GEMMA4_CALL + self._call)
+                self._call = None
             self._content(pieces, "", final=True)
         return _joined(pieces)
 
@@ -220,7 +236,9 @@ class ReplyParser:
         if not text:
             return
         if self.format.name != "harmony":
-            if self._state == "reasoning":
+            if self._call is not None:
+                self._call += text
+            elif self._state == "reasoning":
                 self._reasoning(pieces, text)
             else:
                 self._content(pieces, text)
@@ -267,7 +285,9 @@ class ReplyParser:
         ids = self.format.ids
         if self.format.name != "harmony":
             opening, closing = (ids[tag] for tag in self.format.tags[:2])
-            if token_id == opening and self._state == "content" and self._first and self.start == "open":
+            if token_id in (ids.get(GEMMA4_CALL), ids.get(GEMMA4_CALL_END), ids.get(GEMMA4_QUOTE)):
+                self._gemma4_call(pieces, token_id)
+            elif token_id == opening and self._state == "content" and self._first and self.start == "open":
                 self._state, self._label = "reasoning", ""
                 self.num_reasoning_tokens += 1
             elif token_id == closing and self._state == "reasoning":
@@ -288,6 +308,30 @@ class ReplyParser:
             if self._body == "call":
                 self.num_calls_written += 1
             self._state = "between"
+
+    def _gemma4_call(self, pieces: list[Piece], token_id: int) -> None:
+        """Gemma 4's call markers: the opening starts a call's text, a quote marker is written into it, the end
+        reads it whole: a call of an offered function with arguments that parse, else the text as written."""
+        ids = self.format.ids
+        if token_id == ids[GEMMA4_CALL]:
+            if self._call is not None:  # an opening inside a call: the first was not one
+                self._content(pieces, GEMMA4_CALL + self._call)
+            self._call = ""
+        elif self._call is None:  # a quote or an end outside a call: text
+            self._content(pieces, GEMMA4_QUOTE if token_id == ids[GEMMA4_QUOTE] else GEMMA4_CALL_END)
+        elif token_id == ids[GEMMA4_QUOTE]:
+            self._call += GEMMA4_QUOTE
+        else:
+            body, self._call = self._call, None
+            name, arguments = gemma4_call(body)
+            if name in self.tool_names and arguments is not None:  # as other calls stream: the name, then
+                # its arguments
+                pieces.append(Piece("call", call=CallDelta(self.num_calls, self.new_id(), name, "")))
+                arguments = json.dumps(arguments, ensure_ascii=False)
+                pieces.append(Piece("call", call=CallDelta(self.num_calls, None, None, arguments)))
+                self.num_calls_written += 1
+            else:
+                self._content(pieces, GEMMA4_CALL + body + GEMMA4_CALL_END)
 
     def _open_body(self, pieces: list[Piece]) -> None:
         """A message's header is whole: what its body is (the role and recipient before or after the channel)."""

@@ -356,6 +356,96 @@ class ToolCallParser:
         return ""
 
 
+# --- Gemma 4's calls -------------------------------------------------------------------------------------
+
+GEMMA4_QUOTE = '<|"|>'  # Gemma 4's strings are between two of these (one token of its tokenizer)
+GEMMA4_HEAD = re.compile(r"\s*call:([\w.\-]+)\{")
+NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
+
+
+def gemma4_call(body: str) -> tuple[str | None, dict | None]:
+    """A call as Gemma 4 writes it between its markers, `call:NAME{key:value,...}`: (name, arguments), or (None,
+    None) where it does not parse. Values are strings between <|"|>, numbers, true, false, null, {objects} and
+    [lists]; keys are bare."""
+    head = GEMMA4_HEAD.match(body)
+    if head is None:
+        return None, None
+    reader = _Gemma4Reader(body, head.end())
+    try:
+        arguments = reader.members("}")
+        if body[reader.at :].strip():
+            raise ValueError("text after the arguments")
+    except (ValueError, IndexError):
+        return head[1], None
+    return head[1], arguments
+
+
+@dataclass
+class _Gemma4Reader:
+    """Reads Gemma 4's argument syntax from `at` on."""
+
+    text: str
+    at: int
+
+    def members(self, close: str) -> dict:
+        out = {}
+        while True:
+            self._space()
+            if self.text[self.at] == close:
+                self.at += 1
+                return out
+            colon = self.text.index(":", self.at)
+            key = self.text[self.at : colon].strip().removeprefix(GEMMA4_QUOTE).removesuffix(GEMMA4_QUOTE)
+            if not key:
+                raise ValueError("an empty key")
+            self.at = colon + 1
+            out[key] = self.value()
+            self._separator(close)
+
+    def items(self) -> list:
+        out = []
+        while True:
+            self._space()
+            if self.text[self.at] == "]":
+                self.at += 1
+                return out
+            out.append(self.value())
+            self._separator("]")
+
+    def value(self):
+        self._space()
+        if self.text.startswith(GEMMA4_QUOTE, self.at):
+            end = self.text.index(GEMMA4_QUOTE, self.at + len(GEMMA4_QUOTE))
+            value, self.at = self.text[self.at + len(GEMMA4_QUOTE) : end], end + len(GEMMA4_QUOTE)
+            return value
+        if self.text[self.at] in "{[":
+            self.at += 1
+            return self.members("}") if self.text[self.at - 1] == "{" else self.items()
+        end = self.at
+        while end < len(self.text) and self.text[end] not in ",}]":
+            end += 1
+        bare, self.at = self.text[self.at : end].strip(), end
+        literals = {"true": True, "false": False, "null": None}
+        if bare in literals:
+            return literals[bare]
+        if NUMBER.fullmatch(bare):
+            return json.loads(bare)
+        if not bare:
+            raise ValueError("a missing value")
+        return bare  # a word the model left unquoted: the string it meant
+
+    def _separator(self, close: str) -> None:
+        self._space()
+        if self.text[self.at] == ",":
+            self.at += 1
+        elif self.text[self.at] != close:
+            raise ValueError(f"expected , or {close}")
+
+    def _space(self) -> None:
+        while self.text[self.at].isspace():
+            self.at += 1
+
+
 def call_parser(tools: Tools | None, new_id: Callable[[], str] = new_call_id) -> ToolCallParser | None:
     """The parser for one reply to a request that offers `tools`; None when no calls are to be parsed."""
     if tools is None or not tools.active:

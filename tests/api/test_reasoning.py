@@ -50,6 +50,7 @@ def models(tmp_path_factory):
         "loop": tm.think_model(root / "loop", script=tm.LOOP_SCRIPT, max_len=1200),
         "harmony": tm.harmony_model(root / "harmony"),
         "gemma4": tm.gemma4_model(root / "gemma4"),
+        "gemma4_call": tm.gemma4_model(root / "gemma4_call", tm.GEMMA4_CALL_SCRIPT),
         "call": tm.harmony_model(root / "call", tm.HARMONY_CALL_SCRIPT),
     }
 
@@ -102,7 +103,7 @@ def streamed_chat(url: str, **kw) -> tuple[list[tuple[str, str]], object]:
             if choice.delta.content:
                 deltas.append(("content", choice.delta.content))
             for call in choice.delta.tool_calls or []:
-                deltas.append(("tool", call.function.name or call.function.arguments or ""))
+                deltas.append(("tool", (call.function.name or "") + (call.function.arguments or "")))
     return deltas, usage
 
 
@@ -198,6 +199,24 @@ def test_the_none_parser_leaves_the_reasoning_in_the_answer(servers):
         and r.choices[0].message.model_extra["reasoning_content"] is None
     )
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_gemma4s_own_calls_are_tool_calls(servers):
+    """Gemma 4 writes <|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>: a call, its arguments JSON."""
+    url = servers("gemma4_call")
+    # the scripted model's memory is whether "Paris" came: the tool offered must not name it
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    r = chat(url, tools=[weather])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    deltas, _ = streamed_chat(url, tools=[weather])
+    assert joined(deltas, "tool") == 'get_weather{"city": "Paris"}' and not joined(deltas, "content")
+    # without the function offered, the call is not made: its text stays the answer's, as written
+    r = chat(url)
+    assert not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
 
 
 def test_harmony_commentary_calls_are_tool_calls(servers):

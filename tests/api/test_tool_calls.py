@@ -173,3 +173,44 @@ def test_the_grammars_of_each_tool_choice():
     assert '"const": "add"' in named and "get_weather" not in named and "calls: call\n" in named
     either = lark(Tools([WEATHER], "auto"), {"type": "object"})
     assert either.startswith("start: %json") and "| calls" in either
+
+
+Q = '<|"|>'  # Gemma 4's string delimiter
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (f"call:get_weather{{city:{Q}Paris{Q}}}", ("get_weather", {"city": "Paris"})),
+        ("call:f{}", ("f", {})),
+        # every kind of value, nested, with commas and braces inside strings
+        (
+            f"call:book{{when:{Q}a, b {{c}}{Q},n:42,x:-1.5e3,ok:true,no:false,none:null,"
+            f"list:[{Q}a{Q},1,[2]],obj:{{k:{Q}v{Q},deep:{{z:0}}}}}}",
+            (
+                "book",
+                {
+                    "when": "a, b {c}",
+                    "n": 42,
+                    "x": -1500.0,
+                    "ok": True,
+                    "no": False,
+                    "none": None,
+                    "list": ["a", 1, [2]],
+                    "obj": {"k": "v", "deep": {"z": 0}},
+                },
+            ),
+        ),  # fmt: skip
+        (f"call:f{{{Q}quoted key{Q}:1}}", ("f", {"quoted key": 1})),
+        ("call:f{city:Paris}", ("f", {"city": "Paris"})),  # an unquoted word: the string meant
+        # not calls: no head, arguments that do not close, a key without a value, text after the arguments
+        ("get_weather{city:1}", (None, None)),
+        (f"call:f{{city:{Q}Paris", ("f", None)),
+        ("call:f{city:}", ("f", None)),
+        ("call:f{a:1} and more", ("f", None)),
+    ],
+)
+def test_gemma4s_call_syntax_reads_as_json_arguments(body, expected):
+    from server.api.tools import gemma4_call
+
+    assert gemma4_call(body) == expected

@@ -55,7 +55,17 @@ GEMMA4_TEMPLATE = (
     "{% endif %}"
 )
 THINK_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-GEMMA4_SPECIALS = ["<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+GEMMA4_SPECIALS = [
+    "<pad>",
+    "<|turn>",
+    "<turn|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    '<|"|>',
+]
+GEMMA4_WORDS = ["thought\n", "call:get_weather{city:", "Paris"]
 HARMONY_SPECIALS = [
     "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
     "<|constrain|>",
@@ -211,14 +221,24 @@ GEMMA4_SCRIPT = [
 ]
 
 
-def gemma4_model(out: Path, max_len: int = 512) -> Path:
+# Gemma 4 calling get_weather in its own syntax, get_weather{city:<|"|>Paris<|"|>}: phases by "Paris", the
+# quote's two successors
+GEMMA4_CALL_SCRIPT = [
+    (["\n", "<|tool_call>", "call:get_weather{city:", '<|"|>', "Paris"], "before"),
+    (['<|"|>', "}", "<tool_call|>", "<turn|>"], "after"),
+    (["Paris", '<|"|>'], "after"),
+]
+
+
+def gemma4_model(out: Path, script=None, max_len: int = 1024) -> Path:
+    key = "<channel|>" if script is None else "Paris"
     return build_scripted_model(
         out,
         GEMMA4_SPECIALS,
-        ["thought\n"],
+        GEMMA4_WORDS,
         GEMMA4_TEMPLATE,
-        GEMMA4_SCRIPT,
-        "<channel|>",
+        script or GEMMA4_SCRIPT,
+        key,
         ["<turn|>"],
         max_len,
     )
