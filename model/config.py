@@ -113,6 +113,9 @@ class KvGroup:
     layers: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
+    # layers side by side in a row of a page, where theirs are narrower than the widest layer's (Gemma 4 31B's full
+    # layers: two of 4 x 512 in a row of 16 x 256)
+    per_row: int = 1
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,10 @@ class ModelConfig:
         return all((g.num_kv_heads, g.head_dim) == (self.num_kv_heads, self.head_dim) for g in self.kv_groups)
 
     @property
-    def kv_page_layers(self) -> int:
-        """The layers whose K/V one page of the cache holds: the largest KV group's (0: no attention layer)."""
-        return max((len(group.layers) for group in self.kv_groups), default=0)
+    def kv_page_rows(self) -> int:
+        """The rows of one page of the cache, each a block of tokens of one layer (or of per_row narrower ones side
+        by side): the largest KV group's (0: no attention layer)."""
+        return max((-(-len(group.layers) // group.per_row) for group in self.kv_groups), default=0)
 
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
@@ -211,28 +215,47 @@ class ModelConfig:
         """The attention layers in groups of one window and head shape each, as the KV cache pages them: a page
         holds a block of tokens of every layer of one group, and each group has its own block table per sequence,
         so a sliding-window layer's blocks can be freed once they leave its window while a full layer's stay
-        (vLLM's hybrid allocator does the same). Groups are as large as the smallest kind's layers: Gemma 3 270M's
-        3 full and 15 sliding layers make 1 + 5 groups of 3; a kind that does not divide leaves part of its last
-        group's pages unused (Gemma 3 1B's 4 and 22: one group of 2 in 4 places). Full attention first."""
+        (vLLM's hybrid allocator does the same). Groups fill as many rows of a page as the smallest kind's layers
+        do: Gemma 3 270M's 3 full and 15 sliding layers make 1 + 5 groups of 3; a kind that does not divide leaves
+        part of its last group's pages unused (Gemma 3 1B's 4 and 22: one group of 2 in 4 places). A page's rows
+        are as wide as the widest layer's K/V; a kind whose width divides it puts that many layers side by side in
+        a row (Gemma 4 31B: its 10 full layers, 4 KV heads of 512, two to a row of the sliding layers' 16 of 256,
+        make 1 group in 5 rows, and its 50 sliding layers 10 groups of 5). Full attention first."""
         kinds: dict[tuple[int | None, int, int], list[int]] = {}
         for i in self.attention_layers:
             kinds.setdefault((self.layers[i].window, *self.kv_shape(self.layers[i])), []).append(i)
         if not kinds:
             return ()
-        size = min(len(layers) for layers in kinds.values())
+        width = max(heads * dim for _, heads, dim in kinds)
+        per_row = {
+            kind: width // (kind[1] * kind[2]) if width % (kind[1] * kind[2]) == 0 else 1 for kind in kinds
+        }
+        rows = min(-(-len(layers) // per_row[kind]) for kind, layers in kinds.items())
         order = sorted(kinds, key=lambda kind: (-1 if kind[0] is None else kind[0], kind[1:]))
         return tuple(
-            KvGroup(kind[0], tuple(kinds[kind][j : j + size]), *kind[1:])
+            KvGroup(kind[0], tuple(kinds[kind][j : j + rows * per_row[kind]]), *kind[1:], per_row[kind])
             for kind in order
-            for j in range(0, len(kinds[kind]), size)
+            for j in range(0, len(kinds[kind]), rows * per_row[kind])
         )
 
     @property
     def kv_rows(self) -> dict[int, tuple[int, int]]:
         """Each attention layer's (KV group, its row in that group's pages); a layer that reads another's K/V,
-        that layer's."""
-        rows = {i: (g, j) for g, group in enumerate(self.kv_groups) for j, i in enumerate(group.layers)}
-        return rows | {i: rows[spec.kv_source] for i, spec in enumerate(self.layers) if spec.kv_source >= 0}
+        that layer's. (Its place in the row: kv_place.)"""
+        return {i: place[:2] for i, place in self.kv_places.items()}
+
+    @property
+    def kv_places(self) -> dict[int, tuple[int, int, int]]:
+        """Each attention layer's (KV group, row, place in the row among the group's per_row); a layer that reads
+        another's K/V, that layer's."""
+        places = {
+            i: (g, j // group.per_row, j % group.per_row)
+            for g, group in enumerate(self.kv_groups)
+            for j, i in enumerate(group.layers)
+        }
+        return places | {
+            i: places[spec.kv_source] for i, spec in enumerate(self.layers) if spec.kv_source >= 0
+        }
 
     @property
     def linear_layers(self) -> list[int]:

@@ -28,26 +28,27 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # a page holds block_size tokens of every layer of one KV group; all groups' layers share the pool
-        self.layers_per_page = config.kv_page_layers
+        self.rows_per_page = config.kv_page_rows
         self.uniform = config.uniform_kv
         if self.uniform:
             # [layers of a page, kv_heads, slots, head_dim]; page b holds slots b*block_size .. (b+1)*block_size-1.
             # Heads outside the slots: one head's block is one contiguous row of block_size * head_dim, so a
             # single gather of rows yields [batch, kv_heads, keys, head_dim], which the attention matmuls take
             # as it is.
-            shape = (self.layers_per_page, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+            shape = (self.rows_per_page, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         else:
             # Groups whose heads differ (Gemma 4's full layers: 512-wide heads, fewer of them) share the pages, so
-            # a page must be the same memory whatever group holds it: slots outside the heads, [layers of a page,
-            # slots, the widest layer's KV heads x head_dim], each layer viewing a slot's first values as its heads
-            shape = (self.layers_per_page, num_blocks * block_size, config.kv_width)
+            # a page must be the same memory whatever group holds it: slots outside the heads, [rows of a page,
+            # slots, the widest layer's KV heads x head_dim], each layer viewing its part of a slot's values as
+            # its heads (narrower layers side by side: ModelConfig.kv_groups)
+            shape = (self.rows_per_page, num_blocks * block_size, config.kv_width)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # layer i's K/V: the j-th layer of its group g is row j of the pages g's block tables name
-        rows, groups = config.kv_rows, config.kv_groups
+        # layer i's K/V: part `part` of row j of the pages its group g's block tables name
+        rows, places, groups = config.kv_rows, config.kv_places, config.kv_groups
         layers = {
-            i: (self._row(self.k, j, groups[g]), self._row(self.v, j, groups[g]))
-            for i, (g, j) in rows.items()
+            i: (self._row(self.k, groups[g], j, part), self._row(self.v, groups[g], j, part))
+            for i, (g, j, part) in places.items()
         }
         self.group_of = [rows[i][0] if i in rows else -1 for i in range(config.num_layers)]  # -1: DeltaNet
         self.num_state_slots = self.num_snapshot_slots = self.num_draft_slots = 0
@@ -70,16 +71,14 @@ class KVCache:
             layers |= {i: (self.conv[j], self.recurrent[j]) for j, i in enumerate(config.linear_layers)}
         self._layers = [layers[i] for i in range(config.num_layers)]  # views made once
 
-    def _row(self, pool: torch.Tensor, j: int, group: KvGroup) -> torch.Tensor:
-        """Row j of the pages as a layer of `group` sees it: [kv_heads, slots, head_dim], strided where the
-        groups' heads differ (the kernels read its strides)."""
+    def _row(self, pool: torch.Tensor, group: KvGroup, j: int, part: int) -> torch.Tensor:
+        """Part `part` of row j of the pages as a layer of `group` sees it: [kv_heads, slots, head_dim], strided
+        where the groups' heads differ (the kernels read its strides)."""
         if self.uniform:
             return pool[j]
-        return (
-            pool[j][:, : group.num_kv_heads * group.head_dim]
-            .unflatten(1, (group.num_kv_heads, -1))
-            .transpose(0, 1)
-        )
+        width = group.num_kv_heads * group.head_dim
+        values = pool[j][:, part * width : (part + 1) * width]
+        return values.unflatten(1, (group.num_kv_heads, group.head_dim)).transpose(0, 1)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (K, V) pools, or a DeltaNet layer's (convolution, recurrent) state pools."""
@@ -100,7 +99,7 @@ class KVCache:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """A page: block_size tokens' K and V in each layer of one KV group."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.kv_page_layers * block_size * config.kv_width * elem
+        return 2 * config.kv_page_rows * block_size * config.kv_width * elem
 
     @staticmethod
     def bytes_per_state_slot(config: ModelConfig) -> int:

@@ -124,12 +124,12 @@ def cache_layout(
             + (f" after {state_bytes} bytes of DeltaNet state" if state_bytes else "")
         )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB, %s), a block %d layers' K/V; %s",
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s), a block %d rows of layers' K/V; %s",
         num_blocks,
         config.block_size,
         num_blocks * per_block / 2**30,
         dtype_name(dtype),
-        model_config.kv_page_layers,
+        model_config.kv_page_rows,
         describe_kv_groups(model_config),
     )
     return CacheLayout(num_blocks, num_state_slots, num_snapshots, num_draft_slots)

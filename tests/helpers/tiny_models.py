@@ -52,11 +52,11 @@ FAMILY_OVERRIDES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     ),
-    # Gemma 4: full layers of their own heads (32 wide, one KV head, keys as values, a quarter of the pairs turning),
+    # Gemma 4: full layers of their own heads (64 wide, one KV head, keys as values, a quarter of the pairs turning),
     # sliding layers of 16-wide heads, per-layer inputs, a final soft-cap; the last two layers read the K/V of the
     # last earlier one of their kind, with double-wide MLPs (E2B's shape)
     "gemma4": dict(
-        num_hidden_layers=5, head_dim=16, sliding_window=8, global_head_dim=32, num_global_key_value_heads=1,
+        num_hidden_layers=5, head_dim=16, sliding_window=8, global_head_dim=64, num_global_key_value_heads=1,
         attention_k_eq_v=True, hidden_size_per_layer_input=32, vocab_size_per_layer_input=300,
         final_logit_softcapping=30.0, num_kv_shared_layers=2, use_double_wide_mlp=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],

@@ -57,12 +57,15 @@ def test_the_full_layers_heads_are_their_own():
     )
     assert (sliding.rope.dim, sliding.rope.theta) == (256, 10000.0)
     assert config.attention_scale == 1.0 and config.final_softcap == 30.0 and config.per_layer_input_size == 0
-    # 10 full layers and 50 sliding ones: one group of the full layers, five of the sliding layers
-    groups = config.kv_groups
-    assert [(g.window, g.num_kv_heads, g.head_dim, len(g.layers)) for g in groups] == [(None, 4, 512, 10)] + [
-        (1024, 16, 256, 10)
-    ] * 5
-    assert not config.uniform_kv and config.kv_width == 16 * 256
+    # 10 full layers and 50 sliding ones in pages of 5 rows, each as wide as a sliding layer's 16 x 256: the full
+    # layers (4 x 512) two to a row, one group; the sliding layers ten groups of 5
+    shapes = [(g.window, g.num_kv_heads, g.head_dim, len(g.layers), g.per_row) for g in config.kv_groups]
+    assert shapes == [(None, 4, 512, 10, 2)] + [(1024, 16, 256, 5, 1)] * 10
+    assert not config.uniform_kv and config.kv_width == 16 * 256 and config.kv_page_rows == 5
+    # a token in every group (within the window) takes exactly its layers' K/V: 880 KiB in bfloat16
+    per_block = KVCache.bytes_per_block(config, 16, torch.bfloat16)
+    exact = 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    assert len(config.kv_groups) * per_block // 16 == exact == 880 * 1024
 
 
 def test_the_last_layers_read_an_earlier_layers_cache():
@@ -86,6 +89,10 @@ def test_the_last_layers_read_an_earlier_layers_cache():
     assert all(config.kv_rows[i] == config.kv_rows[sources[i]] for i in sources)
     cache = KVCache(config, 4, 16, torch.bfloat16, "cpu")
     assert all(cache.layer(i)[0].data_ptr() == cache.layer(sources[i])[0].data_ptr() for i in sources)
+    # the full layers' 1 KV head of 512 beside the sliding layers' 1 of 256: two sliding layers to a row
+    assert [(g.window, len(g.layers), g.per_row) for g in config.kv_groups] == [(None, 3, 1)] + [
+        (512, 6, 2)
+    ] * 2
 
 
 def test_26b_a4bs_layers_are_dense_and_sparse_side_by_side():
@@ -272,3 +279,13 @@ def test_the_moe_layers_tokens_do_not_depend_on_their_batch(tmp_path, kernels):
 
     together = run(prompts)
     assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+
+
+def test_the_tiny_model_packs_two_sliding_layers_to_a_row():
+    """test_families' Gemma 4 (logits against transformers, batched == alone) runs its two sliding layers (2 KV
+    heads of 16) side by side in a row as wide as a full layer's 1 head of 64: the packing, exercised there."""
+    config = tiny_config("gemma4", **FAMILY_OVERRIDES["gemma4"]).to_dict() | {
+        "architectures": ["Gemma4ForCausalLM"]
+    }
+    groups = ModelConfig.from_dict(config).kv_groups
+    assert [(g.window, g.layers, g.per_row) for g in groups] == [(None, (1,), 1), (8, (0, 2), 2)]
