@@ -87,7 +87,7 @@ void store(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int
 // One sequence, one KV head, queries [first_query, first_query + n_pos) of the sequence, at positions
 // pos0 .. pos0 + n_pos - 1, with the G query heads that share the KV head. DC is the head size when known at
 // compile time (the output rows then stay in registers), else 0.
-template <typename T, typename C, int DC>
+template <typename T, typename C, int DC, bool STRIDED = false>
 void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, int64_t head_stride, int64_t slot_stride,
             const int32_t* table, int64_t block_size, int64_t head, int64_t G, int64_t head_size, int64_t token0,
             int64_t n_pos, int64_t pos0, int64_t window, float scale, float softcap, T* out, int64_t H, const T* cos,
@@ -127,7 +127,9 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
   const C* k_head = k_cache + head * head_stride;
   const C* v_head = v_cache + head * head_stride;
   auto row = [&](const C* base, int64_t pos) {
-    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride;
+    // a key's row: slot * D in a cache whose heads keep their slots together (D known at compile time there),
+    // slot * slot_stride where a slot holds every head's (model/kv_cache.py, layers whose heads differ)
+    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * (STRIDED ? slot_stride : D);
   };
   // The rows of keys (or values) [t0, t0 + KT), asked for into L2 two tiles ahead of their use: the block table
   // scatters a sequence's rows over the cache, and the hardware's prefetcher stops at each block's few KB
@@ -312,7 +314,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   auto run = [&](auto q_type, auto cache_type) {
     using T = decltype(q_type);
     using C = decltype(cache_type);
-    auto fn = D == 64 ? attend<T, C, 64> : D == 128 ? attend<T, C, 128> : attend<T, C, 0>;
+    auto fn = slot_stride != D ? attend<T, C, 0, true>
+              : D == 64        ? attend<T, C, 64>
+              : D == 128       ? attend<T, C, 128>
+                               : attend<T, C, 0>;
     const T* qp = q.data_ptr<T>();
     const C* kp = k_cache.data_ptr<C>();
     const C* vp = v_cache.data_ptr<C>();
