@@ -403,14 +403,9 @@ FAMILIES = {
             embedding_scale_sqrt_hidden=True,
             window_layers=6,
             gemma4=True,
-            config_defaults=dict(
-                tie_word_embeddings=True,
-                bos_token_id=2,
-                eos_token_id=1,
-                rms_norm_eps=1e-6,
-                hidden_activation="gelu_pytorch_tanh",
-                head_dim=256,
-                num_key_value_heads=4,
+            # Gemma4TextConfig's: Gemma's, without query_pre_attn_scalar (its q/k norms scale)
+            config_defaults={k: v for k, v in GEMMA_DEFAULTS.items() if k != "query_pre_attn_scalar"}
+            | dict(
                 max_position_embeddings=131072,
                 sliding_window=512,
                 attention_bias=False,

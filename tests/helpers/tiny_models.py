@@ -296,3 +296,30 @@ class CpuPath:
         return forward_sequence(
             model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels, self.gpu_attention
         )
+
+
+def tokens_together_and_alone(path, kernels: str) -> tuple[dict, dict]:
+    """Greedy tokens of six prompts through the engine (chunked prefills beside decodes, past any window), all
+    together and each alone: (together, alone), by request id."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+
+    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
+                          batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
+    engine = Engine(str(path), config)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
+               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))}  # fmt: skip
+
+    def run(batch):
+        tokens = {rid: [] for rid in batch}
+        for rid, ids in batch.items():
+            engine.add_request(rid, ids, params)
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    return run(prompts), {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}

@@ -16,6 +16,7 @@ from tests.helpers.tiny_models import (
     CpuPath,
     cache_blocks,
     tiny_family,
+    tokens_together_and_alone,
 )
 
 PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()  # > every window
@@ -170,29 +171,8 @@ def test_quantized_weights_give_the_dense_models_choices(tiny_model_factory, cpu
 def test_batched_equals_alone_through_the_engine(tiny_model_factory, arch, kernels):
     """Six prompts together (prefill chunks beside decodes, past every window) give each one's tokens alone
     (GPT-2 on PyTorch ops crashed here: as many KV heads as query heads left attention's output non-contiguous)."""
-    from server.engine.config import EngineConfig
-    from server.engine.engine import Engine
-    from server.engine.request import SamplingParams
-
-    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
-                          batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
-    engine = Engine(str(tiny_family(tiny_model_factory, arch)), config)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
-               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))}  # fmt: skip
-
-    def run(batch):
-        tokens = {rid: [] for rid in batch}
-        for rid, ids in batch.items():
-            engine.add_request(rid, ids, params)
-        while engine.has_work():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        return tokens
-
-    together = run(prompts)
-    assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+    together, alone = tokens_together_and_alone(tiny_family(tiny_model_factory, arch), kernels)
+    assert together == alone
 
 
 @pytest.mark.timeout(60)

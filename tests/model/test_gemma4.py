@@ -15,6 +15,7 @@ from tests.helpers.tiny_models import (
     cache_blocks,
     save_tiny_tokenizer,
     tiny_config,
+    tokens_together_and_alone,
 )
 
 PROMPT = torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -255,30 +256,9 @@ def test_the_moe_layers_match_transformers(tmp_path, kernels):
 def test_the_moe_layers_tokens_do_not_depend_on_their_batch(tmp_path, kernels):
     """Six prompts together through the engine (prefill chunks beside decodes, past the window) give each one's
     greedy tokens alone: a token's experts and sums never depend on what shares its step."""
-    from server.engine.config import EngineConfig
-    from server.engine.engine import Engine
-    from server.engine.request import SamplingParams
-
     tiny_moe_model(tmp_path)
-    config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=24, dtype="float32",
-                          batch_invariant=True, cpu_kernels=kernels)  # fmt: skip
-    engine = Engine(str(tmp_path), config)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    prompts = {f"p{i}": torch.randint(3, 300, (int(n),), generator=g).tolist()
-               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))}  # fmt: skip
-
-    def run(batch):
-        tokens = {rid: [] for rid in batch}
-        for rid, ids in batch.items():
-            engine.add_request(rid, ids, params)
-        while engine.has_work():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        return tokens
-
-    together = run(prompts)
-    assert together == {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
+    together, alone = tokens_together_and_alone(tmp_path, kernels)
+    assert together == alone
 
 
 def test_the_tiny_model_packs_two_sliding_layers_to_a_row():
