@@ -316,7 +316,7 @@ def test_responses_and_messages_grammars_constrain_the_answer_only(servers):
 # --- Responses ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["think", "harmony"])
+@pytest.mark.parametrize("name", ["think", "harmony", "gemma4"])
 def test_responses_gives_reasoning_items(servers, name):
     client = oai(servers(name))
     r = client.responses.create(model=MODEL, input="What is 2+2?", temperature=0)
@@ -405,7 +405,7 @@ def test_langchain_shows_the_reasoning_apart(servers):
 # --- Messages -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["think", "harmony"])
+@pytest.mark.parametrize("name", ["think", "harmony", "gemma4"])
 def test_messages_gives_thinking_blocks_when_enabled(servers, name):
     client = claude(servers(name))
     kw = dict(model=MODEL, max_tokens=2048, messages=ASK, extra_body={"temperature": 0})
