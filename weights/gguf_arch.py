@@ -147,6 +147,37 @@ SHARED_EXPERT = {
 }
 
 
+# Gemma 4 (conversion/gemma.py's Gemma4Model): Gemma 3's layer with plain w norms, a scalar on the layer's output,
+# the per-layer inputs' gate, projection and norm, and (26B-A4B) experts beside the dense MLP: the router's
+# projection and input scale, every expert's gate and up in one tensor and down in another, each expert's output
+# scale (".scale" tensors, no ".weight"), and the norms around the two branches
+GEMMA4_PER_LAYER_INPUT = {
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+GEMMA4_MOE = {
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+}
+GEMMA4_LAYER = (
+    GEMMA_LAYER | QK_NORMS | {"layer_output_scale": "layer_scalar"} | GEMMA4_PER_LAYER_INPUT | GEMMA4_MOE
+)
+GEMMA4_BARE = (
+    "layer_output_scale",
+    "ffn_gate_inp.scale",
+    "ffn_gate_up_exps",
+    "ffn_down_exps",
+    "ffn_down_exps.scale",
+)
+
+
 def shortest_float(value: float) -> float:
     """GGUF stores float32: 1e-5 reads back as 9.999999747e-06. Write the shortest decimal of the same float32."""
     return float(str(np.float32(value)))
@@ -198,6 +229,19 @@ class Family:
     tiled_value_heads: bool = False
     # Qwen3-Next's ssm_ba (and an older file's ssm_in): rows grouped by key head (key_head_groups)
     grouped_by_key_head: bool = False
+    # GGUF keys (after "<arch>.") that may hold one value per layer (Gemma 4's head_count_kv, feed_forward_length):
+    # read as lists, which `extra` makes config fields of
+    per_layer_keys: tuple[str, ...] = ()
+    # tensors outside blk.N (beyond token_embd, output_norm, output): GGUF name -> Hugging Face module
+    global_tensors: dict[str, str] = field(default_factory=dict)
+    # config fields read from the tensors themselves (which exist, a RoPE tensor's values), in place of
+    # rope_config: (GGUF metadata, the config so far, GGUF tensor name -> shape, RoPE tensors by name) -> fields
+    from_tensors: Callable[..., dict[str, Any]] | None = None
+    # (config, layer) -> the tensors layer `layer` leaves out (Gemma 4's layers that read another's K/V)
+    absent: Callable[[dict[str, Any], int], set[str]] | None = None
+    # (config, layer) -> its (head dim, KV heads, FFN size), where layers differ (Gemma 4's)
+    layer_dims: Callable[[dict[str, Any], int], tuple[int, int, int]] | None = None
+    dense_and_experts: bool = False  # a dense FFN beside the experts in a sparse layer (Gemma 4 26B-A4B)
 
     @property
     def convertible(self) -> bool:
@@ -205,11 +249,11 @@ class Family:
 
     def layer_tensors_of(self, config: dict[str, Any], layer: int) -> dict[str, str]:
         """The GGUF tensors layer `layer` holds (a hybrid's: its mixer's), by name inside blk.N."""
-        if not self.mixer_tensors:
-            return self.layer_tensors
-        kind = config["layer_types"][layer]
-        others = {name for mixer, names in self.mixer_tensors.items() if mixer != kind for name in names}
-        return {k: v for k, v in self.layer_tensors.items() if k not in others}
+        absent = self.absent(config, layer) if self.absent else set()
+        if self.mixer_tensors:
+            kind = config["layer_types"][layer]
+            absent |= {name for mixer, names in self.mixer_tensors.items() if mixer != kind for name in names}
+        return {k: v for k, v in self.layer_tensors.items() if k not in absent}
 
 
 REQUIRED = object()  # a key without a default
@@ -229,13 +273,19 @@ def arch_key(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return meta.get(f"{meta['general.architecture']}.{key}", default)
 
 
-def read_keys(meta: dict[str, Any], keys: dict[str, tuple[str, Any]]) -> dict[str, Any]:
-    """Config fields from GGUF keys: floats as the shortest decimal of their float32, one value for all layers."""
+def read_keys(
+    meta: dict[str, Any], keys: dict[str, tuple[str, Any]], per_layer: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Config fields from GGUF keys: floats as the shortest decimal of their float32, one value for all layers
+    (a list where the key is one of `per_layer`)."""
     fields = {}
     for name, (key, default) in keys.items():
         value = arch_key(meta, key, default)
         if value is REQUIRED:
             raise UnsupportedGGUFError(f"GGUF metadata has no {meta['general.architecture']}.{key!r}")
+        if isinstance(value, list) and key in per_layer:
+            fields[name] = value
+            continue
         if isinstance(value, list):
             raise UnsupportedGGUFError(f"per-layer {key} ({value[:4]}...) is not supported")
         fields[name] = shortest_float(value) if isinstance(value, float) else value
@@ -287,6 +337,122 @@ def gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any
         "final_logit_softcapping": shortest_float(softcap) if softcap else None,
         "attn_logit_softcapping": None,
     }
+
+
+def gemma4_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 (llama.cpp's gemma4; conversion/gemma.py's Gemma4Model): the layer pattern as a list; the full
+    layers' head size in key_length and the sliding layers' in key_length_swa; KV heads and FFN sizes per layer
+    where they differ (the full layers' fewer heads, the KV-sharing layers' double-wide MLPs)."""
+    n = config["num_hidden_layers"]
+    kinds = window_pattern(meta, n, every=6)
+    shared = arch_key(meta, "attention.shared_kv_layers", 0)
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    kv = per_layer(config["num_key_value_heads"], n)
+    ffn = per_layer(config["intermediate_size"], n)
+    fields = {
+        "layer_types": kinds,
+        "head_dim": arch_key(meta, "attention.key_length_swa", config["head_dim"]),
+        "global_head_dim": config["head_dim"],
+        "num_key_value_heads": kv[sliding[0]] if sliding else kv[0],
+        "intermediate_size": ffn[0],
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": any(ffn[i] == 2 * ffn[0] for i in range(n - shared, n)) if shared else False,
+        "hidden_size_per_layer_input": arch_key(meta, "embedding_length_per_layer_input", 0),
+        "sliding_window": arch_key(meta, "attention.sliding_window", 512),
+        "final_logit_softcapping": shortest_float(softcap)
+        if (softcap := arch_key(meta, "final_logit_softcapping"))
+        else None,
+    }
+    if {kv[i] for i in sliding} - {fields["num_key_value_heads"]} or len({kv[i] for i in full}) > 1:
+        raise UnsupportedGGUFError(
+            f"gemma4 with KV heads {kv} per layer, other than one count per layer kind"
+        )
+    sizes = {ffn[i] for i in range(n - shared)} | {
+        ffn[i] // (2 if fields["use_double_wide_mlp"] else 1) for i in range(n - shared, n)
+    }
+    if sizes != {ffn[0]}:
+        raise UnsupportedGGUFError(f"gemma4 with FFN sizes {ffn} per layer")
+    if full and kv[full[0]] != fields["num_key_value_heads"]:
+        fields["num_global_key_value_heads"] = kv[full[0]]
+    if experts := arch_key(meta, "expert_count", 0):
+        fields |= {
+            "enable_moe_block": True,
+            "num_experts": experts,
+            "top_k_experts": arch_key(meta, "expert_used_count"),
+            "moe_intermediate_size": arch_key(meta, "expert_feed_forward_length"),
+        }
+    return fields
+
+
+def per_layer(value: int | list[int], n: int) -> list[int]:
+    """A per-layer key's values, whether the file holds one for every layer or one for all."""
+    return list(value) if isinstance(value, list) else [value] * n
+
+
+def gemma4_from_tensors(
+    meta: dict[str, Any],
+    config: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    rope: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """Gemma 4's fields that only its tensors say: keys as values where its full layers have no attn_v (checked
+    against the first full layer that keeps K/V), the per-layer embeddings' rows, and its RoPE: the sliding
+    layers' default, the full layers' proportional one, whose turning share llama.cpp stores as rope_freqs, 1 for
+    a pair that turns and 1e30 for one that stays."""
+    kinds = config["layer_types"]
+    owners = range(config["num_hidden_layers"] - config["num_kv_shared_layers"])
+    full = next((i for i in owners if kinds[i] == "full_attention"), None)
+    fields = {"attention_k_eq_v": full is not None and f"blk.{full}.attn_v.weight" not in shapes}
+    if config["hidden_size_per_layer_input"]:
+        fields["vocab_size_per_layer_input"] = int(shapes["per_layer_token_embd.weight"][1])
+    swa_dims = arch_key(meta, "rope.dimension_count_swa", config["head_dim"])
+    if swa_dims != config["head_dim"]:
+        raise UnsupportedGGUFError(
+            f"gemma4 sliding layers with partial rotary ({swa_dims} of {config['head_dim']})"
+        )
+    full_rope = {"rope_type": "default", "rope_theta": shortest_float(arch_key(meta, "rope.freq_base", 1e6))}
+    if "rope_freqs" in rope:
+        factors = rope["rope_freqs"].astype(np.float64)
+        turning = int((factors == 1.0).sum())
+        if (
+            len(factors) * 2 != config["global_head_dim"]
+            or not (factors[:turning] == 1.0).all()
+            or (factors[turning:] < 1e29).any()
+        ):
+            raise UnsupportedGGUFError(f"gemma4 rope_freqs other than proportional RoPE's ({factors[:4]}...)")
+        full_rope |= {"rope_type": "proportional", "partial_rotary_factor": turning / len(factors)}
+    swa_theta = shortest_float(arch_key(meta, "rope.freq_base_swa", 10000.0))
+    fields["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": swa_theta},
+        "full_attention": full_rope,
+    }
+    return fields
+
+
+def gemma4_absent(config: dict[str, Any], layer: int) -> set[str]:
+    """The tensors a Gemma 4 layer leaves out: K/V's where it reads an earlier layer's, V where a full layer's
+    keys are its values, the per-layer inputs' and the experts' where the model has none."""
+    absent = set()
+    if layer >= config["num_hidden_layers"] - config["num_kv_shared_layers"]:
+        absent |= {"attn_k", "attn_v", "attn_k_norm"}
+    elif config.get("attention_k_eq_v") and config["layer_types"][layer] == "full_attention":
+        absent.add("attn_v")
+    if not config.get("hidden_size_per_layer_input"):
+        absent |= set(GEMMA4_PER_LAYER_INPUT)
+    if not config.get("enable_moe_block"):
+        absent |= set(GEMMA4_MOE)
+    return absent
+
+
+def gemma4_layer_dims(config: dict[str, Any], layer: int) -> tuple[int, int, int]:
+    """A Gemma 4 layer's (head dim, KV heads, FFN size)."""
+    full = config["layer_types"][layer] == "full_attention"
+    head_dim = config["global_head_dim"] if full else config["head_dim"]
+    kv = config.get("num_global_key_value_heads") if full else None
+    shared = layer >= config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    ffn = config["intermediate_size"] * (2 if shared and config["use_double_wide_mlp"] else 1)
+    return head_dim, kv or config["num_key_value_heads"], ffn
 
 
 def granite_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -615,6 +781,26 @@ FAMILIES: dict[str, Family] = {
         norm_shift=1.0,
         extra=gemma3_config,
     ),
+    "gemma4": Family(
+        "Gemma4ForCausalLM",
+        "gemma4_text",
+        GEMMA4_LAYER,
+        constants=GELU_TANH,
+        biases=(BiasGroup("attention_bias", ATTENTION_BIASES),),
+        bare=GEMMA4_BARE,
+        rope_tensors=("rope_freqs",),
+        extra=gemma4_config,
+        per_layer_keys=("attention.head_count_kv", "feed_forward_length"),
+        global_tensors={
+            "per_layer_token_embd": "model.embed_tokens_per_layer",
+            "per_layer_model_proj": "model.per_layer_model_projection",
+            "per_layer_proj_norm": "model.per_layer_projection_norm",
+        },
+        from_tensors=gemma4_from_tensors,
+        absent=gemma4_absent,
+        layer_dims=gemma4_layer_dims,
+        dense_and_experts=True,
+    ),
     "phi3": Family(
         "Phi3ForCausalLM",
         "phi3",
@@ -779,11 +965,21 @@ def family_for(meta: dict[str, Any]) -> Family:
     return FAMILIES[arch]
 
 
-def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The shape of every GGUF tensor inside blk.N (numpy order: rows first) for this family and config."""
-    hidden, ffn, head_dim = config["hidden_size"], config.get("intermediate_size", 0), config["head_dim"]
+def tensor_shapes(
+    family: Family, config: dict[str, Any], layer: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The shape of every GGUF tensor inside blk.N (numpy order: rows first) for this family and config (and
+    layer, where a family's layers differ: Family.layer_dims)."""
+    hidden = config["hidden_size"]
+    head_dim, kv_heads, ffn = (
+        config["head_dim"],
+        config["num_key_value_heads"],
+        config.get("intermediate_size", 0),
+    )
+    if family.layer_dims is not None and layer is not None:
+        head_dim, kv_heads, ffn = family.layer_dims(config, layer)
     q_rows = config["num_attention_heads"] * head_dim
-    kv_rows = config["num_key_value_heads"] * head_dim
+    kv_rows = kv_heads * head_dim
     shapes = {
         "attn_q": (q_rows, hidden),
         "attn_k": (kv_rows, hidden),
@@ -797,7 +993,7 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
         "ffn_down": (hidden, ffn),
         "attn_sinks": (config["num_attention_heads"],),
     }
-    if "ffn_gate_inp" in family.layer_tensors:
+    if "ffn_gate_inp" in family.layer_tensors and ("num_experts" in config or "num_local_experts" in config):
         experts, size = expert_count(config), expert_size(config)
         shared = config.get("shared_expert_intermediate_size", 0)
         shapes |= {
@@ -811,7 +1007,16 @@ def tensor_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
             "ffn_up_shexp": (shared, hidden),
             "ffn_down_shexp": (hidden, shared),
             "ffn_gate_inp_shexp": (1, hidden),
+            "ffn_gate_inp.scale": (hidden,),  # Gemma 4's router's input scale, and each expert's output scale
+            "ffn_down_exps.scale": (experts,),
+            "pre_ffw_norm_2": (hidden,),
+            "post_ffw_norm_1": (hidden,),
+            "post_ffw_norm_2": (hidden,),
         }
+    if size := config.get("hidden_size_per_layer_input"):  # Gemma 4's per-layer inputs
+        shapes |= {"inp_gate": (size, hidden), "proj": (hidden, size)}
+    if "layer_output_scale" in family.layer_tensors:
+        shapes["layer_output_scale"] = (1,)
     if "ssm_out" in family.layer_tensors:  # Qwen3.5, Qwen3-Next: gated attention, Gated DeltaNet
         shapes |= {"attn_q": (2 * q_rows, hidden)} | deltanet_shapes(config)
     for name in family.layer_tensors:

@@ -293,13 +293,16 @@ def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTe
     folds them into rope_parameters on load, per layer type for Gemma 3)."""
     config = {"architectures": [family.architecture], "model_type": family.model_type}
     # a family's own spelling of a common key (Qwen3.5-MoE's optional feed_forward_length) in its place
-    config |= read_keys(meta, COMMON_KEYS | {k: v for k, v in family.keys.items() if k in COMMON_KEYS})
+    per_layer = family.per_layer_keys
+    config |= read_keys(
+        meta, COMMON_KEYS | {k: v for k, v in family.keys.items() if k in COMMON_KEYS}, per_layer
+    )
     hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
     config |= read_keys(meta, {
         "num_key_value_heads": ("attention.head_count_kv", num_heads),
         "head_dim": ("attention.key_length", hidden // num_heads),  # explicit where it is not hidden / heads
         "value_head_dim": ("attention.value_length", None),
-    })  # fmt: skip
+    }, per_layer)  # fmt: skip
     if config.pop("value_head_dim") not in (None, config["head_dim"]):
         raise UnsupportedGGUFError(f"value heads of another size than the keys ({config['head_dim']})")
     config |= {
@@ -319,7 +322,11 @@ def model_config(family: Family, meta: dict[str, Any], tensors: dict[str, GGUFTe
     for name in family.rope_tensors:
         if f"{name}.weight" in tensors:
             rope[name] = dequantize_tensor(tensors[f"{name}.weight"])
-    config |= rope_config(family, meta, config, rope)
+    if family.from_tensors:  # what only the tensors say, its RoPE too (Gemma 4)
+        shapes = {name: tuple(int(n) for n in tensor.shape) for name, tensor in tensors.items()}
+        config |= family.from_tensors(meta, config, shapes, rope)
+    else:
+        config |= rope_config(family, meta, config, rope)
     # null where the GGUF has none, rather than the Hugging Face class's default (Phi-3's pad 32000, Gemma's eos 1)
     for name, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         config[name] = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -374,12 +381,15 @@ class Piece:
 def expected_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor of the model and its shape, in the order they are written."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    per_layer = tensor_shapes(family, config)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
+    for name, module in family.global_tensors.items():
+        if (shape := global_shape(config, name)) is not None:
+            shapes[f"{module}.weight"] = shape
     biases = [name for group in family.biases if config.get(group.switch, True) for name in group.tensors]
     for layer in range(config["num_hidden_layers"]):
+        per_layer = tensor_shapes(family, config, layer)
         for name, module in family.layer_tensors_of(config, layer).items():
             suffix = "" if name in family.bare else ".weight"
             if "{e}" in module:  # one Hugging Face tensor per expert
@@ -459,13 +469,19 @@ def tensor_pieces(
         expected = (hidden,) if base == "output_norm" else (config["vocab_size"], hidden)
         shift = family.norm_shift if base == "output_norm" else 0.0
         return expected, [(f"{GLOBAL_TENSORS[base]}.weight", Piece(gguf_name, 0, slice(None), shift=shift))]
+    if (
+        kind == "weight"
+        and base in family.global_tensors
+        and (shape := global_shape(config, base)) is not None
+    ):
+        return shape, [(f"{family.global_tensors[base]}.weight", Piece(gguf_name, 0, slice(None)))]
     layer, _, short = base.removeprefix("blk.").partition(".")
-    per_layer = tensor_shapes(family, config)
     known = base.startswith("blk.") and layer.isdigit() and int(layer) < config["num_hidden_layers"]
+    per_layer = tensor_shapes(family, config, int(layer) if known else None)
     suffixed = short in family.bare or kind in ("weight", "bias")
     if not known or not suffixed or short not in per_layer:
         raise UnsupportedGGUFError(f"tensor {gguf_name!r} has no {family.architecture} counterpart")
-    if short in DENSE_FFN and "ffn_gate_inp" in family.layer_tensors:
+    if short in DENSE_FFN and "ffn_gate_inp" in family.layer_tensors and not family.dense_and_experts:
         raise UnsupportedGGUFError(
             f"tensor {gguf_name!r}: a dense FFN in a layer of {family.architecture}, whose layers are all "
             "sparse as llama.cpp builds it, is not supported"
@@ -512,6 +528,20 @@ def tensor_pieces(
             piece = Piece(gguf_name, part, rows_slice, unpermute, shift, e, untile, target in NEGATED_EXP)
             pieces.append((name, piece))
     return (per_layer[short] if kind != "bias" or short in family.bare else per_layer[short][:-1]), pieces
+
+
+def global_shape(config: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The shape of a family's tensor outside the layers (Gemma 4's per-layer inputs'), or None where the model has
+    none."""
+    size = config.get("hidden_size_per_layer_input")
+    if not size:
+        return None
+    width = config["num_hidden_layers"] * size
+    return {
+        "per_layer_token_embd": (config.get("vocab_size_per_layer_input", 0), width),
+        "per_layer_model_proj": (width, config["hidden_size"]),
+        "per_layer_proj_norm": (size,),
+    }[name]
 
 
 def stored(tensor: GGUFTensor, expert: int | None) -> np.ndarray:

@@ -1,6 +1,7 @@
 """A GGUF's tokenizer as a Hugging Face `tokenizers` Tokenizer plus its tokenizer_config.json, tokenizing the way
 llama.cpp does: byte-level BPE (`tokenizer.ggml.model` gpt2: Llama 3, Qwen2/2.5/3, SmolLM/SmolLM3, Phi-4, OLMo 2,
-Granite 3, Mistral Nemo/Ministral) or SentencePiece BPE (llama: Llama 2, Mistral 7B, Phi-3, Gemma 2/3)."""
+Granite 3, Mistral Nemo/Ministral), SentencePiece BPE (llama: Llama 2, Mistral 7B, Phi-3, Gemma 2/3) or Gemma 4's BPE
+over "▁"-spelled text (gemma4)."""
 
 from typing import Any, NamedTuple
 
@@ -74,6 +75,11 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
             )
         tokenizer = byte_level_bpe(tokens, required(meta, "tokenizer.ggml.merges"), BYTE_PRES[pre])
         bos_by_default = BYTE_PRES[pre].add_bos
+    elif kind == "gemma4":
+        tokenizer = gemma4_bpe(
+            tokens, required(meta, "tokenizer.ggml.merges"), meta.get("tokenizer.ggml.unknown_token_id")
+        )
+        bos_by_default = True
     elif kind == "llama":
         scores = required(meta, "tokenizer.ggml.scores")
         unk_id = meta.get("tokenizer.ggml.unknown_token_id")
@@ -81,7 +87,9 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
         tokenizer = sentencepiece_bpe(tokens, scores, types, unk_id, add_prefix)
         bos_by_default = True
     else:
-        raise UnsupportedGGUFError(f"tokenizer model {kind!r} is not supported (only 'gpt2' and 'llama')")
+        raise UnsupportedGGUFError(
+            f"tokenizer model {kind!r} is not supported (only 'gpt2', 'llama' and 'gemma4')"
+        )
 
     # Control tokens (<|im_start|>, <start_of_turn>) are special; user-defined ones (<think>, Gemma's "\n\n" and
     # runs of spaces) are matched whole too but stay in decoded text, as llama.cpp and transformers treat them. Both
@@ -165,6 +173,20 @@ def sentencepiece_bpe(
     strip = [decoders.Strip(" ", 1, 0)] if add_prefix else []
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return tokenizer
+
+
+def gemma4_bpe(tokens: list[str], merges: list[str], unk_id: int | None) -> Tokenizer:
+    """Gemma 4's BPE (llama.cpp's gemma4 tokenizer model): its merges run on the text itself, spaces spelled "▁",
+    with no space put before the text, and a byte missing from the pieces falls back to its <0xNN> token."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    unk = tokens[unk_id] if unk_id is not None else None
+    tokenizer = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return tokenizer
 
