@@ -124,7 +124,7 @@ def cache_layout(
             + (f" after {state_bytes} bytes of DeltaNet state" if state_bytes else "")
         )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB, %s), a block %d rows of layers' K/V; %s",
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s), a block %d rows of K/V (a layer's each, or narrower ones side by side); %s",
         num_blocks,
         config.block_size,
         num_blocks * per_block / 2**30,
