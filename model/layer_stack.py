@@ -1,6 +1,6 @@
 """A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
-Mistral, Qwen2 and 3, Gemma 2 and 3, Phi-3; the MoE families' sparse FFNs and GPT-OSS's sinks and clamped SwiGLU
-too; the hybrids' Gated DeltaNet layers and Qwen3.5's gated attention with partial rotary) whose GEMMs all run on
+Mistral, Qwen2 and 3, Gemma 2, 3 and 4, Phi-3; the MoE families' sparse FFNs and GPT-OSS's sinks and clamped
+SwiGLU too; the hybrids' Gated DeltaNet layers and Qwen3.5's gated attention with partial rotary) whose GEMMs all run on
 quantized weights with kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
@@ -22,15 +22,17 @@ class LayerStack:
         self.ropes = ropes  # the distinct Ropes, in the order of the layers' indices into them
         self.hybrid = hybrid  # some layers are Gated DeltaNet's: the cache's state pools go with each step
 
-    def __call__(self, x, ropes: dict, kv_cache, meta: list, states=None):
+    def __call__(self, x, ropes: dict, kv_cache, meta: list, states=None, per_layer=None):
         """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope); meta: the
-        step's attention metadata, one per KV group; states: a hybrid's StepStates (model/deltanet.py)."""
+        step's attention metadata, one per KV group; states: a hybrid's StepStates (model/deltanet.py);
+        per_layer: Gemma 4's [T, layers, size] per-layer inputs. Returns (the last block's output, the stream it
+        adds to, or None where the block returned the stream whole)."""
         tables = [ropes[rope] for rope in self.ropes]
         pools = (kv_cache.conv, kv_cache.recurrent, states.table) if self.hybrid else (None, None, None)
         return self.stack.forward(
             x, kv_cache.k, kv_cache.v, [m.slot_mapping for m in meta], [m.block_tables for m in meta],
             meta[0].seqs, meta[0].block_size, KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
-            *pools,
+            *pools, per_layer,
         )  # fmt: skip
 
 
@@ -64,27 +66,27 @@ CONFIG_FIELDS = {
     "moe": _any,  # the experts of the layers whose ffn says "moe" (LAYER_FIELDS)
     "linear_attention": _any,  # the shape of the layers whose mixer says linear_attention (LAYER_FIELDS)
     "attn_output_gate": _any,  # Qwen3.5's gated attention: its output times sigmoid(gate)
-    # Gemma 4's value norm, layer scalars and per-layer embeddings: not in the loop
-    "v_norm": lambda c: not c.v_norm,
-    "layer_scalar": lambda c: not c.layer_scalar,
-    "per_layer_input_size": lambda c: c.per_layer_input_size == 0,
-    "per_layer_vocab_size": _any,
+    # Gemma 4's value norm, layer scalars and per-layer inputs (each step's, gated into the stream after each block)
+    "v_norm": _any, "layer_scalar": _any, "per_layer_input_size": _any,
+    "per_layer_vocab_size": _any,  # the per-layer embeddings are looked up before the blocks
 }  # fmt: skip
 LAYER_FIELDS = {  # (layer, config) -> whether the loop computes it
     "window": _any,
     # RoPE over the whole head or its first dims (Qwen3.5's partial rotary); a DeltaNet layer has none
     "rope": lambda spec, c: (
-        spec.mixer == "linear_attention" or (spec.rope is not None and spec.rope.dim <= c.head_dim)
+        spec.mixer == "linear_attention" or (spec.rope is not None and spec.rope.dim <= c.kv_shape(spec)[1])
     ),
-    "ffn": lambda spec, c: spec.ffn in ("dense", "moe"),  # moe: the C++ MoE FFN (model/csrc/moe.cpp)
+    # moe: the C++ MoE FFN (model/csrc/moe.cpp); dense_and_moe: both, side by side (Gemma 4 26B-A4B)
+    "ffn": lambda spec, c: spec.ffn in ("dense", "moe", "dense_and_moe"),
     # attention, or Gated DeltaNet (model/csrc/deltanet.cpp)
     "mixer": lambda spec, c: spec.mixer in ("attention", "linear_attention"),
-    # the model's heads on every layer (the loop reads the cache as one [layers, KVH, slots, D] pool)
-    "head_dim": lambda spec, c: spec.head_dim in (0, c.head_dim),
-    "num_kv_heads": lambda spec, c: spec.num_kv_heads in (0, c.num_kv_heads),
-    "k_eq_v": lambda spec, c: not spec.k_eq_v,
-    "kv_source": lambda spec, c: spec.kv_source < 0,
-    "intermediate_size": lambda spec, c: spec.intermediate_size == 0,
+    # each layer's own heads (its view of the cache's rows: KVCache.layer), keys as values, K/V read from an earlier
+    # layer (its queries rotated in the loop), its own FFN size (its GEMMs')
+    "head_dim": _any,
+    "num_kv_heads": _any,
+    "k_eq_v": _any,
+    "kv_source": _any,
+    "intermediate_size": _any,
 }
 
 
@@ -104,41 +106,67 @@ def build_layer_stack(model, kernels) -> LayerStack | None:
         return None
     ropes = list(dict.fromkeys(spec.rope for spec in config.layers if spec.rope is not None))
     layers = []
-    kv_rows = config.kv_rows
-    for i, (block, spec) in enumerate(zip(model.layers, config.layers, strict=True)):
-        attn = block.attn
-        linears = (attn.in_proj, attn.out) if block.linear else (attn.qkv, attn.o)
-        if spec.ffn == "moe" and block.mlp.fused is None:
-            return None  # some expert left dense
-        dense_ffn = (block.mlp.up, block.mlp.down) if spec.ffn == "dense" else ()
-        if any(getattr(linear, "bits", None) is None for linear in (*linears, *dense_ffn)):
+    for i, block in enumerate(model.layers):
+        fields = layer_fields(block, i, config, ropes, kernels)
+        if fields is None:
             return None
-        if block.linear:
-            if attn.kernel is None:
-                return None  # its recurrence asked of PyTorch ops
-            mixer = (None, None, deltanet_mixer(attn, config, i, kernels))
-        else:
-            mixer = (attn.qkv.gemm, attn.o.gemm, None)
-        qk = (attn.q_norm.weight, attn.k_norm.weight) if config.qk_norm and not block.linear else (None, None)
-        post = (block.post_attn_norm, block.post_mlp_norm)
-        ffn = (*(linear.gemm for linear in dense_ffn), None) if dense_ffn else (None, None, block.mlp.fused)
-        rope = (ropes.index(spec.rope), spec.rope.dim) if spec.rope is not None else (-1, 0)
-        kv_row = kv_rows.get(i, (-1, -1))
-        layers.append(kernels.Layer(
-            block.norm1.weight, *mixer, block.norm2.weight, *ffn, *qk,
-            *(norm.weight if norm is not None else None for norm in post), spec.window or 0, *rope,
-            config.attn_output_gate and not block.linear, getattr(attn, "sinks", None), *kv_row,
-        ))  # fmt: skip
-    attn = model.layers[config.attention_layers[0]].attn
+        layers.append(kernels.Layer(**fields))
     return LayerStack(
         kernels.LayerStack(
-            layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, config.norm_eps, attn.scale,
-            config.attn_softcap or 0.0, config.mlp == "geglu",
-            *((config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)),
+            layers=layers, num_heads=config.num_heads, eps=config.norm_eps, softcap=config.attn_softcap or 0.0,
+            gelu=config.mlp == "geglu",
+            **(dict(swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+               if config.mlp == "clamped_swiglu" else {}),
         ),
         ropes,
         bool(config.linear_layers),
     )  # fmt: skip
+
+
+def layer_fields(block, i: int, config, ropes: list, kernels) -> dict | None:
+    """Block i's weights and shape as kernels.Layer's keywords, or None where some GEMM of it is not quantized."""
+    attn, mlp, spec = block.attn, block.mlp, config.layers[i]
+    mixer = [attn.in_proj, attn.out] if block.linear else [attn.qkv, attn.o]
+    dense = mlp.dense if spec.ffn == "dense_and_moe" else mlp if spec.ffn == "dense" else None
+    moe = mlp.moe if spec.ffn == "dense_and_moe" else mlp if spec.ffn == "moe" else None
+    gemms = [*mixer, *([dense.up, dense.down] if dense else [])]
+    if block.per_layer_gate is not None:
+        gemms += [block.per_layer_gate, block.per_layer_projection]
+    if any(getattr(linear, "bits", None) is None for linear in gemms) or (moe and moe.fused is None):
+        return None  # some weight left dense, or some expert
+    fields = dict(
+        norm1=block.norm1.weight, norm2=block.norm2.weight, qkv=None, o=None, deltanet=None,
+        post_attn_norm=weight_of(block.post_attn_norm), post_mlp_norm=weight_of(block.post_mlp_norm),
+        moe=moe.fused if moe else None, layer_scalar=block.layer_scalar,
+    )  # fmt: skip
+    if dense:
+        fields |= dict(up=dense.up.gemm, down=dense.down.gemm)
+    if spec.ffn == "dense_and_moe":
+        fields |= dict(
+            dense_norm=mlp.dense_norm.weight, moe_in_norm=mlp.moe_in_norm.weight, moe_norm=mlp.moe_norm.weight
+        )
+    if block.per_layer_gate is not None:
+        fields |= dict(
+            per_layer_gate=block.per_layer_gate.gemm, per_layer_projection=block.per_layer_projection.gemm,
+            per_layer_norm=block.per_layer_norm.weight,
+        )  # fmt: skip
+    if block.linear:
+        if attn.kernel is None:
+            return None  # its recurrence asked of PyTorch ops
+        return fields | dict(deltanet=deltanet_mixer(attn, config, i, kernels))
+    group, row, part = config.kv_places[i]
+    return fields | dict(
+        qkv=attn.qkv.gemm, o=attn.o.gemm, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+        k_eq_v=attn.k_eq_v, v_norm=attn.v_norm, reads_kv=attn.reads_kv, window=spec.window or 0,
+        q_norm=weight_of(getattr(attn, "q_norm", None)), k_norm=weight_of(getattr(attn, "k_norm", None)),
+        output_gate=config.attn_output_gate, sinks=attn.sinks, kv_group=group, kv_index=row, kv_part=part,
+        rope=ropes.index(spec.rope), rotary_dim=spec.rope.dim,
+    )  # fmt: skip
+
+
+def weight_of(norm):
+    """A norm's weight, or None where the block has no such norm."""
+    return norm.weight if norm is not None else None
 
 
 def deltanet_mixer(deltanet, config, layer: int, kernels):

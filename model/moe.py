@@ -87,11 +87,10 @@ class MoE(nn.Module):
         )
         self.shared = mlp(config, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Gate(1, hidden) if moe.shared_intermediate_size else None
-        # the C++ MoE FFN's constructor, or None; it runs SwiGLU experts, clamped or not, with biases or not, behind
-        # the plain routers
-        self.fused_ffn = (
-            ops.moe if config.mlp in ("swiglu", "clamped_swiglu") and not moe.scaled_router else None
-        )
+        # the C++ MoE FFN's constructor, or None; it runs SwiGLU experts (clamped or not) and GeGLU ones, with biases
+        # or not, behind the plain routers and Gemma 4's
+        self.fused_ffn = ops.moe if config.mlp in ("swiglu", "clamped_swiglu", "geglu") else None
+        self.gelu = config.mlp == "geglu"
         self.alpha, self.limit = (
             (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
         )
@@ -108,17 +107,20 @@ class MoE(nn.Module):
         if self.fused_ffn is None or any(getattr(linear, "bits", None) is None for linear in linears):
             return
         shared = (self.shared.up.gemm, self.shared.down.gemm, self.shared_gate.weight) if self.shared else ()
+        scales = {}
+        if self.scaled_router:
+            scales = dict(router_scale=self.router_scale, expert_scale=self.expert_scale.float())
         self.fused = self.fused_ffn(
             self.router.weight, [e.up.gemm for e in self.experts], [e.down.gemm for e in self.experts],
             self.top_k, self.renormalize, *shared, router_bias=self.router.bias, swiglu_alpha=self.alpha,
-            swiglu_limit=self.limit,
+            swiglu_limit=self.limit, gelu=self.gelu, eps=self.eps, **scales,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; router_input: what the router reads where not x (Gemma 4's: the residual
         stream, where the experts read its norm)."""
         if self.fused is not None:
-            return self.fused(x)
+            return self.fused(x, router_input)
         weights, ids = self.route(x if router_input is None else router_input)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # (expert, token) pairs sorted by expert: each used expert runs once on all of its tokens

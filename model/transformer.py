@@ -379,7 +379,7 @@ class Transformer(nn.Module):
         ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
         if self.layer_stack is not None:
-            x, residual = self.layer_stack(x, ropes, kv_cache, meta, states)
+            x, residual = self.layer_stack(x, ropes, kv_cache, meta, states, per_layer)
         else:
             residual = None
             for i, layer in enumerate(self.layers):

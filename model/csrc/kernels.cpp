@@ -81,15 +81,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](at::Tensor router, std::vector<QuantGemm> up, std::vector<QuantGemm> down, int64_t top_k,
                        bool renormalize, std::optional<QuantGemm> shared_up, std::optional<QuantGemm> shared_down,
                        std::optional<at::Tensor> shared_gate, std::optional<at::Tensor> router_bias,
-                       double swiglu_alpha, double swiglu_limit) {
-             return MoeFfn{router, std::move(up), std::move(down), top_k, renormalize, shared_up, shared_down,
-                           shared_gate, router_bias, Swiglu{swiglu_alpha, swiglu_limit}};
+                       double swiglu_alpha, double swiglu_limit, bool gelu, std::optional<at::Tensor> router_scale,
+                       std::optional<at::Tensor> expert_scale, double eps) {
+             return MoeFfn{router,       std::move(up), std::move(down), top_k,
+                           renormalize,  shared_up,     shared_down,     shared_gate,
+                           router_bias,  GatedActivation{gelu, swiglu_alpha, swiglu_limit},
+                           router_scale, expert_scale,  eps};
            }),
            py::arg("router"), py::arg("up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("shared_up") = py::none(), py::arg("shared_down") = py::none(),
            py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 1.0,
-           py::arg("swiglu_limit") = 0.0)
-      .def("__call__", &MoeFfn::operator(), no_gil());
+           py::arg("swiglu_limit") = 0.0, py::arg("gelu") = false, py::arg("router_scale") = py::none(),
+           py::arg("expert_scale") = py::none(), py::arg("eps") = 1e-6)
+      .def("__call__", &MoeFfn::operator(), py::arg("x"), py::arg("router_input") = py::none(), no_gil());
   py::class_<DeltaNetMixer>(m, "DeltaNetMixer", py::module_local(), "a Gated DeltaNet token mixer's weights")
       .def(py::init([](QuantGemm in_proj, QuantGemm out, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias,
                        at::Tensor gated_norm, int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim,
@@ -100,31 +104,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("in_proj"), py::arg("out"), py::arg("conv"), py::arg("A_log"), py::arg("dt_bias"),
            py::arg("gated_norm"), py::arg("num_key_heads"), py::arg("key_head_dim"), py::arg("value_head_dim"),
            py::arg("tiled_value_heads"), py::arg("state"));
+  // Layer and LayerStack take keywords: built once at load, their many fields named where they are made
   py::class_<Layer>(m, "Layer", py::module_local(), "one decoder layer's weights, window and rotary table")
       .def(py::init([](at::Tensor norm1, std::optional<QuantGemm> qkv, std::optional<QuantGemm> o,
                        std::optional<DeltaNetMixer> deltanet, at::Tensor norm2, std::optional<QuantGemm> up,
                        std::optional<QuantGemm> down, std::optional<MoeFfn> moe, std::optional<at::Tensor> q_norm,
                        std::optional<at::Tensor> k_norm, std::optional<at::Tensor> post_attn_norm,
                        std::optional<at::Tensor> post_mlp_norm, int64_t window, int64_t rope, int64_t rotary_dim,
-                       bool output_gate, std::optional<at::Tensor> sinks, int64_t kv_group, int64_t kv_index) {
-             TORCH_CHECK(moe.has_value() != (up.has_value() && down.has_value()), "an MLP or a MoE FFN");
+                       bool output_gate, std::optional<at::Tensor> sinks, int64_t kv_group, int64_t kv_index,
+                       int64_t kv_part, int64_t num_kv_heads, int64_t head_dim, double scale, bool k_eq_v,
+                       bool v_norm, bool reads_kv, std::optional<at::Tensor> dense_norm,
+                       std::optional<at::Tensor> moe_in_norm, std::optional<at::Tensor> moe_norm,
+                       std::optional<at::Tensor> layer_scalar, std::optional<QuantGemm> per_layer_gate,
+                       std::optional<QuantGemm> per_layer_projection, std::optional<at::Tensor> per_layer_norm) {
+             const bool dense = up.has_value() && down.has_value();
+             const bool side_by_side = dense_norm && moe_in_norm && moe_norm;
+             TORCH_CHECK(side_by_side ? dense && moe : moe.has_value() != dense,
+                         "an MLP, a MoE FFN, or both with their norms");
              TORCH_CHECK(deltanet.has_value() != (qkv.has_value() && o.has_value()), "attention or DeltaNet");
-             return Layer{norm1, qkv, o, deltanet, norm2, up, down, moe, q_norm, k_norm, post_attn_norm,
-                          post_mlp_norm, window, rope, rotary_dim, output_gate, sinks, kv_group, kv_index};
+             TORCH_CHECK(!per_layer_gate || (per_layer_projection && per_layer_norm && layer_scalar),
+                         "a per-layer input's gate, projection and norm, in a block with a layer scalar");
+             return Layer{norm1, qkv, o, num_kv_heads, head_dim, scale, k_eq_v, v_norm, reads_kv, deltanet, norm2,
+                          up, down, moe, dense_norm, moe_in_norm, moe_norm, q_norm, k_norm, post_attn_norm,
+                          post_mlp_norm, window, rope, rotary_dim, output_gate, sinks, kv_group, kv_index, kv_part,
+                          layer_scalar, per_layer_gate, per_layer_projection, per_layer_norm};
            }),
-           py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("deltanet"), py::arg("norm2"), py::arg("up"),
-           py::arg("down"), py::arg("moe"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"),
-           py::arg("post_mlp_norm"), py::arg("window"), py::arg("rope"), py::arg("rotary_dim"),
-           py::arg("output_gate"), py::arg("sinks"), py::arg("kv_group"), py::arg("kv_index"));
+           py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("deltanet"), py::arg("norm2"),
+           py::arg("up") = py::none(),
+           py::arg("down") = py::none(), py::arg("moe") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
+           py::arg("post_mlp_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = -1,
+           py::arg("rotary_dim") = 0, py::arg("output_gate") = false, py::arg("sinks") = py::none(),
+           py::arg("kv_group") = -1, py::arg("kv_index") = -1, py::arg("kv_part") = 0, py::arg("num_kv_heads") = 0,
+           py::arg("head_dim") = 0, py::arg("scale") = 1.0, py::arg("k_eq_v") = false, py::arg("v_norm") = false,
+           py::arg("reads_kv") = false, py::arg("dense_norm") = py::none(), py::arg("moe_in_norm") = py::none(),
+           py::arg("moe_norm") = py::none(), py::arg("layer_scalar") = py::none(),
+           py::arg("per_layer_gate") = py::none(), py::arg("per_layer_projection") = py::none(),
+           py::arg("per_layer_norm") = py::none());
   py::class_<LayerStack>(m, "LayerStack", py::module_local(), "a step's decoder layers in one call (layer_stack.cpp)")
-      .def(py::init([](std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       double eps, double scale, double softcap, bool gelu, double swiglu_alpha,
-                       double swiglu_limit) {
-             return LayerStack{std::move(layers), num_heads, num_kv_heads, head_dim, eps, scale, softcap, gelu,
-                               Swiglu{swiglu_alpha, swiglu_limit}};
+      .def(py::init([](std::vector<Layer> layers, int64_t num_heads, double eps, double softcap, bool gelu,
+                       double swiglu_alpha, double swiglu_limit) {
+             return LayerStack{std::move(layers), num_heads, eps, softcap,
+                               GatedActivation{gelu, swiglu_alpha, swiglu_limit}};
            }),
-           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("scale"), py::arg("softcap"), py::arg("gelu"), py::arg("swiglu_alpha") = 1.0,
-           py::arg("swiglu_limit") = 0.0)
+           py::kw_only(), py::arg("layers"), py::arg("num_heads"), py::arg("eps"), py::arg("softcap"),
+           py::arg("gelu"), py::arg("swiglu_alpha") = 1.0, py::arg("swiglu_limit") = 0.0)
       .def("forward", &LayerStack::forward, no_gil());
 }

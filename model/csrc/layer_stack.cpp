@@ -1,8 +1,9 @@
 // A step's decoder layers in one call: RMSNorm, the qkv GEMM, attention (RoPE, K/V written, paged attention),
 // the o GEMM, the residual add and RMSNorm, the [gate, up] GEMM, the gated activation and the down GEMM (or a
 // sparse MoE FFN: moe.cpp), layer after layer, for llama-style models whose GEMMs all run on quantized weights;
-// with q/k norms per head (Qwen3, Gemma 3), norms after each branch (Gemma's sandwich), GeGLU, and each layer's
-// own window and rotary tables.
+// with q/k norms per head (Qwen3, Gemma 3), norms after each branch (Gemma's sandwich), GeGLU, each layer's own
+// window, rotary tables and heads, and Gemma 4's blocks (keys as values, value norms, layers reading an earlier
+// layer's K/V, a dense MLP beside the experts, per-layer inputs and layer scalars).
 //
 // It calls the very kernels and ops the Python layers call (quant_gemm.cpp, paged_attention.cpp, rms_norm.cpp,
 // activation.cpp, ATen's gelu), with the same arguments in the same order, so its outputs have the same bits
@@ -14,6 +15,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/roll.h>
 #include <ATen/ops/sigmoid.h>
 
@@ -31,6 +33,7 @@ at::Tensor head_norm(const at::Tensor& t, const at::Tensor& weight, double eps) 
 at::Tensor partial_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim) {
   const auto head = x.narrow(-1, 0, rotary_dim);
   const auto rotated = head.mul(cos).add(head.roll(rotary_dim / 2, -1).mul(sin));
+  if (rotary_dim == x.size(-1)) return rotated;
   return at::cat(std::vector<at::Tensor>{rotated, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
 }
 
@@ -40,20 +43,39 @@ at::Tensor gelu_mul(const at::Tensor& h) {
   return at::gelu(parts[0], "tanh").mul(parts[1]);
 }
 
+// rms_norm's normed rows of x, without a residual
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x, std::nullopt, weight, eps)[0];
+}
+
+// Layer's K or V pool as model/kv_cache.py's KVCache.layer gives it: a row of [rows, KVH, slots, D] where every
+// layer's heads are alike, else its part of a row of [rows, slots, width] seen as [KVH, slots, D] (strided)
+at::Tensor cache_view(const at::Tensor& pool, const Layer& layer) {
+  if (pool.dim() == 4) return pool[layer.kv_index];
+  const int64_t width = layer.num_kv_heads * layer.head_dim;
+  return pool[layer.kv_index]
+      .narrow(1, layer.kv_part * width, width)
+      .unflatten(1, {layer.num_kv_heads, layer.head_dim})
+      .transpose(0, 1);
+}
+
 }  // namespace
 
-at::Tensor Swiglu::operator()(const at::Tensor& h) const {
+at::Tensor GatedActivation::operator()(const at::Tensor& h) const {
+  if (gelu) return gelu_mul(h);
   return limit > 0 ? clamped_swiglu(h, alpha, limit) : silu_mul(h);
 }
 
-// One attention layer's mixing of h [T, hidden] -> [T, H, D]: the qkv GEMM, q/k norms, RoPE (in the kernel, or
-// partial here), K/V written and attended, times the output gate where the layer has one
+// One attention layer's mixing of h [T, hidden] -> [T, H, D]: the qkv GEMM, q/k (and value) norms, RoPE (in the
+// kernel, or partial here), K/V written and attended, times the output gate where the layer has one. A layer
+// reading an earlier layer's K/V projects queries only and rotates them here (the kernel rotates queries only
+// beside keys it stores), as model/transformer.py's Attention.
 at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const std::vector<at::Tensor>& slots,
                                  const std::vector<at::Tensor>& block_tables, const at::Tensor& seqs,
                                  int64_t block_size, int64_t chunk, const at::Tensor& cos,
                                  const at::Tensor& sin) const {
-  const int64_t T = h.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
+  const int64_t T = h.size(0), H = num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
   const auto projected = (*layer.qkv)(h);
   at::Tensor q, k, v, gate;
   if (layer.output_gate) {  // [q | gate] per head, then k, v
@@ -63,48 +85,62 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
     gate = q_gate.narrow(2, D, D);
     k = kv.narrow(1, 0, KVH);
     v = kv.narrow(1, KVH, KVH);
+  } else if (layer.reads_kv) {
+    q = projected.view({T, H, D});
   } else {
-    const auto qkv = projected.view({T, H + 2 * KVH, D});
+    const auto qkv = projected.view({T, H + (layer.k_eq_v ? 1 : 2) * KVH, D});
     q = qkv.narrow(1, 0, H);
     k = qkv.narrow(1, H, KVH);
-    v = qkv.narrow(1, H + KVH, KVH);
+    v = layer.k_eq_v ? k : qkv.narrow(1, H + KVH, KVH);
   }
+  if (layer.v_norm && v.defined())
+    v = at::rms_norm(v.to(at::kFloat), {D}, std::nullopt, eps).to(v.scalar_type());
   if (layer.q_norm) {
     q = head_norm(q, *layer.q_norm, eps);
-    k = head_norm(k, *layer.k_norm, eps);
+    if (k.defined()) k = head_norm(k, *layer.k_norm, eps);
   } else if (gate.defined()) {
     q = q.contiguous();  // the kernel reads a row's heads contiguous (the norms' outputs are)
   }
   std::optional<at::Tensor> rope_cos = cos, rope_sin = sin;
-  if (layer.rotary_dim < D) {  // partial rotary: the first dims rotated here, the kernel rotates none
+  if (layer.reads_kv || layer.rotary_dim < D) {  // rotated here, the kernel rotates none
     q = partial_rope(q, cos, sin, layer.rotary_dim);
-    k = partial_rope(k, cos, sin, layer.rotary_dim);
+    if (k.defined()) k = partial_rope(k, cos, sin, layer.rotary_dim);
     rope_cos = rope_sin = std::nullopt;
   }
-  auto attended = paged_attention(q, k_cache[layer.kv_index], v_cache[layer.kv_index], block_tables[layer.kv_group],
-                                  seqs, block_size, scale, layer.window, softcap, chunk, k, v,
-                                  slots[layer.kv_group], rope_cos, rope_sin, layer.sinks);
+  std::optional<at::Tensor> new_k, new_v, new_slots;
+  if (k.defined()) new_k = k, new_v = v, new_slots = slots[layer.kv_group];
+  auto attended = paged_attention(q, cache_view(k_cache, layer), cache_view(v_cache, layer),
+                                  block_tables[layer.kv_group], seqs, block_size, layer.scale, layer.window, softcap,
+                                  chunk, new_k, new_v, new_slots, rope_cos, rope_sin, layer.sinks);
   if (gate.defined()) attended = attended.mul(at::sigmoid(gate));
   return attended;
 }
 
-// x [T, hidden]: the embeddings. k_cache, v_cache [layers of a page, KVH, slots, D]; slots and block_tables (one of
-// each per KV group), seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin:
-// the step's rotary tables, [T, 1, D] each, read by index (Layer::rope); conv_state, recurrent_state: the DeltaNet
-// layers' state pools (model/kv_cache.py), states: the step's sequences as they see them (model/deltanet.py's
-// StepStates.table), where there are any. Returns the last block's output and the residual stream it adds to
-// (the final norm adds them), as the Python loop does.
+// x [T, hidden]: the embeddings. k_cache, v_cache: the KV pools, [layers of a page, KVH, slots, D] (or [layers of a
+// page, slots, width] where layers' heads differ: cache_view); slots and block_tables (one of each per KV group),
+// seqs, block_size, chunk: the step's attention metadata (model/attention_cpu.py); cos, sin: the step's rotary
+// tables, [T, 1, D] each, read by index (Layer::rope); conv_state, recurrent_state: the DeltaNet layers' state pools
+// (model/kv_cache.py), states: the step's sequences as they see them (model/deltanet.py's StepStates.table), where
+// there are any; per_layer: Gemma 4's per-layer inputs [T, layers, size], where the model has them. Returns the
+// last block's output and the residual stream it adds to (the final norm adds them; undefined where the block
+// returned the stream whole: Gemma 4's), as the Python loop does.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                                at::Tensor seqs, int64_t block_size, int64_t chunk,
                                                std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                                                std::optional<at::Tensor> conv_state,
                                                std::optional<at::Tensor> recurrent_state,
-                                               std::optional<at::Tensor> states) const {
+                                               std::optional<at::Tensor> states,
+                                               std::optional<at::Tensor> per_layer) const {
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
   TORCH_CHECK(slots.size() == block_tables.size(), "one slot mapping per KV group's block tables");
+  const int64_t T = x.size(0), H = num_heads;
   for (const Layer& layer : layers) {
+    TORCH_CHECK(!layer.per_layer_gate ||
+                    (per_layer && per_layer->dim() == 3 && per_layer->size(0) == T &&
+                     per_layer->size(1) == static_cast<int64_t>(layers.size())),
+                "a layer's per-layer input is not in the step's");
     if (layer.deltanet) {
       TORCH_CHECK(conv_state && recurrent_state && states && layer.deltanet->state >= 0 &&
                       layer.deltanet->state < conv_state->size(0) &&
@@ -114,10 +150,11 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     }
     TORCH_CHECK(layer.rope >= 0 && layer.rope < static_cast<int64_t>(cos.size()), "no rotary table for a layer");
     TORCH_CHECK(layer.kv_group >= 0 && layer.kv_group < static_cast<int64_t>(block_tables.size()) &&
-                    layer.kv_index >= 0 && layer.kv_index < k_cache.size(0),
-                "a layer's KV group or row is not in the cache");
+                    layer.kv_index >= 0 && layer.kv_index < k_cache.size(0) && layer.kv_part >= 0 &&
+                    (layer.kv_part + 1) * layer.num_kv_heads * layer.head_dim <=
+                        (k_cache.dim() == 4 ? k_cache.size(1) * k_cache.size(3) : k_cache.size(2)),
+                "a layer's KV group, row or part is not in the cache");
   }
-  const int64_t T = x.size(0), H = num_heads, D = head_dim;
   at::Tensor residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& layer = layers[i];
@@ -126,8 +163,8 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       auto normed = rms_norm(x, residual, layer.norm1, eps);
       h = normed[0];
       residual = normed[1];
-    } else {  // the first block: the embeddings are the stream
-      h = rms_norm(x, std::nullopt, layer.norm1, eps)[0];
+    } else {  // the first block, or one after a block that returned the stream whole
+      h = norm(x, layer.norm1, eps);
       residual = x;
     }
     at::Tensor out;
@@ -140,18 +177,30 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
       out = mixer.out(mixed);
     } else {
       out = layer.o->operator()(attention(layer, h, k_cache, v_cache, slots, block_tables, seqs, block_size, chunk,
-                                          cos[layer.rope], sin[layer.rope]).view({T, H * D}));
+                                          cos[layer.rope], sin[layer.rope]).view({T, H * layer.head_dim}));
     }
-    if (layer.post_attn_norm) out = rms_norm(out, std::nullopt, *layer.post_attn_norm, eps)[0];
+    if (layer.post_attn_norm) out = norm(out, *layer.post_attn_norm, eps);
     auto normed = rms_norm(out, residual, layer.norm2, eps);
     residual = normed[1];
-    if (layer.moe) {
+    if (layer.moe && layer.up) {  // Gemma 4 26B-A4B: the dense MLP and the experts side by side
+      const auto dense = norm((*layer.down)(activation((*layer.up)(normed[0]))), *layer.dense_norm, eps);
+      const auto experts = (*layer.moe)(norm(residual, *layer.moe_in_norm, eps), residual);
+      x = dense.add(norm(experts, *layer.moe_norm, eps));
+    } else if (layer.moe) {
       x = (*layer.moe)(normed[0]);
     } else {
-      const auto up = (*layer.up)(normed[0]);
-      x = (*layer.down)(gelu ? gelu_mul(up) : swiglu(up));
+      x = (*layer.down)(activation((*layer.up)(normed[0])));
     }
-    if (layer.post_mlp_norm) x = rms_norm(x, std::nullopt, *layer.post_mlp_norm, eps)[0];
+    if (layer.post_mlp_norm) x = norm(x, *layer.post_mlp_norm, eps);
+    if (layer.layer_scalar) {  // Gemma 4: the stream whole, its per-layer input gated in, scaled
+      x = x.add(residual);
+      if (layer.per_layer_gate) {
+        const auto gated = at::gelu((*layer.per_layer_gate)(x), "tanh").mul(per_layer->select(1, i));
+        x = x.add(norm((*layer.per_layer_projection)(gated), *layer.per_layer_norm, eps));
+      }
+      x = x.mul(*layer.layer_scalar);
+      residual = at::Tensor();
+    }
   }
   return {x, residual};
 }

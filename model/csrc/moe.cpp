@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -48,18 +49,29 @@ at::Tensor scores(const at::Tensor& x, const at::Tensor& w, const std::optional<
 }  // namespace
 
 // x [T, hidden] (float32 or bfloat16) -> [T, hidden] in x's dtype
-at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
+at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Tensor>& router_input) const {
   const at::Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), E = router.size(0), k = top_k;
+  const int64_t T = x.size(0), E = router.size(0), k = top_k, hidden = x.size(1);
   TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(up.size()) == E && static_cast<int64_t>(down.size()) == E &&
                   k >= 1 && k <= E,
               "experts mismatch");
+  TORCH_CHECK(!router_input || router_input->sizes() == x.sizes(), "the router's input is not x's shape");
+  TORCH_CHECK(router_scale.has_value() == expert_scale.has_value() &&
+                  (!expert_scale || (expert_scale->scalar_type() == at::kFloat && expert_scale->numel() == E)),
+              "a scaled router: router_scale [hidden] and expert_scale [experts] float32");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor logits = scores(xf, router, router_bias);  // [T, E]
+  at::Tensor routed = router_input ? *router_input : x;
+  if (router_scale)  // Gemma 4's, with model/moe.py's ops and roundings
+    routed = at::rms_norm(routed.to(at::kFloat), {hidden}, std::nullopt, eps)
+                 .to(x.scalar_type())
+                 .mul(*router_scale)
+                 .mul(std::pow(static_cast<double>(hidden), -0.5));
+  const at::Tensor logits = scores(routed.to(at::kFloat).contiguous(), router, router_bias);  // [T, E]
   // each token's top k: softmax over every expert, the k largest (ties to the lower id), renormalized or not
   std::vector<int64_t> chosen(T * k);
   std::vector<float> weights(T * k);
   const float* lp = logits.data_ptr<float>();
+  const float* expert_scales = expert_scale ? expert_scale->data_ptr<float>() : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     const float* l = lp + t * E;
     const float top = *std::max_element(l, l + E);
@@ -75,6 +87,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
     for (int64_t j = 0; j < k; ++j) {
       chosen[t * k + j] = ids[j];
       weights[t * k + j] = renormalize ? p[ids[j]] / chosen_sum : p[ids[j]] / sum;
+      if (expert_scales) weights[t * k + j] *= expert_scales[ids[j]];
     }
   }
   // (token, weight) pairs of each expert, tokens ascending
@@ -106,9 +119,8 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in) const {
       ys[e] = down[e](activation(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
     }
   });
-  auto out = at::zeros({T, x.size(1)}, x.options().dtype(at::kFloat));
+  auto out = at::zeros({T, hidden}, x.options().dtype(at::kFloat));
   float* outp = out.data_ptr<float>();
-  const int64_t hidden = x.size(1);
   for (const int64_t e : active) {  // ascending id: a token's terms are added in the same order in any batch
     const float* yp = ys[e].data_ptr<float>();
     for (size_t r = 0; r < tokens[e].size(); ++r) {

@@ -181,8 +181,9 @@ def test_the_fused_loop_runs_only_the_blocks_it_computes(tiny_model_factory):
 
     # RMSNorm before each branch (and after it: Gemma), q/k norms per head, SwiGLU or GeGLU, a window and
     # RoPE tables per layer (full or partial: Phi-3), an attention soft-cap; sparse experts (the C++ MoE FFN);
-    # GPT-OSS's sinks, biased router and experts and clamped SwiGLU; the hybrids' DeltaNet layers and gated attention
-    stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3", "phi3")
+    # GPT-OSS's sinks, biased router and experts and clamped SwiGLU; the hybrids' DeltaNet layers and gated attention;
+    # Gemma 4's layers of their own heads, shared K/V, value norms, per-layer inputs and layer scalars
+    stacked = ("llama", "qwen2", "mistral", "ministral", "qwen3", "gemma2", "gemma3", "gemma4", "phi3")
     stacked += ("qwen3moe", "qwen2moe", "mixtral", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
     for arch in stacked:
         assert covers(ModelConfig.from_dir(tiny_family(tiny_model_factory, arch))), arch

@@ -134,6 +134,26 @@ def test_gpt_oss_runs_in_the_stack(tiny_model_factory):
     assert all(block.mlp.fused is not None for block in model.layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma4_runs_in_the_stack(tiny_model_factory, tmp_path, tier_kernels, dtype):
+    """Gemma 4's blocks are all the loop's: the tiny family of the case above (per-layer inputs and layer scalars,
+    full layers of their own heads with keys as values and normed values, sliding layers two to a row of the cache,
+    the last layers reading an earlier one's K/V) and 26B-A4B's FFNs in small (a dense MLP beside the experts, one
+    C++ MoE FFN a layer, its router reading the stream), each giving the Python loop's bits."""
+    from tests.model.test_gemma4 import tiny_moe_model
+
+    tiny_moe_model(tmp_path)
+    for path in (tiny_family(tiny_model_factory, "gemma4"), tmp_path):
+        stacked, config = load(path, 4, kernels=tier_kernels, dtype=dtype)
+        looped, _ = load(path, 4, stack=False, kernels=tier_kernels, dtype=dtype)
+        assert covers(config) and stacked.layer_stack is not None and config.per_layer_input_size
+        assert any(spec.kv_source >= 0 for spec in config.layers) and not config.uniform_kv
+        a, cache_a = mixed_step(stacked, config, tier_kernels, dtype)
+        b, cache_b = mixed_step(looped, config, tier_kernels, dtype)
+        assert torch.equal(a, b) and torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)
+    assert all(block.mlp.moe.fused is not None for block in stacked.layers)
+
+
 def test_the_stack_only_covers_quantized_llama_style_blocks(tiny_model_factory):
     assert load(tiny_model_factory("llama"), bits=None)[0].layer_stack is None  # dense bfloat16 GEMMs
     assert load(tiny_model_factory("gpt2"), bits=8)[0].layer_stack is None  # LayerNorm, GELU
