@@ -66,6 +66,30 @@ def write_folder(shape: str, out: Path, tokenizer: Path) -> None:
     print(f"{shape}: {type(model).__name__}, {billions:.2f} B parameters, in {out}", file=sys.stderr)
 
 
+def convert_and_quantize(
+    folder: Path, peer_dir: Path, quant_type: str, write_folder, flags: tuple[str, ...] = ()
+) -> Path:
+    """folder's GGUF of quant_type, made by llama.cpp's converter and llama-quantize; write_folder() first writes
+    the Hugging Face folder where it is missing; flags: the converter's. Returns the file (found, where it was made
+    before)."""
+    f16 = folder.with_name(f"{folder.name}.F16.gguf")
+    gguf = folder.with_name(f"{folder.name}.{quant_type}.gguf")
+    if gguf.exists():
+        return gguf
+    converter = peer_dir / "llama.cpp" / "convert_hf_to_gguf.py"
+    quantize = peer_dir / "llama.cpp" / "build" / "bin" / "llama-quantize"
+    python = peer_dir / "venv" / "bin" / "python"
+    for need in (converter, quantize, python):
+        if not need.exists():
+            sys.exit(f"missing {need}: run ../shared/peer/build_peer.sh weights/smollm2-135m-instruct first")
+    if not (folder / "config.json").exists():
+        write_folder()
+    subprocess.run([python, converter, folder, "--outtype", "f16", *flags, "--outfile", f16], check=True)
+    subprocess.run([quantize, f16, gguf, quant_type, "2"], check=True)
+    f16.unlink()
+    return gguf
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,25 +99,14 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=Path("weights/smollm2-135m-instruct"))
     parser.add_argument("--type", default="Q4_K_M", help="llama-quantize's type")
     args = parser.parse_args()
-    models = args.peer_dir / "models"
-    folder, f16 = models / args.shape, models / f"{args.shape}.F16.gguf"
-    gguf = models / f"{args.shape}.{args.type}.gguf"
-    if gguf.exists():
-        print(gguf)
-        return 0
-    converter = args.peer_dir / "llama.cpp" / "convert_hf_to_gguf.py"
-    quantize = args.peer_dir / "llama.cpp" / "build" / "bin" / "llama-quantize"
-    python = args.peer_dir / "venv" / "bin" / "python"
-    for need in (converter, quantize, python, args.tokenizer / "tokenizer.json"):
-        if not need.exists():
-            sys.exit(f"missing {need}: run ../shared/peer/build_peer.sh weights/smollm2-135m-instruct first")
-    if not (folder / "config.json").exists():
-        write_folder(args.shape, folder, args.tokenizer)
+    if not (args.tokenizer / "tokenizer.json").exists():
+        sys.exit(
+            f"missing {args.tokenizer / 'tokenizer.json'}: kvserve fetch, then kvserve convert-gguf into it"
+        )
+    folder = args.peer_dir / "models" / args.shape
+    write = lambda: write_folder(args.shape, folder, args.tokenizer)  # noqa: E731
     # a random model carries no multi-token-prediction layers
-    subprocess.run([python, converter, folder, "--outtype", "f16", "--no-mtp", "--outfile", f16], check=True)
-    subprocess.run([quantize, f16, gguf, args.type, "2"], check=True)
-    f16.unlink()
-    print(gguf)
+    print(convert_and_quantize(folder, args.peer_dir, args.type, write, flags=("--no-mtp",)))
     return 0
 
 

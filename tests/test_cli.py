@@ -161,6 +161,42 @@ def test_bench_profile_times_a_hybrids_deltanet_between_its_projections(tiny_mod
         assert names == ["in_proj", "out", "gate_up", "down", "qkv", "o"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_profile_times_gemma4s_own_gemms(tiny_model_factory):
+    """Gemma 4's tiny model: its full layers' and its K/V-reading layers' GEMMs by their own shapes, its per-layer
+    inputs' gate and projection GEMMs among the block's; a token reads a row of the per-layer table, not all of it."""
+    import json
+
+    from tests.helpers.tiny_models import tiny_family
+
+    out = kvserve("bench-profile", "--model", str(tiny_family(tiny_model_factory, "gemma4")), "--batch-sizes", "2",
+                  "--steps", "4", "--reps", "2", "--context-len", "20", "--kv-cache-memory", "8MiB",
+                  "--quantization", "int8")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    names = list(row["gemm_us_per_call"])
+    assert {name.split()[0] for name in names} == {"qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj"}
+    # sliding and full layers, with K/V of their own and reading an earlier one's (queries only)
+    assert len([name for name in names if name.startswith("qkv ")]) == 4
+    parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms")
+    assert row["rest_ms"] == pytest.approx(row["step_ms"] - sum(row[p] for p in parts), abs=0.005)
+
+
+def test_a_gemma4_token_reads_a_row_of_its_per_layer_table(tiny_model_factory):
+    import torch
+
+    from model.loader import load_model
+    from server.bench.offline import active_weight_bytes, weight_bytes
+    from tests.helpers.tiny_models import tiny_family
+
+    model, config = load_model(tiny_family(tiny_model_factory, "gemma4"), torch.float32, "cpu")
+    table = weight_bytes(model.per_layer_embed)
+    width = config.num_layers * config.per_layer_input_size
+    assert config.tie_word_embeddings and table == 4 * config.per_layer_vocab_size * width
+    assert active_weight_bytes(model) == weight_bytes(model) - table
+
+
 def test_a_tokens_active_weights_are_its_k_experts_of_each_sparse_layer(tiny_model_factory):
     """Qwen3-MoE's tiny model, 8-bit: a token reads 2 of layer 0's 8 experts (layer 1 is dense), its embedding
     row only (untied), everything else whole."""

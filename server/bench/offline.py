@@ -205,10 +205,12 @@ def weight_bytes(module) -> int:
 def active_weight_bytes(model) -> int:
     """The weight bytes one token's decode step reads: every block's, the final norm and the LM head, but of each
     sparse FFN only top_k / num_experts of its experts (a token reads its k; the router and a shared expert
-    whole), and of an untied embedding only a row."""
+    whole), and of an untied embedding (and Gemma 4's per-layer embeddings) only a row."""
     total = weight_bytes(model)
     if model.embed is not model.lm_head:
         total -= weight_bytes(model.embed)
+    if model.per_layer_embed is not None:
+        total -= weight_bytes(model.per_layer_embed)
     for layer in model.layers:
         if hasattr(layer.mlp, "experts"):
             experts = weight_bytes(layer.mlp.experts)
@@ -230,10 +232,11 @@ def read_ms(num_bytes: int, reps: int = 5) -> float:
 
 
 # a block's GEMMs, by name: which Linear of its mixer (model/transformer.py's attention, or model/deltanet.py's
-# Gated DeltaNet) and of its dense FFN
+# Gated DeltaNet), of its dense FFN and of its per-layer input (Gemma 4)
 ATTENTION_GEMMS = {"qkv": "qkv", "o": "o"}
 DELTANET_GEMMS = {"in_proj": "in_proj", "out": "out"}
 FFN_GEMMS = {"gate_up": "up", "down": "down"}
+PER_LAYER_GEMMS = {"per_layer_gate": "per_layer_gate", "per_layer_proj": "per_layer_projection"}
 
 
 def block_gemms(layer) -> list[tuple[str, object]]:
@@ -242,6 +245,8 @@ def block_gemms(layer) -> list[tuple[str, object]]:
     gemms = [(name, getattr(layer.attn, attr)) for name, attr in mixer.items()]
     if not hasattr(layer.mlp, "experts"):
         gemms += [(name, getattr(layer.mlp, attr)) for name, attr in FFN_GEMMS.items()]
+    if layer.per_layer_gate is not None:
+        gemms += [(name, getattr(layer, attr)) for name, attr in PER_LAYER_GEMMS.items()]
     return gemms
 
 
