@@ -19,8 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-from make_hybrid_gguf import convert_and_quantize
-
 VOCAB = 262144
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
 VISIBLE = [
@@ -49,11 +47,9 @@ SHAPES = {  # what each shape sets beyond COMMON, and its repeating pattern of l
 
 
 def write_tokenizer(out: Path) -> None:
-    """Gemma's kind of tokenizer.json at Gemma's size: the specials, 256 byte tokens, printable characters, merges
-    into '▁'-led letters and pairs of lowercase letters (text takes a token per one or two characters, a sentence
-    about as many tokens as llama.cpp's tokenizer makes of it), then '▁'-led filler pieces up to VOCAB."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-
+    """Gemma's kind of tokenizer at Gemma's size: the specials, 256 byte tokens, printable characters, merges into
+    '▁'-led letters and pairs of lowercase letters (text takes a token per one or two characters, a sentence about
+    as many tokens as llama.cpp's tokenizer makes of it), then '▁'-led filler pieces up to VOCAB."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     merges = [("▁", c) for c in letters] + [(a, b) for a in letters for b in letters]
     pieces = [
@@ -65,17 +61,27 @@ def write_tokenizer(out: Path) -> None:
     ]
     pieces += [a + b for a, b in merges]
     pieces += [f"▁w{i}" for i in range(VOCAB - len(pieces))]
-    vocab = {piece: i for i, piece in enumerate(pieces)}
+    save_tokenizer(out, {piece: i for i, piece in enumerate(pieces)}, merges, SPECIALS, VISIBLE)
+
+
+def save_tokenizer(out: Path, vocab: dict, merges: list, specials: list, visible: list) -> None:
+    """tokenizer.json and tokenizer_config.json as Gemma's: a BPE over "▁"-spelled text with byte fallback, the
+    specials and the markers llama.cpp's converter keeps visible as added tokens (tests/weights/test_gguf_gemma4.py
+    writes its tiny ones with this too)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
     tokenizer = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     tokenizer.normalizer = normalizers.Replace(" ", "▁")
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS + VISIBLE])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + visible])
     tokenizer.save(str(out / "tokenizer.json"))
+    named = ("<pad>", "<eos>", "<bos>", "<unk>")
     config = {
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "additional_special_tokens": SPECIALS[5:] + VISIBLE, "tokenizer_class": "GemmaTokenizerFast",
+        "additional_special_tokens": [t for t in specials if t not in named] + visible,
+        "tokenizer_class": "GemmaTokenizerFast",
         "chat_template": "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}",
     }  # fmt: skip
@@ -109,6 +115,8 @@ def main() -> int:
     parser.add_argument("--peer-dir", type=Path, default=Path("/tmp/peer"))
     parser.add_argument("--type", default="Q4_K_M", help="llama-quantize's type")
     args = parser.parse_args()
+    from make_hybrid_gguf import convert_and_quantize  # beside this script
+
     folder = args.peer_dir / "models" / f"gemma4-{args.shape}"
     print(convert_and_quantize(folder, args.peer_dir, args.type, lambda: write_folder(args.shape, folder)))
     return 0

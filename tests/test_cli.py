@@ -176,7 +176,14 @@ def test_bench_profile_times_gemma4s_own_gemms(tiny_model_factory):
     assert out.returncode == 0, out.stderr
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]
     names = list(row["gemm_us_per_call"])
-    assert {name.split()[0] for name in names} == {"qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj"}
+    assert {name.split()[0] for name in names} == {
+        "qkv",
+        "o",
+        "gate_up",
+        "down",
+        "per_layer_gate",
+        "per_layer_proj",
+    }
     # sliding and full layers, with K/V of their own and reading an earlier one's (queries only)
     assert len([name for name in names if name.startswith("qkv ")]) == 4
     parts = ("block_gemms_ms", "lm_head_ms", "attention_ms", "norms_and_swiglu_ms")

@@ -5,6 +5,7 @@ full layers of their own heads with keys as values) and 26B-A4B's (experts besid
 Gemma 4's kind. Served in place, they give transformers' logits; converted back, the same model; their tokenizer
 tokenizes as the checkpoint's."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,9 +37,14 @@ TEXTS = [
 
 
 def save_gemma4_tokenizer(out: Path) -> None:
-    """A BPE over "▁"-spelled text with byte fallback, as Gemma's tokenizer.json is, with Gemma 4's markers."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    """A BPE over "▁"-spelled text with byte fallback, as Gemma's tokenizer.json is, with Gemma 4's markers (written
+    by scripts/make_gemma4_gguf.py's save_tokenizer, as its real-sized files' are)."""
+    from tokenizers import pre_tokenizers
 
+    script = Path(__file__).parents[2] / "scripts" / "make_gemma4_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gemma4_gguf", script)
+    make_gemma4_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gemma4_gguf)
     metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
     pieces, merges = trained_bpe(metaspace, [], vocab_size=300)
     vocab = {token: i for i, token in enumerate(SPECIALS + VISIBLE)}
@@ -48,20 +54,7 @@ def save_gemma4_tokenizer(out: Path) -> None:
         vocab.setdefault(piece, len(vocab))
     pairs = [tuple(m.split(" ")) for m in merges]
     pairs = [p for p in pairs if p[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab]
-    tokenizer = Tokenizer(models.BPE(vocab, pairs, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tokenizer.normalizer = normalizers.Replace(" ", "▁")
-    tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS + VISIBLE])
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = {
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "additional_special_tokens": SPECIALS[4:] + VISIBLE, "tokenizer_class": "GemmaTokenizerFast",
-        "chat_template": "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}",
-    }  # fmt: skip
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    make_gemma4_gguf.save_tokenizer(out, vocab, pairs, SPECIALS, VISIBLE)
 
 
 def gemma4_checkpoint(out: Path, **overrides):
