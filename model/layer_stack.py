@@ -1,7 +1,7 @@
 """A step's decoder layers in one C++ call (model/csrc/layer_stack.cpp), for Llama-style blocks (`covers`: Llama,
 Mistral, Qwen2 and 3, Gemma 2, 3 and 4, Phi-3; the MoE families' sparse FFNs and GPT-OSS's sinks and clamped
-SwiGLU too; the hybrids' Gated DeltaNet layers and Qwen3.5's gated attention with partial rotary) whose GEMMs all run on
-quantized weights with kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
+SwiGLU too; the hybrids' Gated DeltaNet layers and Qwen3.5's gated attention with partial rotary) whose GEMMs all
+run on quantized weights with kvserve's CPU kernels: the default model's path, and every GGUF file's of those families.
 
 The C++ loop calls the same kernels as model/transformer.py's blocks, in the same order, so a token's outputs
 have the same bits either way (tests/model/test_layer_stack.py). It exists for the lone decode step, where the

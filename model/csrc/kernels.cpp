@@ -130,8 +130,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           layer_scalar, per_layer_gate, per_layer_projection, per_layer_norm};
            }),
            py::kw_only(), py::arg("norm1"), py::arg("qkv"), py::arg("o"), py::arg("deltanet"), py::arg("norm2"),
-           py::arg("up") = py::none(),
-           py::arg("down") = py::none(), py::arg("moe") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
+           py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
            py::arg("post_mlp_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = -1,
            py::arg("rotary_dim") = 0, py::arg("output_gate") = false, py::arg("sinks") = py::none(),

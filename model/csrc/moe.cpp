@@ -57,16 +57,18 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
               "experts mismatch");
   TORCH_CHECK(!router_input || router_input->sizes() == x.sizes(), "the router's input is not x's shape");
   TORCH_CHECK(router_scale.has_value() == expert_scale.has_value() &&
-                  (!expert_scale || (expert_scale->scalar_type() == at::kFloat && expert_scale->numel() == E)),
+                  (!expert_scale || (expert_scale->scalar_type() == at::kFloat && expert_scale->is_contiguous() &&
+                                     expert_scale->numel() == E)),
               "a scaled router: router_scale [hidden] and expert_scale [experts] float32");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor routed = router_input ? *router_input : x;
+  at::Tensor routed = (router_input ? *router_input : x).to(at::kFloat);
   if (router_scale)  // Gemma 4's, with model/moe.py's ops and roundings
-    routed = at::rms_norm(routed.to(at::kFloat), {hidden}, std::nullopt, eps)
+    routed = at::rms_norm(routed, {hidden}, std::nullopt, eps)
                  .to(x.scalar_type())
                  .mul(*router_scale)
-                 .mul(std::pow(static_cast<double>(hidden), -0.5));
-  const at::Tensor logits = scores(routed.to(at::kFloat).contiguous(), router, router_bias);  // [T, E]
+                 .mul(std::pow(static_cast<double>(hidden), -0.5))
+                 .to(at::kFloat);
+  routed = routed.contiguous();
+  const at::Tensor logits = scores(routed, router, router_bias);  // [T, E]
   // each token's top k: softmax over every expert, the k largest (ties to the lower id), renormalized or not
   std::vector<int64_t> chosen(T * k);
   std::vector<float> weights(T * k);
@@ -130,7 +132,9 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
     }
   }
   if (shared_up) {  // Qwen2-MoE: every token's shared expert, scaled by sigmoid(gate . x)
-    const at::Tensor gate = scores(xf, *shared_gate);  // [T, 1]
+    // the gate reads x: the router's float32 input where that is x itself (Qwen2-MoE's plain router)
+    const bool routed_is_x = !router_input && !router_scale;
+    const at::Tensor gate = scores(routed_is_x ? routed : x.to(at::kFloat).contiguous(), *shared_gate);  // [T, 1]
     const at::Tensor y = (*shared_down)(activation((*shared_up)(x))).to(at::kFloat).contiguous();
     const float *gp = gate.data_ptr<float>(), *yp = y.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
