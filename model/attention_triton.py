@@ -11,6 +11,7 @@ are PyTorch ops before it. Scores and the softmax are float32 whatever the cache
 runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it without a GPU.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,9 @@ import triton
 import triton.language as tl
 
 from model.attention import TorchAttention, kernel_tables, paged_attention, rotate_and_store
+from model.config import ModelConfig
 from model.device import to_device
+from model.kv_cache import KVCache
 
 # keys a program reads per iteration (any number of cache blocks: a key's block comes from its position)
 KEY_TILE = 32
@@ -157,10 +160,18 @@ class TritonAttention:
 
     min_query_len = 1
 
-    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, device: torch.device):
+    def __init__(self, block_size: int, num_heads: int, group_kv_heads: Sequence[int], device: torch.device):
+        """group_kv_heads: each KV group's KV heads, in the order of a sequence's block tables (Gemma 4's full
+        layers have fewer than its sliding ones). A program holds at least MIN_ROWS query rows of one KV head
+        (queries x that head's query heads), so a group whose heads are shared by fewer queries takes more queries
+        a program: its own tiles."""
         self.block_size, self.device = block_size, torch.device(device)
-        heads_per_program = triton.next_power_of_2(num_heads // num_kv_heads)
-        self.block_m = max(1, MIN_ROWS // heads_per_program)
+        self.block_m = [max(1, MIN_ROWS // triton.next_power_of_2(num_heads // n)) for n in group_kv_heads]
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, device: torch.device) -> "TritonAttention":
+        kv_heads = [group.num_kv_heads for group in config.kv_groups] or [config.num_kv_heads]
+        return cls(block_size, config.num_heads, kv_heads, device)
 
     def build(
         self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[list[int]]]
@@ -168,63 +179,59 @@ class TritonAttention:
         """Flat positions [T] and the step's metadata, one per KV group (see TorchAttention.build), on the
         device."""
         positions, seqs, groups = kernel_tables(query_lens, seq_lens, block_tables, self.block_size)
-        tiles = torch.tensor(
-            [(s, q0) for s, n in enumerate(query_lens) for q0 in range(0, n, self.block_m)], dtype=torch.int32
-        )
-        seqs, tiles = to_device(seqs, self.device), to_device(tiles, self.device)
+        seqs = to_device(seqs, self.device)
+        tiles = {}  # each program's (sequence, first query), per queries a program
+        for m in set(self.block_m):
+            starts = [(s, q0) for s, n in enumerate(query_lens) for q0 in range(0, n, m)]
+            tiles[m] = to_device(torch.tensor(starts, dtype=torch.int32), self.device)
         metas = [
             TritonAttentionMetadata(
                 to_device(slots, self.device),
                 to_device(tables, self.device),
                 seqs,
-                tiles,
+                tiles[m],
                 self.block_size,
-                self.block_m,
-            )  # fmt: skip
-            for slots, tables in groups
+                m,
+            )
+            for (slots, tables), m in zip(groups, self.block_m, strict=True)
         ]
         return to_device(positions, self.device), metas
 
 
-def error_against_pytorch(
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device,
-    windows=(None,),  # each kind of layer's window (None: full attention)
-    softcap: float | None = None,
-    sinks: bool = False,
-) -> float:
-    """The kernel's largest error against the PyTorch path's matmuls on a small mixed step of this shape (decodes
-    and prefill chunks, scattered blocks), both in `dtype` on `device`, relative to the outputs' largest value, for
-    each window and with the soft-cap and sinks the model has: a check run once at start, so that a kernel this
+def error_against_pytorch(config: ModelConfig, block_size: int, dtype: torch.dtype, device) -> float:
+    """The kernel's largest error against the PyTorch path's matmuls on a small mixed step (decodes and prefill
+    chunks, scattered blocks), both in `dtype` on `device`, relative to the outputs' largest value, for each kind
+    of the model's KV groups (window and head shape) on a cache laid out as the model's (strided where its groups'
+    heads differ), with the soft-cap and sinks the model has: a check run once at start, so that a kernel this
     device's Triton miscompiles is never served."""
     g = torch.Generator().manual_seed(0)
     lens = [(1, 37), (1, 3), (9, 40), (6, 6)]  # (new tokens, context length)
     n = -(-max(b for _, b in lens) // block_size)  # each sequence's blocks, apart from the others'
     tables = [[1 + (n + 1) * i + j for j in range(n)] for i in range(len(lens))]
-    num_slots = (1 + (n + 1) * len(lens)) * block_size
-    k_cache, v_cache = (
-        torch.randn(num_kv_heads, num_slots, head_dim, generator=g).to(device, dtype) for _ in "kv"
-    )
-    T = sum(q for q, _ in lens)
-    q, k, v = (
-        torch.randn(T, h, head_dim, generator=g).to(device, dtype) for h in (num_heads, *[num_kv_heads] * 2)
-    )
-    sink_logits = torch.randn(num_heads, generator=g).to(device) if sinks else None
+    num_blocks = 1 + (n + 1) * len(lens)
+    caches = [KVCache(config, num_blocks, block_size, dtype, device) for _ in "ab"]
+    for pool in (caches[0].k, caches[0].v):
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    T, H = sum(q for q, _ in lens), config.num_heads
+    sink_logits = torch.randn(H, generator=g).to(device) if config.attn_sinks else None
     query_lens, seq_lens = [a for a, _ in lens], [b for _, b in lens]
+    kinds = {(group.window, group.num_kv_heads, group.head_dim): group for group in config.kv_groups}
     worst = 0.0
-    for window in sorted(set(windows), key=lambda w: w or 0):
+    for (window, kv_heads, head_dim), group in kinds.items():
+        q, k, v = (
+            torch.randn(T, h, head_dim, generator=g).to(device, dtype) for h in (H, kv_heads, kv_heads)
+        )
+        kernel = TritonAttention(block_size, H, [kv_heads], device)
+        pytorch = TorchAttention(
+            block_size, kv_heads if config.uniform_kv else None, num_blocks, device, [window]
+        )
         outs = []
-        for backend in (
-            TritonAttention(block_size, num_heads, num_kv_heads, device),
-            TorchAttention(block_size, num_kv_heads, num_slots // block_size, device, [window]),
-        ):
+        for backend, cache in zip((kernel, pytorch), caches, strict=True):
             _, metas = backend.build(query_lens, seq_lens, [[t] for t in tables])
             out = paged_attention(
-                q, k, v, k_cache.clone(), v_cache.clone(), metas[0], None, head_dim**-0.5, window, softcap,
+                q, k, v, *cache.layer(group.layers[0]), metas[0], None, head_dim**-0.5, window, config.attn_softcap,
                 sink_logits,
             )  # fmt: skip
             outs.append(out.float())

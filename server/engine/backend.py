@@ -234,20 +234,15 @@ class CudaBackend:
         else torch's fused SDPA over K/V gathered out of the cache in every layer. Logged with why."""
         mc = model_config
         try:
-            if not mc.uniform_kv:
-                raise ValueError("the kernel takes one head shape, and this model's layers have two")
             from model.attention_triton import TritonAttention, error_against_pytorch
 
-            error = error_against_pytorch(
-                mc.num_heads, mc.num_kv_heads, mc.head_dim, block_size, self.dtype, self.device,
-                mc.kv_group_windows, mc.attn_softcap, mc.attn_sinks,
-            )  # fmt: skip
+            error = error_against_pytorch(mc, block_size, self.dtype, self.device)
             why_not = None if error <= TRITON_TOLERANCE[self.dtype] else f"is off by {error:.2g} here"
         except Exception as e:  # no Triton, or a kernel this device's compiler refuses: served all the same
             why_not = f"could not run: {type(e).__name__}: {e}"
         if why_not is None:
             log.info("attention: kvserve's Triton kernel, K/V read in place through the block tables")
-            return TritonAttention(block_size, mc.num_heads, mc.num_kv_heads, self.device)
+            return TritonAttention.for_model(mc, block_size, self.device)
         log.warning(
             "attention: torch's SDPA over K/V gathered by block table (the Triton kernel %s)", why_not
         )

@@ -76,7 +76,12 @@ class DecodeGraphs:
         a = self.attention
         return [
             TritonAttentionMetadata(
-                self.slots[g, :b], self.tables[g, :b], self.seqs[:b], self.tiles[:b], a.block_size, a.block_m
+                self.slots[g, :b],
+                self.tables[g, :b],
+                self.seqs[:b],
+                self.tiles[:b],
+                a.block_size,
+                a.block_m[g],
             )  # fmt: skip
             for g in range(self.slots.shape[0])
         ]

@@ -36,7 +36,8 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])  # plain; windows and soft-caps; sinks
+# plain; windows and soft-caps; sinks; groups of two head shapes on a strided cache
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "gemma4"])
 def test_a_gpu_backend_serves_the_triton_kernel_where_it_computes_what_pytorch_does(
     tiny_model_factory, family, triton_here, monkeypatch, caplog
 ):

@@ -13,7 +13,9 @@ BLOCK, PER_SEQ = 4, 4  # tokens a block; blocks each sequence holds in each KV g
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # one KV group; windowed and full groups, soft-caps
+# one KV group; windowed and full groups, soft-caps; groups of two head shapes (a strided cache), layers that read
+# another's K/V, per-layer inputs
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4"])
 def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
     tiny_model_factory, family, triton_here
 ):
@@ -23,7 +25,7 @@ def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
     model, config = CpuPath(kernels=False).load(tiny_family(tiny_model_factory, family))
     groups = len(config.kv_groups)
     cache = KVCache(config, 3 * groups * PER_SEQ + 2, BLOCK, torch.float32, "cpu")
-    attention = TritonAttention(BLOCK, config.num_heads, config.num_kv_heads, "cpu")
+    attention = TritonAttention.for_model(config, BLOCK, "cpu")
     graphs = DecodeGraphs(model, cache, attention, max_batch=3, max_blocks=PER_SEQ, capture=False)
     assert graphs.buckets == [1, 2, 4] and graphs.scratch == cache.num_blocks - 1
     many = DecodeGraphs(model, cache, attention, max_batch=512, max_blocks=PER_SEQ, capture=False)
@@ -54,10 +56,12 @@ def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
         padded = graphs.run(ids, seq_lens, tables)  # bucket 4: one padded row
     assert padded.shape == plain.shape
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
-    slots = slice(0, graphs.scratch * BLOCK)  # every block but the kept-back one: the same K/V
+    # every block but the kept-back one: the same K/V (slots are the pool's dimension 2, or 1 where it is strided)
+    slots = (slice(None),) * (2 if config.uniform_kv else 1) + (slice(0, graphs.scratch * BLOCK),)
     for ours, theirs in zip((cache.k, cache.v), after_plain, strict=True):
-        torch.testing.assert_close(ours[:, :, slots], theirs[:, :, slots], rtol=1e-5, atol=1e-5)
-    assert cache.k[:, :, graphs.scratch * BLOCK].abs().sum() > 0  # the padded row's K went there
+        torch.testing.assert_close(ours[slots], theirs[slots], rtol=1e-5, atol=1e-5)
+    scratch = slots[:-1] + (slice(graphs.scratch * BLOCK, None),)
+    assert cache.k[scratch].abs().sum() > 0  # the padded row's K went there
     # a batch of two fills bucket 2 exactly; a sequence alone, bucket 1
     with torch.inference_mode():
         cache.k.copy_(before[0])
@@ -83,9 +87,9 @@ def test_graphs_only_where_every_op_of_a_decode_step_can_be_recorded(tiny_model_
     assert isinstance(cpu, CpuBackend) and cpu.decode_graphs(None, None, None, EngineConfig()) is None
     gpu = CudaBackend.create(EngineConfig(), llama, torch.device("cuda"))
     assert gpu.decode_graphs(None, None, None, EngineConfig(enforce_eager=True)) is None
-    triton = TritonAttention(16, 4, 2, "cpu")
-    expected = {"llama": None, "gemma2": None, "qwen3moe": "MoE layers", "qwen3_5": "Gated DeltaNet layers",
-                "phi3": "LongRoPE"}  # fmt: skip
+    triton = TritonAttention(16, 4, [2], "cpu")
+    expected = {"llama": None, "gemma2": None, "gemma4": None, "qwen3moe": "MoE layers",
+                "qwen3_5": "Gated DeltaNet layers", "phi3": "LongRoPE"}  # fmt: skip
     for family, why in expected.items():
         model = SimpleNamespace(config=ModelConfig.from_dir(tiny_family(tiny_model_factory, family)))
         reason = why_not_graphed(model, triton)
@@ -96,7 +100,7 @@ def test_graphs_only_where_every_op_of_a_decode_step_can_be_recorded(tiny_model_
 @pytest.mark.cuda
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4"])
 def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_steps_tokens(tiny_model_factory, family):
     from server.engine.engine import Engine
     from server.engine.request import SamplingParams

@@ -245,7 +245,7 @@ def forward_sequence(
     elif gpu_attention == "triton":
         from model.attention_triton import TritonAttention
 
-        attention = TritonAttention(cache.block_size, config.num_heads, config.num_kv_heads, "cpu")
+        attention = TritonAttention.for_model(config, cache.block_size, "cpu")
     else:
         attention = TorchAttention(
             cache.block_size,

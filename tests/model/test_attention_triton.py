@@ -15,7 +15,7 @@ def build(query_lens, seq_lens, tables, block_size, heads, kv_heads, cache, wind
     if triton:
         from model.attention_triton import TritonAttention
 
-        backend = TritonAttention(block_size, heads, kv_heads, "cpu")
+        backend = TritonAttention(block_size, heads, [kv_heads], "cpu")
     else:
         backend = TorchAttention(block_size, kv_heads, cache.shape[1] // block_size, "cpu", [window])
     positions, metas = backend.build(query_lens, seq_lens, [[t] for t in tables])
