@@ -5,7 +5,9 @@ the router's probabilities. ../shared/MODELS.md §5.1 lists each family's router
 Each expert is an ordinary MLP, two Linear layers, so its weights run in whatever format the model's LinearMethod
 gives them (quantized, packed, padded for batch invariance: model/linear.py), and a GGUF's 3-D expert tensors
 arrive as one 2-D slice per expert, read in place. A step's tokens are grouped by expert: each chosen expert's
-weights are read once, however many tokens chose it.
+weights are read once, however many tokens chose it. On a GPU the dense experts of a layer run as two grouped
+Triton GEMMs instead, the grouping done on the device (model/moe_triton.py); on a CPU with quantized experts, one
+C++ call (model/csrc/moe.cpp).
 """
 
 import torch
@@ -95,6 +97,7 @@ class MoE(nn.Module):
             (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
         )
         self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
+        self.grouped_ffn, self.grouped = ops.grouped_experts, None  # the GPU's: where every expert is dense
 
     def weights_ready(self) -> None:
         """Once loaded: the whole FFN as one C++ call (model/csrc/moe.cpp: the same routing and sums, the step's
@@ -104,6 +107,9 @@ class MoE(nn.Module):
                 gate.weights_ready()
         mlps = [*self.experts, *([self.shared] if self.shared is not None else [])]
         linears = [linear for mlp in mlps for linear in (mlp.up, mlp.down)]
+        dense = all(getattr(linear, "bits", None) is None and not linear.weight.is_meta for linear in linears)
+        if self.grouped_ffn is not None and dense:
+            self.grouped = self.grouped_ffn(self.experts)
         if self.fused_ffn is None or any(getattr(linear, "bits", None) is None for linear in linears):
             return
         shared = (self.shared.up.gemm, self.shared.down.gemm, self.shared_gate.weight) if self.shared else ()
@@ -122,6 +128,8 @@ class MoE(nn.Module):
         if self.fused is not None:
             return self.fused(x, router_input)
         weights, ids = self.route(x if router_input is None else router_input)
+        if self.grouped is not None:
+            return self._with_shared(x, self.grouped(x, weights, ids))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # (expert, token) pairs sorted by expert: each used expert runs once on all of its tokens
         order = ids.flatten().argsort(stable=True)
@@ -134,6 +142,10 @@ class MoE(nn.Module):
             out[rows] += y  # a token takes an expert once: no row repeats (index_add_ is ~1,000x slower here
             # under torch's deterministic mode)
             start += count
+        return self._with_shared(x, out)
+
+    def _with_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum `out` (float32) plus the shared expert where there is one, in x's dtype."""
         if self.shared is not None:
             out += token_sigmoid(self.shared_gate(x)) * self.shared(x).float()
         return out.to(x.dtype)

@@ -203,7 +203,10 @@ class CudaBackend:
             from model.linear_triton import TritonQuantLinear
 
             linear = TritonQuantLinear(device, dtype, linear, weights.quantize_to)
-        return cls(device, dtype, Ops(linear), weights)
+        grouped_experts = None
+        if triton_missing() is None:  # a sparse layer's dense experts as two grouped GEMMs, checked at load
+            from model.moe_triton import grouped_experts
+        return cls(device, dtype, Ops(linear, grouped_experts=grouped_experts), weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:
         quantized = (

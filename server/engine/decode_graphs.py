@@ -8,7 +8,8 @@ as recorded. A step of n decodes replays the smallest bucket of at least n; the 
 at position 0 whose K/V go to a block no request holds (the cache's last, kept back), and are dropped.
 
 Only where every op of a decode step can be recorded: attention by the Triton kernel (it reads its metadata from
-tensors on the device, not from shapes), no MoE layer (its grouping reads expert counts on the host), no Gated
+tensors on the device, not from shapes), MoE layers only with their experts grouped on the device
+(model/moe_triton.py; PyTorch's loop reads expert counts on the host), no Gated
 DeltaNet layer (its state slots are step metadata of another kind), no LongRoPE. Prefill and mixed steps, and
 decode batches past the largest bucket, run eagerly.
 """
@@ -22,6 +23,7 @@ from model.attention import kernel_tables
 from model.attention_triton import TritonAttention, TritonAttentionMetadata
 from model.device import to_device
 from model.kv_cache import KVCache
+from model.moe import DenseAndMoE, MoE
 from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,9 @@ def why_not_graphed(model: Transformer, attention) -> str | None:
         return "attention is not the Triton kernel"
     if config.linear_layers:
         return "Gated DeltaNet layers"
-    if config.moe is not None:
-        return "MoE layers (their grouping reads counts on the host)"
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE | DenseAndMoE)]
+    if any((mlp.moe if isinstance(mlp, DenseAndMoE) else mlp).grouped is None for mlp in sparse):
+        return "MoE layers whose experts run PyTorch's loop (it reads their counts on the host)"
     if config.longrope_original_len is not None:
         return "LongRoPE"
     return None

@@ -22,6 +22,10 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
     linear = backend.ops.linear
     assert type(linear) is PlainLinear and not linear.batch_invariant  # no padding for invariance on a GPU
     assert backend.ops.rms_norm is None and backend.ops.layer_stack is None  # no CPU kernel
+    # sparse layers' dense experts as grouped Triton GEMMs (the test environment has Triton; each is checked at load)
+    from model.moe_triton import grouped_experts
+
+    assert backend.ops.moe is None and backend.ops.grouped_experts is grouped_experts
     assert backend.sampler is TORCH_SAMPLER
     assert backend.kv_cache_dtype("auto") == torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):

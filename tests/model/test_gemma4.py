@@ -235,14 +235,20 @@ def tiny_moe_model(path, seed: int = 0):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kernels", [True, False])
-def test_the_moe_layers_match_transformers(tmp_path, kernels):
+@pytest.mark.parametrize("path", ["kernels", "pytorch", "gpu"])
+def test_the_moe_layers_match_transformers(tmp_path, path, request):
     """The dense MLP and the experts side by side: the router reads the stream (rms-normed, scaled), the experts
-    its own norm, each chosen expert's weight times its per-expert scale."""
+    its own norm, each chosen expert's weight times its per-expert scale. On each CPU path, and on a GPU's ops run
+    here (the Triton attention and grouped experts under Triton's interpreter)."""
+    if path == "gpu":
+        request.getfixturevalue("triton_here")
     reference = tiny_moe_model(tmp_path)
-    path = CpuPath(kernels=kernels)
+    path = CpuPath(kernels=path == "kernels", gpu_attention="triton" if path == "gpu" else None)
     model, config = path.load(tmp_path)
     assert {spec.ffn for spec in config.layers} == {"dense_and_moe"} and config.moe.scaled_router
+    assert all(
+        (layer.mlp.moe.grouped is not None) == (path.gpu_attention is not None) for layer in model.layers
+    )
     cache = KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu")
     ours = path.run(model, cache, PROMPT, 0, list(range(16)))
     with torch.no_grad():
