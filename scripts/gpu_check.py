@@ -20,6 +20,9 @@ Sections, in order:
   multiplied by the quantized GEMM (on a GPU kvserve's Triton kernel, model/linear_triton.py): the same figures
   against its own, smaller floor, without a second transformers baseline.
 - http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
+- shape:qwen3moe-30b-a3b-L6: Qwen3-30B-A3B's layers (128 experts, 8 a token; 6 of its 48 layers), the same
+  figures (the floor reads a token's 8 experts of each layer, not all 128), transformers' generate at batches 1 and
+  32 only (its experts run eagerly). Last: its 9 GB of weights take the longest to build.
 
 Predicted on the H200 before any run (../shared/GPU.md, a reading of the code at fc4b6d2): decode launch-bound,
 4-8 ms a step, ~150-250 tok/s at batch 1, against a floor of ~0.06 ms (default shape) and ~0.58 ms (1B).
@@ -54,7 +57,7 @@ H200_BF16_FLOPS = 790e12  # measured there (../shared/GPU.md): the compute floor
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape, built with random weights (a Llama block: what both shapes below are)."""
+    """A decoder's shape, built with random weights: a Llama block, or with experts a Qwen3-MoE one."""
 
     hidden: int
     layers: int
@@ -63,6 +66,14 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool = True
+    head_dim: int | None = None  # None: hidden / heads
+    experts: int = 0  # a sparse FFN of this many experts, each of expert_ffn, top_k a token
+    top_k: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # bfloat16 K and V of every layer
+        return 2 * self.layers * self.kv_heads * (self.head_dim or self.hidden // self.heads) * 2
 
 
 SHAPES = {
@@ -70,6 +81,10 @@ SHAPES = {
     "llama-1b": Shape(2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
 }
 SMALL_SHAPES = {"tiny": Shape(64, 2, 4, 2, 128, 300)}
+MOE_SHAPES = {  # Qwen3-30B-A3B's layers, 6 of its 48
+    "qwen3moe-30b-a3b-L6": Shape(2048, 6, 32, 4, 6144, 151936, False, 128, 128, 8, 768),
+}
+SMALL_MOE_SHAPES = {"tiny-moe": Shape(64, 2, 4, 2, 128, 300, experts=8, top_k=2, expert_ffn=32)}
 
 
 @dataclass(frozen=True)
@@ -87,10 +102,15 @@ class Plan:
     http_concurrency: tuple
     http_requests: int  # at least; twice the concurrency where that is more
     kv_cache_memory: int  # the shapes' KV cache
+    moe_shapes: dict  # measured last, transformers' generate only at the batches up to moe_baseline_batch
+    moe_baseline_batch: int
 
 
-FULL = Plan(1 << 30, SHAPES, (1, 32, 128, 256), 128, 128, 2000, None, 24, (1, 64), 16, 8 << 30)
-SMALL = Plan(16 << 20, SMALL_SHAPES, (1, 4), 16, 8, 64, ("llama", "qwen3moe"), 8, (1, 4), 8, 256 << 20)
+FULL = Plan(
+    1 << 30, SHAPES, (1, 32, 128, 256), 128, 128, 2000, None, 24, (1, 64), 16, 8 << 30, MOE_SHAPES, 32
+)
+SMALL = Plan(16 << 20, SMALL_SHAPES, (1, 4), 16, 8, 64, ("llama", "qwen3moe"), 8, (1, 4), 8, 256 << 20,
+             SMALL_MOE_SHAPES, 1)  # fmt: skip
 
 
 def main() -> int:
@@ -125,6 +145,15 @@ def main() -> int:
             for name, shape in list(plan.shapes.items())[-1:]
         ),  # fmt: skip
         ("http", lambda: http(device, plan, work)),
+        *(
+            (
+                f"shape:{name}",
+                lambda s=shape, n=name: shape_run(
+                    device, plan, work, n, s, report, baseline=plan.moe_baseline_batch
+                ),
+            )
+            for name, shape in plan.moe_shapes.items()
+        ),  # fmt: skip
     ]
     wanted = None if args.sections == "all" else args.sections.split(",")
     try:
@@ -333,21 +362,29 @@ def teacher_forced(reference, test, ids: list[int]) -> dict:
 
 
 def build_shape(shape: Shape, path: Path, device: str) -> Path:
-    """A random-weight Llama of the shape, bfloat16, built on the device (fast there) and saved with a tiny
-    tokenizer (prompts are token ids)."""
+    """A random-weight Llama (or with experts, Qwen3-MoE) of the shape, bfloat16, built on the device (fast there)
+    and saved with a tiny tokenizer (prompts are token ids)."""
     import transformers
 
     from tests.helpers.tiny_models import save_tiny_tokenizer
 
-    config = transformers.LlamaConfig(
+    common = dict(
         hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab,
         tie_word_embeddings=shape.tied, max_position_embeddings=8192, rope_theta=500000.0,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
+    if shape.head_dim is not None:
+        common["head_dim"] = shape.head_dim
+    if shape.experts:
+        config = transformers.Qwen3MoeConfig(num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                                             moe_intermediate_size=shape.expert_ffn, norm_topk_prob=True, **common)  # fmt: skip
+        model_class = transformers.Qwen3MoeForCausalLM
+    else:
+        config, model_class = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = model_class(config).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -357,10 +394,12 @@ def build_shape(shape: Shape, path: Path, device: str) -> Path:
 
 
 def shape_run(
-    device: str, plan: Plan, work: Path, name: str, shape: Shape, report: Report, quantization: str = "auto"
-) -> dict:
+    device: str, plan: Plan, work: Path, name: str, shape: Shape, report: Report, quantization: str = "auto",
+    baseline: int | None = None,
+) -> dict:  # fmt: skip
     """The shape's figures; with `quantization` int4 (or int8) its weights quantized at load, and transformers'
-    generate not run again (the dense run's is the baseline)."""
+    generate not run again (the dense run's is the baseline); baseline: transformers' generate only at batches up
+    to this."""
     from server.bench.offline import active_weight_bytes, bench_model, random_prompts, run_requests
 
     path = work / name
@@ -378,7 +417,7 @@ def shape_run(
     single = bench_model(engine, plan.input_len, plan.output_len, runs=3)
     step_ms = 1e3 / single["decode_tokens_per_s"]
     context = plan.input_len + plan.output_len // 2
-    kv_bytes = 2 * shape.layers * shape.kv_heads * (shape.hidden // shape.heads) * 2 * context
+    kv_bytes = shape.kv_bytes_per_token * context
     floor_bytes = active_weight_bytes(model) + kv_bytes
     bandwidth = report.get("copy_bandwidth").get("gb_per_s")
     result.update(decode_step_ms=round(step_ms, 3), decode_tokens_per_s_b1=single["decode_tokens_per_s"],
@@ -397,18 +436,18 @@ def shape_run(
         result.update(ttft_floor_s=round(floor_s, 5), ttft_over_floor=round(ttft_s / floor_s, 2))
 
     # batches: kvserve's engine against transformers' batched generate, the same prompts and lengths
-    throughput, baseline = {}, {}
+    throughput, generate = {}, {}
     for batch in plan.batches:
         prompts = random_prompts(batch, plan.input_len, shape.vocab, seed=batch)
         engine.reset(max_num_seqs=batch)
         run = run_requests(engine, prompts, plan.output_len, f"b{batch}")
         throughput[batch] = round(run["output_tokens"] / run["wall_s"], 1)
-        if quantization == "auto":
-            baseline[batch] = transformers_generate(path, device, prompts, plan.output_len)
+        if quantization == "auto" and (baseline is None or batch <= baseline):
+            generate[batch] = transformers_generate(path, device, prompts, plan.output_len)
     result["output_tokens_per_s"] = throughput
-    if baseline:
-        result.update(transformers_tokens_per_s=baseline,
-                      speedup_over_transformers={b: round(throughput[b] / baseline[b], 2) for b in plan.batches})  # fmt: skip
+    if generate:
+        result.update(transformers_tokens_per_s=generate,
+                      speedup_over_transformers={b: round(throughput[b] / generate[b], 2) for b in generate})  # fmt: skip
     result["graph_replay_share"] = graph_replay_share(engine)
     del engine, model
     _transformers_models.clear()

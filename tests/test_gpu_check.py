@@ -22,7 +22,8 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     sections = {r["section"]: r for r in map(json.loads, lines)}
     assert run.returncode == 0, (run.stdout[-6000:], run.stderr[-3000:])
     assert list(sections) == [
-        "environment", "copy_bandwidth", "cuda_tests", "parity", "shape:tiny", "shape:tiny-int4", "http"
+        "environment", "copy_bandwidth", "cuda_tests", "parity", "shape:tiny", "shape:tiny-int4", "http",
+        "shape:tiny-moe",
     ]  # fmt: skip
 
     assert sections["environment"]["device"] == "cpu" and sections["copy_bandwidth"]["gb_per_s"] > 0
@@ -56,4 +57,8 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
         assert (
             bench["requests_ok"] == 8 and bench["requests_failed"] == 0 and bench["output_tokens_per_s"] > 0
         )
+    # a sparse shape: its floor reads a token's experts, not all of them; transformers' generate at batch 1 only
+    moe = sections["shape:tiny-moe"]
+    assert moe["params"] > shape["params"] and 0 < moe["bandwidth_utilisation"] <= 1
+    assert set(moe["output_tokens_per_s"]) == {"1", "4"} and set(moe["transformers_tokens_per_s"]) == {"1"}
     assert "shape:tiny" in run.stdout.split("section")[-1]  # the summary table
