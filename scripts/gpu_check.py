@@ -31,7 +31,11 @@ no host wait inside a step): ~12 kernels a layer, each a few microseconds even w
 shape's step ~1-1.5 ms (30 layers; still 15-25x its floor: tiny GEMVs cannot fill the GPU) and the 1B shape's
 ~0.9-1.2 ms (16 layers; its GEMVs near the bandwidth: 1.5-2x the floor, the 1.6x target at its edge); batch 256
 far past transformers' generate (whose cache is copied and whose steps are eager); a replay share near 1 for the
-pure-decode stretches of the batch runs."""
+pure-decode stretches of the batch runs.
+Predicted at 36da080 for the Qwen3-30B-A3B shape: a token reads ~1.3 GB (attention, 8 of 128 experts a layer, the
+LM head), a floor of ~0.3 ms; ~35 kernels a layer (routing, the device-side sort, two grouped GEMMs), replayed from
+graphs, ~0.6-0.8 ms a step (2-2.5x the floor). Before it (the loop over experts: a host read and ~50 launches a
+layer, no graphs) ~3-5 ms."""
 
 import argparse
 import json
