@@ -100,7 +100,9 @@ def test_the_cpu_backend_gives_the_runner_what_it_chose(tiny_llama_dir, kernels)
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_llama_dir):
+# replayed from a graph, and op by op: a dense model's, and a sparse one's (its experts grouped on the device)
+@pytest.mark.parametrize("family,eager", [("llama", False), ("llama", True), ("qwen3moe", True)])
+def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_model_factory, family, eager):
     """A decode step's metadata goes to the GPU from pinned memory and the forward and the sampler read nothing
     back: the step's one wait is the sampled ids' read (model_runner.py), so the host builds the next step while
     the GPU runs this one."""
@@ -110,7 +112,8 @@ def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_llama_dir):
     from server.engine.request import SamplingParams
 
     engine = Engine(
-        str(tiny_llama_dir), EngineConfig(device="cuda", kv_cache_memory=64 << 20, max_num_seqs=4)
+        str(tiny_family(tiny_model_factory, family)),
+        EngineConfig(device="cuda", kv_cache_memory=64 << 20, max_num_seqs=4, enforce_eager=eager),
     )
     for i in range(4):
         engine.add_request(str(i), list(range(3 + i, 40 + i)), SamplingParams(max_tokens=8, temperature=0))
