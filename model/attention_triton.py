@@ -22,12 +22,12 @@ from model.attention import TorchAttention, kernel_tables, paged_attention, rota
 from model.config import ModelConfig
 from model.device import to_device
 from model.kv_cache import KVCache
+from model.linear_triton import dot_dtype
 
 # keys a program reads per iteration (any number of cache blocks: a key's block comes from its position)
 KEY_TILE = 32
 # query rows (queries x the query heads of one KV head) a program holds at least: tl.dot's smallest tile
 MIN_ROWS = 16
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -138,9 +138,7 @@ class TritonAttentionMetadata:
         KVH = k_cache.shape[0]
         G = H // KVH
         out = torch.empty_like(q)
-        # Triton's interpreter (the kernel on a CPU) multiplies 16-bit dots wrongly (numpy has no bfloat16):
-        # there they take float32 inputs; a GPU's tensor cores take the model's dtype
-        dot = TL_DTYPES[q.dtype] if q.device.type != "cpu" else tl.float32
+        dot = dot_dtype(q)
         grid = (self.tiles.shape[0], KVH)
         _paged_attention[grid](
             q, k_cache, v_cache, out, sinks if sinks is not None else q,

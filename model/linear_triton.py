@@ -29,6 +29,14 @@ from model.quant import SUPER, QuantizedTensor, take_quantized
 log = logging.getLogger(__name__)
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def dot_dtype(x: torch.Tensor):
+    """The dtype a kernel's tl.dot takes for inputs like x: x's own on a GPU (its tensor cores); float32 under
+    Triton's interpreter on a CPU, which multiplies 16-bit dots wrongly (numpy has no bfloat16)."""
+    return TL_DTYPES[x.dtype] if x.device.type != "cpu" else tl.float32
+
+
 # the start check's largest error against F.linear on the same dequantized weights, relative to the largest output:
 # the same products summed in another order (float32 sums), with room; a miscompiled kernel is off by ~1
 GEMM_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -150,7 +158,7 @@ class DeviceSegment:
         """y = x W^T (+ bias), into y [M, n] (a view of the layer's output: its columns of a fused layer)."""
         t = self.quantized
         M = x.shape[0]
-        dot = TL_DTYPES[x.dtype] if x.device.type != "cpu" else tl.float32
+        dot = dot_dtype(x)
         # a decode step's few rows: narrow tiles and K split (a GEMV reads the weight once, spread over the GPU's
         # SMs); a prefill's: square tiles of 64 (each weight tile dequantized once per 64 rows)
         decode = M <= MIN_ROWS

@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from model.linear_triton import dot_dtype
+
 log = logging.getLogger(__name__)
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the kernel's largest error against the loop over experts (relative to the outputs' largest value) it may have
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.01}
 
@@ -112,7 +113,7 @@ def grouped_gemm(
     N, K = w.shape[1:]
     a = a.contiguous()  # the kernel steps over a row's K elements one by one
     out = torch.empty(plan.pairs, N, dtype=out_dtype, device=a.device)
-    dot = TL_DTYPES[a.dtype] if a.device.type != "cpu" else tl.float32  # the interpreter: float32 dots
+    dot = dot_dtype(a)
     block_n = 64
     grid = (plan.grid_tiles, triton.cdiv(N, block_n))
     _grouped_gemm[grid](
