@@ -15,6 +15,7 @@ On a CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which 
 format without a GPU; there its dots take float32 (the interpreter multiplies 16-bit dots wrongly).
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -52,14 +53,54 @@ SUPER_K = tl.constexpr(
 
 
 @triton.jit
-def _quant_gemm(
-    x_ptr, q_ptr, scale_ptr, min_ptr, super_ptr, super_min_ptr, levels_ptr, bias_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_ys, k_per_split,  # y [splits, M, N]: each split's partial sums
+def weight_tile(
+    q_ptr, scale_ptr, min_ptr, super_ptr, super_min_ptr, levels_ptr,  # one [N, K] weight's tensors
+    cols, col_ok, k0, K,  # the tile: its columns (the weight's rows) and K from k0
     BITS: tl.constexpr,  # 4 (two q a byte), 5, 6 (a byte each, 0 .. 2^BITS - 1) or 8 (int8)
     GROUP: tl.constexpr,  # weights per scale along K (32, or 16: Q6_K)
     HAS_MIN: tl.constexpr,  # w = d q + m, else d q
     HAS_SUPER: tl.constexpr,  # d and m: int8 per group times float16 per super-block of 256
     LEVELS: tl.constexpr,  # q indexes a table of 16 levels (IQ4_NL, IQ4_XS, MXFP4)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides K and, with super-blocks, 256
+):  # fmt: skip
+    """float32 [BLOCK_N, BLOCK_K]: the weight's rows `cols`, K from k0, dequantized (0 outside col_ok)."""
+    if BITS == 4:
+        pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(q_ptr + cols[:, None] * (K // 2) + pairs[None, :], mask=col_ok[:, None], other=0)
+        q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # q[2i], q[2i + 1]
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None], other=0)
+    if LEVELS:
+        w = tl.load(levels_ptr + q.to(tl.int32)).to(tl.float32)
+    else:
+        w = q.to(tl.float32)
+    # the tile's groups: d and m per [column, group], each over its GROUP weights
+    gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    at = cols[:, None] * (K // GROUP) + gs[None, :]
+    d = tl.load(scale_ptr + at, mask=col_ok[:, None], other=0).to(tl.float32)
+    if HAS_SUPER:  # the tile lies in one super-block
+        s = cols * (K // SUPER_K) + k0 // SUPER_K
+        d = d * tl.load(super_ptr + s, mask=col_ok, other=0).to(tl.float32)[:, None]
+    w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * d[:, :, None], [BLOCK_N, BLOCK_K])
+    if HAS_MIN:
+        m = tl.load(min_ptr + at, mask=col_ok[:, None], other=0).to(tl.float32)
+        if HAS_SUPER:
+            m = m * tl.load(super_min_ptr + s, mask=col_ok, other=0).to(tl.float32)[:, None]
+        w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]) + m[:, :, None], [BLOCK_N, BLOCK_K])
+    return w
+
+
+@triton.jit
+def _quant_gemm(
+    x_ptr, q_ptr, scale_ptr, min_ptr, super_ptr, super_min_ptr, levels_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym, stride_ys, k_per_split,  # y [splits, M, N]: each split's partial sums
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    HAS_SUPER: tl.constexpr,
+    LEVELS: tl.constexpr,  # (these five: the weight's format, as weight_tile reads it)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,37 +111,15 @@ def _quant_gemm(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    groups_per_row = K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = tl.program_id(2) * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-        if BITS == 4:
-            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(q_ptr + cols[:, None] * (K // 2) + pairs[None, :], mask=col_ok[:, None], other=0)
-            q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # q[2i], q[2i + 1]
-        else:
-            q = tl.load(q_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None], other=0)
-        if LEVELS:
-            w = tl.load(levels_ptr + q.to(tl.int32)).to(tl.float32)
-        else:
-            w = q.to(tl.float32)
-        # the tile's groups: d and m per [column, group], each over its GROUP weights
-        gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        at = cols[:, None] * groups_per_row + gs[None, :]
-        d = tl.load(scale_ptr + at, mask=col_ok[:, None], other=0).to(tl.float32)
-        if HAS_SUPER:  # the tile lies in one super-block
-            s = cols * (K // SUPER_K) + k0 // SUPER_K
-            d = d * tl.load(super_ptr + s, mask=col_ok, other=0).to(tl.float32)[:, None]
-        w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * d[:, :, None], [BLOCK_N, BLOCK_K])
-        if HAS_MIN:
-            m = tl.load(min_ptr + at, mask=col_ok[:, None], other=0).to(tl.float32)
-            if HAS_SUPER:
-                m = m * tl.load(super_min_ptr + s, mask=col_ok, other=0).to(tl.float32)[:, None]
-            w = tl.reshape(
-                tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]) + m[:, :, None], [BLOCK_N, BLOCK_K]
-            )
+        w = weight_tile(
+            q_ptr, scale_ptr, min_ptr, super_ptr, super_min_ptr, levels_ptr, cols, col_ok, k0, K,
+            BITS, GROUP, HAS_MIN, HAS_SUPER, LEVELS, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         acc += tl.dot(x.to(DOT), tl.trans(w.to(DOT)), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -150,13 +169,40 @@ class DeviceSegment:
             rows.q = torch.stack([rows.q & 15, rows.q >> 4], dim=-1).flatten(-2)
         return rows.dequantize(self.levels)
 
+    @classmethod
+    def stack(cls, segments: list["DeviceSegment"]) -> "DeviceSegment":
+        """The same run of rows of several weights (a sparse layer's experts: one format and shape) as one
+        segment whose tensors lead with the weight, [len(segments), n, ...]; each of `segments` then views its
+        slice, so the stack is the only copy (register_segments re-registers a layer's buffers)."""
+        first = segments[0].quantized
+        stacked = {}
+        for name in ("q", "scale", "min", "supers", "super_mins"):
+            if getattr(first, name) is not None and not (name == "min" and first.min is first.scale):
+                stacked[name] = torch.stack([getattr(s.quantized, name) for s in segments])
+        if first.min is first.scale:
+            stacked["min"] = stacked["scale"]
+        for i, segment in enumerate(segments):
+            views = {name: v[i] for name, v in stacked.items()}
+            if first.min is first.scale:
+                views["min"] = views["scale"]
+            segment.quantized = dataclasses.replace(segment.quantized, **views)
+        return cls(dataclasses.replace(first, **stacked), segments[0].n, segments[0].k, segments[0].levels)
+
+    def weight_args(self) -> tuple[list[torch.Tensor], dict]:
+        """What weight_tile reads of it: its tensors (q, scale, min, super-scales, super-minimums, levels; the
+        scale where it has none, never read) and its format's constants."""
+        t = self.quantized
+        tensors = [t.q, t.scale, t.min, t.supers, t.super_mins, self.levels]
+        format_ = dict(BITS=t.bits, GROUP=t.group, HAS_MIN=t.min is not None, HAS_SUPER=t.supers is not None,
+                       LEVELS=self.levels is not None)  # fmt: skip
+        return [t.scale if v is None else v for v in tensors], format_
+
     def block_k(self) -> int:
         """The kernel's step along K: 64 where it divides K (and so 256), else the group."""
         return 64 if self.k % 64 == 0 else self.quantized.group
 
     def gemm(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> None:
         """y = x W^T (+ bias), into y [M, n] (a view of the layer's output: its columns of a fused layer)."""
-        t = self.quantized
         M = x.shape[0]
         dot = dot_dtype(x)
         # a decode step's few rows: narrow tiles and K split (a GEMV reads the weight once, spread over the GPU's
@@ -172,15 +218,12 @@ class DeviceSegment:
         k_per_split = triton.cdiv(steps, splits) * block_k
         splits = triton.cdiv(self.k, k_per_split)
         out = y if splits == 1 else torch.empty(splits, M, self.n, dtype=torch.float32, device=x.device)
+        tensors, format_ = self.weight_args()
         _quant_gemm[(*grid_mn, splits)](
-            x, t.q, t.scale, t.min if t.min is not None else t.scale,
-            t.supers if t.supers is not None else t.scale, t.super_mins if t.super_mins is not None else t.scale,
-            self.levels if self.levels is not None else t.scale, bias if bias is not None else y, out,
+            x, *tensors, bias if bias is not None else y, out,
             M, self.n, self.k, x.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, k_per_split,
-            BITS=t.bits, GROUP=t.group, HAS_MIN=t.min is not None, HAS_SUPER=t.supers is not None,
-            LEVELS=self.levels is not None, HAS_BIAS=bias is not None and splits == 1,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32",
+            **format_, HAS_BIAS=bias is not None and splits == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
         )  # fmt: skip
         if splits > 1:
             total = out.sum(0)
@@ -215,9 +258,7 @@ class TritonQuantLinear:
             layer.bits = None
             return self.dense.prepare(layer)
         layer.segments = [DeviceSegment.create(s, self.device) for s in segments]
-        for i, segment in enumerate(layer.segments):  # as buffers too: what counts a module's bytes sees them
-            for name, tensor in segment.tensors().items():
-                layer.register_buffer(f"{name}_{i}", tensor, persistent=False)
+        register_segments(layer)
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device="meta"), requires_grad=False)
 
     def _works(self, t: QuantizedTensor) -> bool:
@@ -257,6 +298,13 @@ class TritonQuantLinear:
         if layer.bits is None:
             return self.dense.logits(layer, x)
         return self.apply(layer, x, torch.float32)
+
+
+def register_segments(layer) -> None:
+    """The layer's segments' tensors as its buffers too: what counts a module's bytes sees them."""
+    for i, segment in enumerate(layer.segments):
+        for name, tensor in segment.tensors().items():
+            layer.register_buffer(f"{name}_{i}", tensor, persistent=False)
 
 
 def error_against_dequantized(t: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> float:

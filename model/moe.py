@@ -97,7 +97,10 @@ class MoE(nn.Module):
             (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
         )
         self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
-        self.grouped_ffn, self.grouped = ops.grouped_experts, None  # the GPU's: where every expert is dense
+        self.grouped_ffn, self.grouped = (
+            ops.grouped_experts,
+            None,
+        )  # the GPU's: dense or quantized on the device
 
     def weights_ready(self) -> None:
         """Once loaded: the whole FFN as one C++ call (model/csrc/moe.cpp: the same routing and sums, the step's
@@ -107,8 +110,7 @@ class MoE(nn.Module):
                 gate.weights_ready()
         mlps = [*self.experts, *([self.shared] if self.shared is not None else [])]
         linears = [linear for mlp in mlps for linear in (mlp.up, mlp.down)]
-        dense = all(getattr(linear, "bits", None) is None and not linear.weight.is_meta for linear in linears)
-        if self.grouped_ffn is not None and dense:
+        if self.grouped_ffn is not None:
             self.grouped = self.grouped_ffn(self.experts)
         if self.fused_ffn is None or any(getattr(linear, "bits", None) is None for linear in linears):
             return

@@ -79,6 +79,8 @@ def test_graphs_only_where_every_op_of_a_decode_step_can_be_recorded(tiny_model_
 
     from model.attention import TorchAttention
     from model.attention_triton import TritonAttention
+    from model.linear import PlainLinear
+    from model.linear_triton import TritonQuantLinear
     from server.engine.backend import CpuBackend, CudaBackend, select_backend
     from server.engine.decode_graphs import why_not_graphed
 
@@ -97,7 +99,14 @@ def test_graphs_only_where_every_op_of_a_decode_step_can_be_recorded(tiny_model_
         reason = why_not_graphed(model, triton)
         assert reason is None if why is None else reason.startswith(why), (family, reason)
         assert why_not_graphed(model, TorchAttention(16, 2, 8)) == "attention is not the Triton kernel"
-    # experts left to PyTorch's loop (quantized ones, or a kernel off on that device) read their counts on the host
+    # experts quantized on the device (a GGUF's, or quantized at load) are grouped too
+    quantized, _ = CpuPath(kernels=False, gpu_attention="triton").load(
+        tiny_family(tiny_model_factory, "qwen3moe"), linear=TritonQuantLinear(torch.device("cpu"), torch.float32,
+                                                                              PlainLinear(), bits=4)
+    )  # fmt: skip
+    assert all(e.up.bits == 4 for e in quantized.layers[0].mlp.experts)
+    assert why_not_graphed(quantized, triton) is None
+    # experts left to PyTorch's loop (a kernel off on that device) read their counts on the host
     looped, _ = CpuPath(kernels=False).load(tiny_family(tiny_model_factory, "qwen3moe"))
     assert why_not_graphed(looped, triton).startswith("MoE layers whose experts run PyTorch's loop")
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model.families import FAMILIES
+from model.gguf_blocks import BLOCKS
 from model.linear import PlainLinear
 from model.loader import load_model
 from model.moe import DenseAndMoE, MoE
@@ -59,7 +60,7 @@ def test_grouped_experts_sum_what_the_loop_over_experts_sums(tiny_model_factory,
     grouped, _ = load_model(path, torch.float32, "cpu", Ops(PlainLinear(), grouped_experts=grouped_experts))
     for theirs, ours in zip(sparse_layers(loop), sparse_layers(grouped), strict=True):
         assert theirs.grouped is None and ours.grouped is not None
-        stacked = ours.grouped.up
+        (stacked,) = ours.grouped.up.runs
         assert all(e.up.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
                    for e in ours.experts)  # fmt: skip
         g = torch.Generator().manual_seed(0)
@@ -83,3 +84,64 @@ def test_a_kernel_that_is_off_here_leaves_the_loop(tiny_model_factory, triton_he
                                Ops(PlainLinear(), grouped_experts=model.moe_triton.grouped_experts))  # fmt: skip
     assert all(layer.grouped is None for layer in sparse_layers(model_))
     assert "MoE experts: PyTorch's loop over experts (the grouped kernel is off by" in caplog.text
+
+
+def quantized_experts(type_names: list[str], num_experts: int, N: int, K: int):
+    """Random experts' weights of the formats (a fused layer's runs of rows, one per format) as the GPU keeps them,
+    stacked over the experts (DeviceSegment.stack), and each expert's dequantized weight [N * runs, K], float64."""
+    from model.linear_triton import DeviceSegment
+    from tests.model.test_linear_triton import weight
+
+    runs, dense = [], []
+    for r, type_name in enumerate(type_names):
+        made = [weight(type_name, N, K, seed=100 * r + e) for e in range(num_experts)]
+        segments = [DeviceSegment.create(qt, torch.device("cpu")) for qt, _ in made]
+        run = DeviceSegment.stack(segments)
+        # each expert's segment now views its slice of the stack: one copy
+        assert all(s.quantized.q.data_ptr() == run.quantized.q[e].data_ptr() for e, s in enumerate(segments))
+        runs.append(run)
+        dense.append(torch.stack([w for _, w in made]))
+    return runs, torch.cat(dense, dim=1)
+
+
+def looped_products(x, dense, bias, ids, pairs_per_row):
+    """[pairs, N] float64: each pair's row of x times its expert's weight, plus its bias."""
+    experts = ids.flatten()
+    rows = x.double()[torch.arange(len(experts)) // pairs_per_row]
+    y = torch.einsum("pk,pnk->pn", rows, dense[experts])
+    return y if bias is None else y + bias.double()[experts]
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+def test_quantized_experts_of_every_gguf_format_multiply_as_their_dequantized_weights(type_name, triton_here):
+    """A GGUF's experts kept quantized on the GPU (model/linear_triton.py's formats, tile by tile): each (token,
+    expert) pair's product equals its expert's dequantized weight's, for a decode's pairs and a prefill's; N not a
+    multiple of a tile, K two super-blocks."""
+    from model.moe_triton import Plan, Projection, grouped_gemm
+
+    E, k = 4, 2
+    (run,), dense = quantized_experts([type_name], E, 40, 512)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (1, 37):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+        x = torch.randn(tokens, 512, generator=g)
+        got = grouped_gemm(x, Projection([run], None), Plan(ids, E, 16), k, torch.float32)
+        want = looped_products(x, dense, None, ids, k)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_fused_projection_of_two_formats_with_biases_and_pair_scales(triton_here):
+    """An expert's gate | up in two formats (two runs, each writing its columns) with biases, read per pair (the
+    down projection's rows are pairs: 1 pair a row), each pair's output scaled by its routing weight."""
+    from model.moe_triton import Plan, Projection, grouped_gemm
+
+    E, k, tokens = 8, 3, 21
+    runs, dense = quantized_experts(["Q4_K", "Q6_K"], E, 24, 256)
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(E, 48, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    pairs = torch.randn(tokens * k, 256, generator=g)
+    scale = torch.rand(tokens * k, generator=g)
+    got = grouped_gemm(pairs, Projection(runs, bias), Plan(ids, E, 16), 1, torch.float32, scale)
+    want = looped_products(pairs, dense, bias, ids, 1) * scale.double()[:, None]
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 from model.kernels import cpu_kernels
 from model.linear import PlainLinear
 from model.quant import QuantizedLinear
-from tests.helpers.gguf_writers import TinyFamily, reference_logits, served_logits, tiny_hf_model
+from tests.helpers.gguf_writers import TinyFamily, prompt_ids, reference_logits, served_logits, tiny_hf_model
 from tests.weights.test_gguf_llama_cpp import DRIVER, llama_cpp_tree  # noqa: F401 (a fixture)
 from weights.gguf_source import GGUFSource
 
@@ -119,6 +119,31 @@ def test_mxfp4_experts_stay_quantized_and_exact(gpt_oss_gguf, tmp_path):
     assert (ours - want).abs().max() < 2e-3, (ours - want).abs().max()
     dense, _ = served_logits(source, PlainLinear(), True)  # the experts dequantized at load: the same weights
     assert (dense - want).abs().max() < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_mxfp4_experts_on_the_gpus_path_are_grouped_and_exact(gpt_oss_gguf, tmp_path, triton_here):
+    """The same file as a GPU serves it (under Triton's interpreter): every expert's MXFP4 levels kept on the
+    device, each sparse layer's experts grouped (their biases and clamped SwiGLU beside the quantized GEMMs), and
+    transformers' logits with those values."""
+    from model.kv_cache import KVCache
+    from model.linear_triton import TritonQuantLinear
+    from tests.helpers.tiny_models import CpuPath, cache_blocks
+    from tests.model.test_moe_triton import sparse_layers
+
+    model, gguf = gpt_oss_gguf
+    stored = requantized(gguf, tmp_path / "mxfp4.gguf")
+    with_experts(model, stored)
+    want = reference_logits(model)
+    path = CpuPath(kernels=False, gpu_attention="triton")
+    linear = TritonQuantLinear(torch.device("cpu"), torch.float32, PlainLinear())
+    ours, config = path.load(GGUFSource(tmp_path / "mxfp4.gguf"), linear=linear)
+    layers = sparse_layers(ours)
+    assert len(layers) == 4 and all(layer.grouped is not None for layer in layers)
+    assert all(run.quantized.kind == "MXFP4" for layer in layers for run in layer.grouped.up.runs)
+    cache = KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu")
+    got = path.run(ours, cache, prompt_ids(config.vocab_size)[0].tolist(), 0, list(range(16)))
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
 
 
 @pytest.mark.timeout(120)

@@ -157,3 +157,44 @@ def test_a_quantized_gguf_on_the_gpus_path_computes_what_its_dequantized_weights
     want = plain_path.run(reference, cache(), prompt, 0, list(range(16)))
     assert (ours - want).abs().max() < 1e-4 * want.abs().max()
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2moe", "granitemoe"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_a_ggufs_quantized_experts_are_grouped_as_the_file_holds_them(tmp_path, byte_vocab, family, type_name,
+                                                                      triton_here):  # fmt: skip
+    """A MoE GGUF read in place on the GPU's path (Triton's quantized GEMM, attention and grouped experts, under the
+    interpreter): every sparse layer's experts grouped in the file's format, each expert's tensors views of the
+    stack, and the logits those of the same quantized experts run by the loop over experts."""
+    from model.kv_cache import KVCache
+    from model.linear import PlainLinear
+    from model.linear_triton import DeviceSegment, TritonQuantLinear
+    from tests.helpers.gguf_writers import prompt_ids
+    from tests.helpers.tiny_models import CpuPath, cache_blocks
+    from tests.model.test_moe_triton import sparse_layers
+    from tests.weights.test_gguf_in_place import write_moe_gguf
+    from weights.gguf_source import GGUFSource
+
+    gguf = write_moe_gguf(tmp_path, byte_vocab, family, type_name)
+    bits = 8 if type_name == "Q8_0" else 4
+    logits = {}
+    for path in (CpuPath(kernels=False, gpu_attention="triton"), CpuPath(kernels=False)):
+        linear = TritonQuantLinear(torch.device("cpu"), torch.float32, PlainLinear())
+        model, config = path.load(GGUFSource(gguf), linear=linear)
+        for layer in sparse_layers(model):
+            assert {e.up.bits for e in layer.experts} == {bits}
+            if path.gpu_attention is None:
+                assert layer.grouped is None
+                continue
+            runs = layer.grouped.up.runs + layer.grouped.down.runs
+            assert all(isinstance(r, DeviceSegment) and r.quantized.bits == bits for r in runs)
+            stacked = layer.grouped.down.runs[0].quantized.q
+            assert all(e.down.segments[0].quantized.q.data_ptr() == stacked[i].data_ptr()
+                       for i, e in enumerate(layer.experts))  # fmt: skip
+        ids = prompt_ids(config.vocab_size)[0].tolist()
+        cache = KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu")
+        logits[path.gpu_attention] = path.run(model, cache, ids, 0, list(range(16)))
+    grouped, looped = logits["triton"], logits[None]
+    assert (grouped - looped).abs().max() <= 1e-4 * looped.abs().max()
+    assert torch.equal(grouped.argmax(-1), looped.argmax(-1))
