@@ -22,7 +22,8 @@ Sections, in order:
 - http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
 - shape:qwen3moe-30b-a3b-L6: Qwen3-30B-A3B's layers (128 experts, 8 a token; 6 of its 48 layers), the same
   figures (the floor reads a token's 8 experts of each layer, not all 128), transformers' generate at batches 1 and
-  32 only (its experts run eagerly). Last: its 9 GB of weights take the longest to build.
+  32 only (its experts run eagerly). Last: its 9 GB of weights take the longest to build. Then again with its
+  weights quantized at load to 4 bits, the experts grouped on quantized tiles (model/moe_triton.py).
 
 Predicted on the H200 before any run (../shared/GPU.md, a reading of the code at fc4b6d2): decode launch-bound,
 4-8 ms a step, ~150-250 tok/s at batch 1, against a floor of ~0.06 ms (default shape) and ~0.58 ms (1B).
@@ -35,7 +36,10 @@ pure-decode stretches of the batch runs.
 Predicted at 36da080 for the Qwen3-30B-A3B shape: a token reads ~1.3 GB (attention, 8 of 128 experts a layer, the
 LM head), a floor of ~0.3 ms; ~35 kernels a layer (routing, the device-side sort, two grouped GEMMs), replayed from
 graphs, ~0.6-0.8 ms a step (2-2.5x the floor). Before it (the loop over experts: a host read and ~50 launches a
-layer, no graphs) ~3-5 ms."""
+layer, no graphs) ~3-5 ms.
+Predicted at 6d48965 for its int4 run (the experts quantized, grouped on dequantized tiles): ~0.55 GB a token (5 bits
+a weight, the LM head 8.5), a floor of ~0.13 ms; the grouped GEMMs' tiles of 16 rows dequantize each weight tile for
+one token at batch 1, so ~0.5-0.7 ms a step (4-5x its floor), its batches above the bfloat16 run's from batch 32."""
 
 import argparse
 import json
@@ -155,6 +159,13 @@ def main() -> int:
                 lambda s=shape, n=name: shape_run(
                     device, plan, work, n, s, report, baseline=plan.moe_baseline_batch
                 ),
+            )
+            for name, shape in plan.moe_shapes.items()
+        ),  # fmt: skip
+        *(  # and its experts quantized too, grouped on the quantized tiles (as a GGUF's Q4_K_M experts run)
+            (
+                f"shape:{name}-int4",
+                lambda s=shape, n=name: shape_run(device, plan, work, n, s, report, "int4"),
             )
             for name, shape in plan.moe_shapes.items()
         ),  # fmt: skip
