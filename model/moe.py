@@ -83,7 +83,7 @@ class MoE(nn.Module):
         self.scaled_router = moe.scaled_router
         self.router_scale = nn.Parameter(torch.ones(hidden)) if moe.scaled_router else None
         self.expert_scale = nn.Parameter(torch.ones(moe.num_experts)) if moe.scaled_router else None
-        self.eps = config.norm_eps
+        self.eps, self.norm_kernel = config.norm_eps, ops.rms_norm
         self.experts = nn.ModuleList(
             mlp(config, ops, moe.intermediate_size, moe.bias) for _ in range(moe.num_experts)
         )
@@ -159,7 +159,10 @@ class MoE(nn.Module):
         top k; renormalized, the k weights are the softmax over the chosen k (Mixtral, Granite's softmax of
         the top k logits, Qwen3-MoE's norm_topk_prob)."""
         if self.scaled_router:  # Gemma 4's: rms_norm(x) * scale / sqrt(hidden), in x's dtype as the reference
-            x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+            if self.norm_kernel is not None:  # as model/csrc/moe.cpp: one call, rounded once to x's dtype
+                x = self.norm_kernel(x, None, None, self.eps)[0]
+            else:
+                x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
             x = x * self.router_scale * x.shape[-1] ** -0.5
         probs = torch.softmax(self.router(x), dim=-1)  # [T, experts]
         weights, ids = probs.topk(self.top_k, dim=-1)

@@ -185,6 +185,7 @@ class Attention(nn.Module):
                 None if self.reads_kv else Norm(self.head_dim if per_head else kv_size, config, ops.rms_norm)
             )
         self.v_norm = config.v_norm  # Gemma 4: each value head RMS-normalised, with no weight
+        self.norm_kernel = ops.rms_norm  # which runs it where there is one (as the C++ layer loop does)
         self.eps = config.norm_eps
 
     def forward(self, x, rope, k_cache, v_cache, meta) -> torch.Tensor:
@@ -201,8 +202,11 @@ class Attention(nn.Module):
             v = k
         else:
             q, k, v = self.qkv(x).view(T, H + 2 * KVH, D).split_with_sizes((H, KVH, KVH), dim=1)
-        if self.v_norm and v is not None:  # in float32, as the reference
-            v = F.rms_norm(v.float(), (D,), eps=self.eps).to(v.dtype)
+        if self.v_norm and v is not None:  # in float32, as the reference, rounded once to v's dtype
+            if self.norm_kernel is not None:  # one call (~4 us a decode's row), not F.rms_norm's ops (~22 us)
+                v = self.norm_kernel(v.reshape(-1, D), None, None, self.eps)[0].view(v.shape)
+            else:
+                v = F.rms_norm(v.float(), (D,), eps=self.eps).to(v.dtype)
         if self.reads_kv:
             q = self.q_norm(q) if self.qk_norm == "head" else q
             if rope is not None:  # rotated here: the kernels rotate queries only beside keys they store

@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
   m.def("clamped_swiglu", &clamped_swiglu, "GPT-OSS's clamped SwiGLU of x = [gate, up] (CPU)", py::arg("x"),
         py::arg("alpha"), py::arg("limit"));
-  m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned; without a weight, unit (CPU)");
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
         py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
   // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)

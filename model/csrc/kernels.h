@@ -21,8 +21,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks);
 at::Tensor silu_mul(at::Tensor x);
 at::Tensor clamped_swiglu(at::Tensor x, double alpha, double limit);
-std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
-                                    double eps);
+std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residual,
+                                 std::optional<at::Tensor> weight, double eps);
 struct QuantGemm;
 at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out);
 at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);

@@ -15,7 +15,6 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
-#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/roll.h>
 #include <ATen/ops/sigmoid.h>
 
@@ -94,7 +93,7 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
     v = layer.k_eq_v ? k : qkv.narrow(1, H + KVH, KVH);
   }
   if (layer.v_norm && v.defined())
-    v = at::rms_norm(v.to(at::kFloat), {D}, std::nullopt, eps).to(v.scalar_type());
+    v = rms_norm(v.reshape({-1, D}), std::nullopt, std::nullopt, eps)[0].view(v.sizes());  // as the Python layer
   if (layer.q_norm) {
     q = head_norm(q, *layer.q_norm, eps);
     if (k.defined()) k = head_norm(k, *layer.k_norm, eps);

@@ -9,7 +9,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/index_select.h>
-#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -60,14 +59,12 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
                   (!expert_scale || (expert_scale->scalar_type() == at::kFloat && expert_scale->is_contiguous() &&
                                      expert_scale->numel() == E)),
               "a scaled router: router_scale [hidden] and expert_scale [experts] float32");
-  at::Tensor routed = (router_input ? *router_input : x).to(at::kFloat);
-  if (router_scale)  // Gemma 4's, with model/moe.py's ops and roundings
-    routed = at::rms_norm(routed, {hidden}, std::nullopt, eps)
-                 .to(x.scalar_type())
+  at::Tensor routed = router_input ? *router_input : x;
+  if (router_scale)  // Gemma 4's, with model/moe.py's ops and roundings: the unit norm rounded once to x's dtype
+    routed = rms_norm(routed, std::nullopt, std::nullopt, eps)[0]
                  .mul(*router_scale)
-                 .mul(std::pow(static_cast<double>(hidden), -0.5))
-                 .to(at::kFloat);
-  routed = routed.contiguous();
+                 .mul(std::pow(static_cast<double>(hidden), -0.5));
+  routed = routed.to(at::kFloat).contiguous();
   const at::Tensor logits = scores(routed, router, router_bias);  // [T, E]
   // each token's top k: softmax over every expert, the k largest (ties to the lower id), renormalized or not
   std::vector<int64_t> chosen(T * k);

@@ -95,6 +95,18 @@ def test_rms_norm_kernel_computes_what_transformers_does(tier_kernels, hidden):
         assert same(y, transformers_rms_norm(xd + rd, wd, 1e-5))
     (y,) = kernels.rms_norm(x, None, weight, 1e-5)  # float32: the sum of squares in another order
     torch.testing.assert_close(y, F.rms_norm(x, (hidden,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    # without a weight (Gemma 4's values): the float32 norm rounded once to x's dtype, as F.rms_norm of x in
+    # float32 then .to(dtype) gives, the same bits as a weight of ones
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        (y,) = kernels.rms_norm(xd, None, None, 1e-5)
+        assert torch.equal(y, kernels.rms_norm(xd, None, torch.ones(hidden, dtype=dtype), 1e-5)[0])
+        want = F.rms_norm(xd.float(), (hidden,), eps=1e-5).to(dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+        else:  # where the float32 sums differ in their last bit, a value may round the other way: one step
+            assert (y != want).float().mean() < 0.01
+            torch.testing.assert_close(y, want, rtol=2**-7, atol=0)
 
 
 @pytest.mark.timeout(60)
