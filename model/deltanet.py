@@ -23,7 +23,8 @@ which slot it has. Here the tokens go one at a time, and every op that is not a 
 token's values: torch's elementwise loops hand a tensor's last few elements to scalar code whose exp differs from
 the vector code's in the last bit, so which elements those are must not depend on the step. Where kvserve's C++
 kernels run, model/csrc/deltanet.cpp does the same between the two projections (each sequence and value head in
-parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized.
+parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized. On a GPU, which
+promises no batch invariance, a step of decodes runs all its sequences at once instead (`_decodes`).
 """
 
 import functools
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.device import to_device
 from model.linear import Linear
 
 # A chunk's tokens. Each head's state holds dk + dv + 1 floats for each token since S0 (an eighth more than S at
@@ -73,6 +75,18 @@ class StepStates:
         if self.keep_each is None:
             self.keep_each = [-1] * len(self.starts)
 
+    @property
+    def decodes_only(self) -> bool:
+        """A step of decodes: a token a sequence, no drafts kept after each."""
+        return all(n == 1 for n in self.lengths) and all(k < 0 for k in self.keep_each)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, positions) as [N] int64 tensors on the device: copied once a step, read by every layer."""
+        if getattr(self, "_on", (None,))[0] != device:
+            host = torch.tensor([self.slots, self.positions])
+            self._on = (device, *to_device(host, device).unbind(0))
+        return self._on[1:]
+
     @functools.cached_property
     def table(self) -> torch.Tensor:
         """[N, 5] int64 (start, length, slot, position, keep_each) for the C++ kernel: made once a step, read by
@@ -105,6 +119,7 @@ class GatedDeltaNet(nn.Module):
         self.kernel = (
             ops.gated_delta_net
         )  # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
+        self.batched_decodes = ops.batched_decodes  # a GPU's: a step of decodes as one (_decodes), not a loop
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
@@ -121,6 +136,8 @@ class GatedDeltaNet(nn.Module):
             return self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
                                recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim,
                                spec.value_head_dim, self.eps, spec.tiled_value_heads)  # fmt: skip
+        if self.batched_decodes and states.decodes_only:
+            return self._decodes(proj, conv_state, recurrent_state, *states.on(proj.device))
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
@@ -145,6 +162,64 @@ class GatedDeltaNet(nn.Module):
         return out
 
     __call__ = forward  # see model/transformer.py's Block
+
+    def _decodes(self, proj, conv_state, recurrent_state, slots, positions) -> torch.Tensor:
+        """A step of B decodes all at once: the loop's arithmetic (_convolve, _delta_rule) on [B, ...] tensors, each
+        sequence's place in its chunk (position % CHUNK) read on the device, rows it has not reached masked. A
+        step is then the same few dozen kernels however many sequences it holds, where the loop launches that many
+        for each; its sums run in other orders than the loop's, so a token's bits may depend on its batch (a GPU
+        promises no batch invariance). slots, positions: [B] int64 on proj's device."""
+        spec, B = self.spec, proj.shape[0]
+        dk, dv, Hv, Hk = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.num_key_heads
+        qkv, z, b, a = proj.split(self.sizes, dim=-1)
+        fresh, m = positions == 0, positions % CHUNK  # [B]
+        # the convolution over each sequence's kept inputs (none when fresh) and its token
+        past = torch.where(fresh[:, None, None], 0.0, conv_state[slots])
+        window = torch.cat((past, qkv.float()[:, None]), 1)  # [B, kernel, conv_dim]
+        conv_state[slots] = window[:, 1:]
+        convolved = (window * self.conv[:, 0].T).sum(1)
+        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim), dim=-1)
+        q, k = (l2_normalize(h.view(B, Hk, dk)) for h in (q, k))
+        group = Hv // Hk
+        q, k = (
+            h.repeat(1, group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 1) for h in (q, k)
+        )
+        q = q * dk**-0.5  # [B, Hv, dk]
+        beta = b.sigmoid().float()  # [B, Hv]
+        log_decay = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        state = recurrent_state[slots]  # [B, Hv, state_width], a copy written back below
+        S0, keys, corrections, log_decays = (
+            t.view(B, Hv, *shape)
+            for t, shape in zip(state.split((dk * dv, dk * CHUNK, CHUNK * dv, CHUNK), dim=-1),
+                                ((dk, dv), (dk, CHUNK), (CHUNK, dv), (CHUNK,)), strict=True)
+        )  # fmt: skip
+        S0.masked_fill_(fresh[:, None, None, None], 0.0)
+        at = m[:, None, None].expand(B, Hv, 1)
+        previous = log_decays.gather(-1, (at - 1).clamp(min=0)).squeeze(-1)
+        G = log_decay + torch.where(m[:, None] > 0, previous, 0.0)  # [B, Hv]: log decay since the chunk began
+        decay = G.exp()
+        keys.scatter_(-1, at[..., None].expand(B, Hv, dk, 1), k[..., None])
+        log_decays.scatter_(-1, at, G[..., None])
+        rows = torch.arange(CHUNK, device=proj.device)
+        weights = (G[..., None] - log_decays).exp()  # [B, Hv, CHUNK]: exp(G_p - G_j), rows up to this token's
+        weights = torch.where(rows <= m[:, None, None], weights, 0.0)
+
+        def read(x, upto: torch.Tensor) -> torch.Tensor:  # S^T x: S0's part, then the chunk's rows j < upto
+            # rows not yet written in this chunk hold older values: left out
+            reached = (rows < upto[:, None])[:, None, :, None]
+            dots = (keys * x[..., None]).sum(2) * weights  # [B, Hv, CHUNK]
+            from_rows = torch.where(reached, dots[..., None] * corrections, 0.0).sum(2)
+            return decay[..., None] * (S0 * x[..., None]).sum(2) + from_rows
+
+        recall = read(k, m)  # [B, Hv, dv]
+        correction = (v.view(B, Hv, dv) - recall) * beta[..., None]
+        corrections.scatter_(2, at[..., None].expand(B, Hv, 1, dv), correction[:, :, None])
+        out = read(q, m + 1)
+        # a chunk's last token folds its rows into S0: S0 <- exp(G) S0 + sum_j exp(G - G_j) k_j u_j^T
+        folded = S0 * decay[..., None, None] + (keys * weights[:, :, None]) @ corrections
+        S0.copy_(torch.where((m == CHUNK - 1)[:, None, None, None], folded, S0))
+        recurrent_state[slots] = state
+        return self._gated_norm(out.to(proj.dtype), z).reshape(B, spec.value_dim)
 
     def _convolve(
         self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool, keep_each: int = -1

@@ -42,6 +42,8 @@ class Ops:
     layer_stack: Callable | None = None
     moe: Callable | None = None  # the C++ MoE FFN's constructor (model/moe.py); None = PyTorch ops
     gated_delta_net: Callable | None = None  # a DeltaNet layer's recurrence (model/deltanet.py): likewise
+    # without it, whether a step of decodes runs its sequences at once (a GPU's: not batch-invariant) or one by one
+    batched_decodes: bool = False
     # (a sparse layer's experts) -> the GPU's grouped expert GEMMs (model/moe_triton.py) or None; None = PyTorch's
     # loop over experts
     grouped_experts: Callable | None = None

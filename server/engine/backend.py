@@ -206,7 +206,9 @@ class CudaBackend:
         grouped_experts = None
         if triton_missing() is None:  # a sparse layer's dense experts as two grouped GEMMs, checked at load
             from model.moe_triton import grouped_experts
-        return cls(device, dtype, Ops(linear, grouped_experts=grouped_experts), weights)
+        # a DeltaNet layer's step of decodes as one (model/deltanet.py's _decodes), not a loop over sequences
+        ops = Ops(linear, batched_decodes=True, grouped_experts=grouped_experts)
+        return cls(device, dtype, ops, weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:
         quantized = (

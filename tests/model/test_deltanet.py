@@ -331,3 +331,60 @@ def test_qwen3_nexts_grouped_projections_regroup_as_transformers_splits_them():
     ours = (x[0] @ in_proj.T).split(sizes, dim=-1)
     for name, a, b in zip("qkvzba", ours, theirs, strict=True):
         assert torch.equal(a, b.reshape(a.shape)), name
+
+
+@pytest.mark.timeout(180)
+# tiled: value head h reads key head h % num_key_heads (llama.cpp's GGUF order), else h // group
+@pytest.mark.parametrize("family,tiled", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_next", False)])
+def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
+    tiny_model_factory, monkeypatch, family, tiled
+):
+    """A GPU's steps of decodes (Ops.batched_decodes: every sequence's token at once, on the device) against the
+    loop a sequence at a time, float32: sequences at different places in their chunks, decoding across chunk
+    ends (their rows folded into S0), one starting from nothing in a slot another left its state in; the logits
+    and the states they leave, to float32's rounding of sums in another order."""
+    import dataclasses
+
+    from model.deltanet import GatedDeltaNet
+    from model.loader import load_model
+    from model.transformer import Ops
+
+    path = tiny_family(tiny_model_factory, family)
+    ops = dataclasses.replace(Ops.with_kernels(PlainLinear(), cpu_kernels()), gated_delta_net=None)
+    looped, config = load_model(path, torch.float32, "cpu", ops)
+    batched, _ = load_model(path, torch.float32, "cpu", dataclasses.replace(ops, batched_decodes=True))
+    mixers = [layer.attn for model in (looped, batched) for layer in model.layers if layer.linear]
+    for mixer in mixers:
+        mixer.spec = dataclasses.replace(mixer.spec, tiled_value_heads=tiled)
+    assert mixers and mixers[0].spec.num_value_heads > mixers[0].spec.num_key_heads  # heads in groups
+    calls = []
+    original = GatedDeltaNet._decodes
+    monkeypatch.setattr(GatedDeltaNet, "_decodes", lambda self, *a: calls.append(1) or original(self, *a))
+    prompts = [prompt(n, 20 + n) for n in (5, 11, 16)]
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(4)]
+    caches = [fresh_cache(config, slots=5), fresh_cache(config, slots=5)]
+    for (
+        cache
+    ) in caches:  # a state left behind in slot 4, which the fourth sequence then starts from nothing in
+        step(looped, cache, [(prompt(9, 40), 0, 4, tables[3])])
+    seqs = [[ids, 0, slot, t] for ids, slot, t in zip(prompts, (2, 0, 1), tables[:3], strict=True)]
+    for model, cache in zip((looped, batched), caches, strict=True):  # the prompts: not a step of decodes
+        step(model, cache, [tuple(s) for s in seqs])
+    for s in seqs:
+        s[1] = len(s[0])
+    seqs.append([[], 0, 4, tables[3]])
+    for t in range(2 * CHUNK + 3):
+        for s in seqs:
+            s[0] = s[0] + [3 + (7 * t + len(s[0])) % 290]
+        calls.clear()
+        want = step(looped, caches[0], [tuple(s) for s in seqs])
+        assert not calls
+        got = step(batched, caches[1], [tuple(s) for s in seqs])
+        assert len(calls) == len(config.linear_layers)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+        for s in seqs:
+            s[1] = len(s[0])
+    for slot in range(5):
+        for a, b in zip(state_of(caches[1], slot), state_of(caches[0], slot), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
