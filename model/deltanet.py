@@ -95,6 +95,19 @@ class StepStates:
         return torch.tensor(list(zip(*columns, strict=True)))
 
 
+@dataclass
+class DecodeStates:
+    """A step of decodes whose state slots and positions are on the device already: a CUDA graph's inputs
+    (server/engine/decode_graphs.py), read as StepStates.on gives them."""
+
+    slots: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    decodes_only = True
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots, self.positions
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

@@ -20,11 +20,14 @@ class KVCache:
         num_state_slots: int = 1,
         num_snapshot_slots: int = 0,
         num_draft_slots: int = 0,
+        num_spare_slots: int = 0,
     ):
         """num_state_slots: sequences a hybrid model's DeltaNet layers can hold state for at once (one each), in
         slots 0 .. num_state_slots - 1; num_snapshot_slots more after them hold copies of states at block
         boundaries, for the prefix cache (server/engine/block_manager.py); num_draft_slots after those, a step's
-        states after each token of the decodes that verify drafts (the engine goes back to the last one kept)."""
+        states after each token of the decodes that verify drafts (the engine goes back to the last one kept);
+        num_spare_slots (0 or 1) after those, one no request holds: a CUDA graph's padded rows write their state
+        there (server/engine/decode_graphs.py)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         # a page holds block_size tokens of every layer of one KV group; all groups' layers share the pool
@@ -52,11 +55,14 @@ class KVCache:
         }
         self.group_of = [rows[i][0] if i in rows else -1 for i in range(config.num_layers)]  # -1: DeltaNet
         self.num_state_slots = self.num_snapshot_slots = self.num_draft_slots = 0
+        self.spare_state_slot = None
         if config.linear_layers:
             spec, n = config.linear_attention, len(config.linear_layers)
             self.num_state_slots, self.num_snapshot_slots = num_state_slots, num_snapshot_slots
             self.num_draft_slots = num_draft_slots
-            num_state_slots += num_snapshot_slots + num_draft_slots
+            num_state_slots += num_snapshot_slots + num_draft_slots + num_spare_slots
+            if num_spare_slots:
+                self.spare_state_slot = num_state_slots - 1
             # the last conv_kernel - 1 convolution inputs and the delta rule's state (each value head's S0 and
             # chunk rows: model/deltanet.py), float32, per sequence
             self.conv = torch.zeros(

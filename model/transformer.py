@@ -22,7 +22,7 @@ from torch import nn
 
 from model.attention import apply_rope, paged_attention
 from model.config import LayerSpec, ModelConfig, Rope
-from model.deltanet import GatedDeltaNet, StepStates
+from model.deltanet import DecodeStates, GatedDeltaNet, StepStates
 from model.kv_cache import KVCache
 from model.layer_stack import build_layer_stack
 from model.linear import Linear, PlainLinear
@@ -378,7 +378,7 @@ class Transformer(nn.Module):
         meta: list,  # the step's attention metadata (model/attention.py), one per KV group of the cache
         kv_cache: KVCache,
         long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
-        states: StepStates | None = None,  # the sequences' state slots, for Gated DeltaNet layers
+        states: StepStates | DecodeStates | None = None,  # the sequences' state slots, for Gated DeltaNet layers
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
         if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it

@@ -174,6 +174,9 @@ class CpuBackend:
     def synchronize(self) -> None:  # a CPU op has finished when it returns
         pass
 
+    def spare_state_slots(self, model_config, config: EngineConfig) -> int:
+        return 0  # no graphs, no padded rows
+
     def decode_graphs(self, model, kv_cache, attention, config: EngineConfig) -> None:
         return None  # graphs are CUDA's; a CPU step's ops are few and its kernels long (the fused layer loop)
 
@@ -261,6 +264,11 @@ class CudaBackend:
         """Waits for the work queued on the GPU (a timer's edges)."""
         torch.cuda.synchronize(self.device)
 
+    def spare_state_slots(self, model_config, config: EngineConfig) -> int:
+        """A hybrid's DeltaNet state slot that no request holds, where decode steps may be graphed: the padded
+        rows' state goes there."""
+        return 1 if model_config.linear_layers and not config.enforce_eager else 0
+
     def decode_graphs(self, model, kv_cache, attention, config: EngineConfig):
         """Decode steps replayed from CUDA graphs (server/engine/decode_graphs.py), captured here, unless
         --enforce-eager, the model's steps cannot be recorded, or the capture fails (each logged with why)."""
@@ -269,6 +277,8 @@ class CudaBackend:
         why_not = "--enforce-eager" if config.enforce_eager else why_not_graphed(model, attention)
         if why_not is None and kv_cache.num_blocks < 2:
             why_not = "the KV cache has no block to spare for padded rows"
+        if why_not is None and model.config.linear_layers and kv_cache.spare_state_slot is None:
+            why_not = "the cache has no DeltaNet state slot to spare for padded rows"
         if why_not is not None:
             log.info("decode steps: eager (%s)", why_not)
             return None

@@ -9,9 +9,10 @@ at position 0 whose K/V go to a block no request holds (the cache's last, kept b
 
 Only where every op of a decode step can be recorded: attention by the Triton kernel (it reads its metadata from
 tensors on the device, not from shapes), MoE layers only with their experts grouped on the device
-(model/moe_triton.py; PyTorch's loop reads expert counts on the host), no Gated
-DeltaNet layer (its state slots are step metadata of another kind), no LongRoPE. Prefill and mixed steps, and
-decode batches past the largest bucket, run eagerly.
+(model/moe_triton.py; PyTorch's loop reads expert counts on the host), Gated DeltaNet layers only where a step of
+decodes runs all its sequences at once (model/deltanet.py's _decodes: their state slots and positions are inputs
+too, and the padded rows' state goes to a slot no request holds, the cache's spare), no LongRoPE. Prefill and
+mixed steps, and decode batches past the largest bucket, run eagerly.
 """
 
 import logging
@@ -21,6 +22,7 @@ import torch
 
 from model.attention import kernel_tables
 from model.attention_triton import TritonAttention, TritonAttentionMetadata
+from model.deltanet import DecodeStates
 from model.device import to_device
 from model.kv_cache import KVCache
 from model.moe import DenseAndMoE, MoE
@@ -36,8 +38,8 @@ def why_not_graphed(model: Transformer, attention) -> str | None:
     config = model.config
     if not isinstance(attention, TritonAttention):
         return "attention is not the Triton kernel"
-    if config.linear_layers:
-        return "Gated DeltaNet layers"
+    if any(layer.linear and not layer.attn.batched_decodes for layer in model.layers):
+        return "Gated DeltaNet layers that run a step's sequences one by one"
     sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE | DenseAndMoE)]
     if any((mlp.moe if isinstance(mlp, DenseAndMoE) else mlp).grouped is None for mlp in sparse):
         return "MoE layers whose experts run PyTorch's loop (it reads their counts on the host)"
@@ -68,6 +70,10 @@ class DecodeGraphs:
         self.tables = torch.zeros(groups, B, max_blocks, dtype=torch.int32, device=device)
         tiles = torch.stack((torch.arange(B), torch.zeros(B, dtype=torch.long)), 1)  # a decode a program
         self.tiles = tiles.to(device=device, dtype=torch.int32)
+        # a hybrid's DeltaNet layers: each row's state slot and its tokens before this one
+        self.hybrid = bool(model.config.linear_layers)
+        self.state_slots = torch.zeros(B, dtype=torch.long, device=device)
+        self.state_positions = torch.zeros(B, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replayed = 0
@@ -90,13 +96,14 @@ class DecodeGraphs:
         ]
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.ids[:b], self.positions[:b], self._metas(b), self.kv_cache)
+        states = DecodeStates(self.state_slots[:b], self.state_positions[:b]) if self.hybrid else None
+        return self.model(self.ids[:b], self.positions[:b], self._metas(b), self.kv_cache, None, states)
 
     def capture(self) -> None:
         """Records a step of every bucket, largest first (the memory pool they share fits them all), each after
         one eager run (Triton's compile and cuBLAS's choices happen outside the recording)."""
         start = time.monotonic()
-        self._fill([], [], [], self.buckets[-1])  # every row a dummy in the scratch block
+        self._fill([], [], [], [], self.buckets[-1])  # every row a dummy in the scratch block
         pool = None
         with torch.inference_mode():  # as the runner's steps run
             for b in reversed(self.buckets):
@@ -112,22 +119,28 @@ class DecodeGraphs:
             "decode steps: CUDA graphs for batches of %s (%.1f s)", self.buckets, time.monotonic() - start
         )
 
-    def run(self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]]) -> torch.Tensor:
-        """[n, hidden] after a decode step of n sequences (each's last token: ids[i] at seq_lens[i] - 1) from
-        the graph of the smallest bucket that holds n."""
+    def run(
+        self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], state_slots: list[int]
+    ) -> torch.Tensor:
+        """[n, hidden] after a decode step of n sequences (each's last token: ids[i] at seq_lens[i] - 1; a
+        hybrid's DeltaNet state in state_slots[i], else no slots) from the graph of the smallest bucket that
+        holds n."""
         n = len(ids)
         b = self.bucket(n)
-        self._fill(ids, seq_lens, block_tables, b)
+        self._fill(ids, seq_lens, block_tables, state_slots, b)
         if not self.capture_graphs:
             return self._forward(b)[:n]
         self.graphs[b].replay()
         self.replayed += 1
         return self.outputs[b][:n]
 
-    def _fill(self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], b: int) -> None:
+    def _fill(
+        self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], state_slots: list[int],
+        b: int,
+    ) -> None:  # fmt: skip
         """The inputs of a step of len(ids) decodes, padded to b rows, copied into the graphs' tensors: each padded
-        row a sequence of one token in the kept-back block. A table's columns past the step's longest sequence are
-        left as they were: the kernel reads none of them."""
+        row a sequence of one token in the kept-back block (and a hybrid's, its state in the cache's spare slot).
+        A table's columns past the step's longest sequence are left as they were: the kernel reads none of them."""
         pad = b - len(ids)
         padded_tables = block_tables + [[[self.scratch]] * self.slots.shape[0]] * pad
         positions, seqs, groups = kernel_tables(
@@ -141,3 +154,9 @@ class DecodeGraphs:
         self.seqs[:b].copy_(to_device(seqs, device), non_blocking=True)
         self.slots[:, :b].copy_(to_device(slots, device), non_blocking=True)
         self.tables[:, :b, :width].copy_(to_device(tables, device), non_blocking=True)
+        if self.hybrid:
+            spare = self.kv_cache.spare_state_slot
+            states = torch.tensor([state_slots + [spare] * pad, [n - 1 for n in seq_lens] + [0] * pad])
+            states = to_device(states, device)
+            self.state_slots[:b].copy_(states[0], non_blocking=True)
+            self.state_positions[:b].copy_(states[1], non_blocking=True)

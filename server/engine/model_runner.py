@@ -82,30 +82,35 @@ class ModelRunner:
         tables = [c.request.block_tables for c in out.chunks]
         decode = bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks)
         self.decode_steps += decode
-        if decode and self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-            return self._outputs(out, starts, self.graphs.run(ids, seq_lens, tables), ModelOutput())
-        positions, meta = self.attention.build([c.num_tokens for c in out.chunks], seq_lens, tables)
-        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
-        long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
-                                     for c in out.chunks])  # fmt: skip
-        states = None
         result = ModelOutput()
-        if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
-            keep_each = self._draft_state_slots(out.chunks, result)
-            states = StepStates(starts, [c.num_tokens for c in out.chunks],
-                                [c.request.state_slot for c in out.chunks], [c.start for c in out.chunks],
-                                keep_each)  # fmt: skip
-            # a prefix hit resumes from the state kept after its blocks
-            restores = [
-                (c.restore_state, c.request.state_slot) for c in out.chunks if c.restore_state is not None
-            ]
-            self._copy_states(restores)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
+        state_slots = [c.request.state_slot for c in out.chunks] if self.hybrid else []
+        if self.hybrid:  # a prefix hit resumes from the state kept after its blocks
+            self._copy_states(
+                [(c.restore_state, c.request.state_slot) for c in out.chunks if c.restore_state is not None]
+            )
+        if decode and self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+            hidden = self.graphs.run(ids, seq_lens, tables, state_slots)
+        else:
+            hidden = self._forward(out, ids, starts, seq_lens, tables, state_slots, result)
         if self.hybrid:  # states kept at the block boundaries where chunks ended, for later prefix hits
             self._copy_states(
                 [(c.request.state_slot, c.snapshot_to) for c in out.chunks if c.snapshot_to is not None]
             )
         return self._outputs(out, starts, hidden, result)
+
+    def _forward(self, out: SchedulerOutput, ids: list[int], starts: list[int], seq_lens: list[int],
+                 tables: list, state_slots: list[int], result: ModelOutput) -> torch.Tensor:  # fmt: skip
+        """The step's hidden states [T, hidden], its forward run op by op."""
+        positions, meta = self.attention.build([c.num_tokens for c in out.chunks], seq_lens, tables)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+        long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
+                                     for c in out.chunks])  # fmt: skip
+        states = None
+        if self.hybrid:  # a chunk from the prompt's start (or a preempted request's restart) starts from zero
+            keep_each = self._draft_state_slots(out.chunks, result)
+            states = StepStates(starts, [c.num_tokens for c in out.chunks], state_slots,
+                                [c.start for c in out.chunks], keep_each)  # fmt: skip
+        return self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
 
     def _outputs(
         self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: ModelOutput

@@ -30,7 +30,8 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     batch_invariant = backend.batch_invariant(model)
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     budget = backend.kv_cache_budget(config)
-    layout = cache_layout(model_config, config, kv_dtype, budget, max_step_drafts(config, batch_invariant))
+    drafts, spare = max_step_drafts(config, batch_invariant), backend.spare_state_slots(model_config, config)
+    layout = cache_layout(model_config, config, kv_dtype, budget, drafts, spare)
     kv_cache = KVCache(
         model_config,
         layout.num_blocks,
@@ -40,6 +41,7 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
         layout.num_state_slots,
         layout.num_snapshots,
         layout.num_draft_slots,
+        spare,
     )
     attention = backend.attention(model_config, config.block_size, layout.num_blocks)
     backend.ready(model)
@@ -90,12 +92,14 @@ KV_SHARE = 1 - RUNNING_STATES_SHARE - SNAPSHOTS_SHARE - DRAFT_STATES_SHARE
 
 
 def cache_layout(
-    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, budget: int, max_drafts: int = 0
-) -> CacheLayout:
+    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, budget: int, max_drafts: int = 0,
+    spare_states: int = 0,
+) -> CacheLayout:  # fmt: skip
     """What `budget` bytes hold. A hybrid's running states take at most 40% of it (fewer sequences than
     --max-num-seqs where they would take more: a 35B-A3B's state is 61 MiB a sequence), its snapshots at most a
     quarter, four per running sequence at most (a prompt's, a reply's, a shared prefix's), and the states of a
-    step's drafts (max_drafts, where it drafts) at most a tenth; K/V the rest."""
+    step's drafts (max_drafts, where it drafts) at most a tenth; spare_states (a CUDA graph's padded rows') come
+    out of K/V's share; K/V the rest."""
     per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
     per_state = KVCache.bytes_per_state_slot(model_config)
     num_state_slots = num_snapshots = num_draft_slots = 0
@@ -116,7 +120,7 @@ def cache_layout(
             num_draft_slots,
             (num_state_slots + num_snapshots + num_draft_slots) * per_state / 2**30,
         )
-    state_bytes = (num_state_slots + num_snapshots + num_draft_slots) * per_state
+    state_bytes = (num_state_slots + num_snapshots + num_draft_slots + spare_states) * per_state
     num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 1:
         raise ValueError(

@@ -26,6 +26,7 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
     from model.moe_triton import grouped_experts
 
     assert backend.ops.moe is None and backend.ops.grouped_experts is grouped_experts
+    assert backend.ops.batched_decodes and backend.ops.gated_delta_net is None  # DeltaNet decodes all at once
     assert backend.sampler is TORCH_SAMPLER
     assert backend.kv_cache_dtype("auto") == torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):
@@ -128,3 +129,37 @@ def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_model_factory, family, ea
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, syncs
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_keeps_a_hybrids_state_slot_back_for_its_graphs_padded_rows(tiny_model_factory):
+    """Where decode steps may be graphed, a hybrid's cache holds one DeltaNet state slot beyond its running,
+    snapshot and draft slots, out of K/V's share of the budget; none on a CPU, under --enforce-eager, or for a
+    model without DeltaNet layers."""
+    from model.kv_cache import KVCache
+    from server.engine.setup import cache_layout
+
+    hybrid = ModelConfig.from_dir(tiny_family(tiny_model_factory, "qwen3_5"))
+    dense = ModelConfig.from_dir(tiny_family(tiny_model_factory, "llama"))
+    gpu = CudaBackend.create(EngineConfig(), tiny_family(tiny_model_factory, "qwen3_5"), torch.device("cuda"))
+    assert gpu.spare_state_slots(hybrid, EngineConfig()) == 1
+    assert gpu.spare_state_slots(hybrid, EngineConfig(enforce_eager=True)) == 0
+    assert gpu.spare_state_slots(dense, EngineConfig()) == 0
+    assert (
+        CpuBackend.create(EngineConfig(), tiny_family(tiny_model_factory, "qwen3_5")).spare_state_slots(
+            hybrid, EngineConfig()
+        )
+        == 0
+    )
+    config = EngineConfig(block_size=16, max_num_seqs=4)
+    per_state, per_block = (
+        KVCache.bytes_per_state_slot(hybrid),
+        KVCache.bytes_per_block(hybrid, 16, torch.float32),
+    )
+    budget = 64 * per_block + 40 * per_state
+    without, with_spare = (cache_layout(hybrid, config, torch.float32, budget, 0, n) for n in (0, 1))
+    assert with_spare.num_state_slots == without.num_state_slots
+    states = without.num_state_slots + without.num_snapshots + 1
+    assert with_spare.num_blocks == (budget - per_state * states) // per_block < without.num_blocks
+    cache = KVCache(hybrid, 4, 16, torch.float32, "cpu", 2, 3, 1, num_spare_slots=1)
+    assert cache.spare_state_slot == 2 + 3 + 1 and cache.recurrent.shape[1] == 7

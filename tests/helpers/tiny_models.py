@@ -278,7 +278,8 @@ def cache_blocks(config, per_group: int) -> int:
 
 class CpuPath:
     """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops (gpu_attention:
-    a GPU's attention run on the CPU, as forward_sequence says, and its grouped experts: model/moe_triton.py)."""
+    a GPU's attention run on the CPU, as forward_sequence says, its grouped experts (model/moe_triton.py) and its
+    DeltaNet decodes all at once)."""
 
     def __init__(self, kernels: bool, gpu_attention: str | None = None):
         assert not (kernels and gpu_attention), "the C++ kernels have their own attention"
@@ -291,10 +292,10 @@ class CpuPath:
         from model.transformer import Ops
 
         ops = Ops.with_kernels(linear or PlainLinear(), cpu_kernels() if self.kernels else None)
-        if self.gpu_attention is not None:  # a GPU's ops: sparse layers' experts as grouped Triton GEMMs too
-            from model.moe_triton import grouped_experts
+        if self.gpu_attention is not None:  # a GPU's ops: sparse layers' experts as grouped Triton GEMMs too,
+            from model.moe_triton import grouped_experts  # and a DeltaNet layer's decodes all at once
 
-            ops = dataclasses.replace(ops, grouped_experts=grouped_experts)
+            ops = dataclasses.replace(ops, grouped_experts=grouped_experts, batched_decodes=True)
         return load_model(path, dtype, "cpu", ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
