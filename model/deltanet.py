@@ -24,7 +24,8 @@ token's values: torch's elementwise loops hand a tensor's last few elements to s
 the vector code's in the last bit, so which elements those are must not depend on the step. Where kvserve's C++
 kernels run, model/csrc/deltanet.cpp does the same between the two projections (each sequence and value head in
 parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized. On a GPU, which
-promises no batch invariance, a step of decodes runs all its sequences at once instead (`_decodes`).
+promises no batch invariance, a step of decodes runs all its sequences at once instead (`_decodes`), and a
+sequence's tokens run in blocks of up to BLOCK positions, each block's corrections one triangular solve (`_blocks`).
 """
 
 import functools
@@ -43,6 +44,9 @@ from model.linear import Linear
 # nothing past a few rows (a CPU has no matrix units to feed): at 16, the state took a quarter more and a decode
 # step of 32 sequences ran slower than at 8 (model/csrc/deltanet.cpp, Zen 4, both tiers)
 CHUNK = 8
+# positions a block of a sequence's tokens spans from a chunk's start, where its corrections are solved at once (a
+# GPU's prompts: _blocks); a multiple of CHUNK
+BLOCK = 64
 
 
 def state_width(key_head_dim: int, value_head_dim: int) -> int:
@@ -132,7 +136,8 @@ class GatedDeltaNet(nn.Module):
         self.kernel = (
             ops.gated_delta_net
         )  # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
-        self.batched_decodes = ops.batched_decodes  # a GPU's: a step of decodes as one (_decodes), not a loop
+        # a GPU's: a step of decodes as one (_decodes), a sequence's tokens in blocks (_blocks), not a token at a time
+        self.parallel = ops.parallel_deltanet
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
@@ -149,7 +154,7 @@ class GatedDeltaNet(nn.Module):
             return self.kernel(proj.contiguous(), conv, self.A_log, self.dt_bias, self.gated_norm, conv_state,
                                recurrent_state, states.table, spec.num_key_heads, spec.key_head_dim,
                                spec.value_head_dim, self.eps, spec.tiled_value_heads)  # fmt: skip
-        if self.batched_decodes and states.decodes_only:
+        if self.parallel and states.decodes_only:
             return self._decodes(proj, conv_state, recurrent_state, *states.on(proj.device))
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         decay_rate = -self.A_log.exp()
@@ -159,6 +164,9 @@ class GatedDeltaNet(nn.Module):
         )
         for start, n, slot, position, keep_each in sequences:
             rows = slice(start, start + n)
+            if self.parallel and keep_each < 0:
+                out[rows] = self._blocks(proj[rows], conv_state, recurrent_state, slot, position)
+                continue
             convolved = self._convolve(qkv[rows].float(), conv_state, slot, position == 0, keep_each)
             state = recurrent_state[slot].clone()
             if position == 0:
@@ -233,6 +241,64 @@ class GatedDeltaNet(nn.Module):
         S0.copy_(torch.where((m == CHUNK - 1)[:, None, None, None], folded, S0))
         recurrent_state[slots] = state
         return self._gated_norm(out.to(proj.dtype), z).reshape(B, spec.value_dim)
+
+    def _blocks(self, proj, conv_state, recurrent_state, slot: int, position: int) -> torch.Tensor:
+        """One sequence's n tokens (proj [n, sum(sizes)], its first at `position`) in blocks of up to BLOCK
+        positions from a chunk's start, each block's corrections at once: for its new tokens t,
+            u_t + beta_t sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j = beta_t (v_t - exp(G_t) S^T k_t),
+        a unit lower-triangular system (the chunk's rows already computed are known terms), then every output
+        o_t = exp(G_t) S^T q_t + sum_{j<=t} exp(G_t - G_j) (q_t . k_j) u_j, and the block's whole chunks folded
+        into S, G counted from the block's start. The recurrence's arithmetic in other orders (the loop's to
+        float32's rounding), a few dozen kernels a block where the loop launches as many a token; the state is
+        left as the loop leaves it (S0 at the last chunk's end, the rows since). -> [n, value_dim]"""
+        spec, n = self.spec, proj.shape[0]
+        dk, dv, Hv, Hk = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.num_key_heads
+        qkv, z, b, a = proj.split(self.sizes, dim=-1)
+        convolved = self._convolve(qkv.float(), conv_state, slot, position == 0)
+        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim), dim=-1)
+        q, k = (l2_normalize(h.view(n, Hk, dk)) for h in (q, k))
+        group = Hv // Hk
+        q, k = (
+            h.repeat(1, group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 1) for h in (q, k)
+        )
+        # [Hv, n, ...]: heads first, each head's tokens a matrix
+        q, k, v = (q * dk**-0.5).transpose(0, 1), k.transpose(0, 1), v.view(n, Hv, dv).transpose(0, 1)
+        beta = b.sigmoid().float().T[..., None]  # [Hv, n, 1]
+        log_decay = (-self.A_log.exp() * F.softplus(a.float() + self.dt_bias)).T  # [Hv, n]
+        S0, keys, corrections, log_decays = split_state(recurrent_state[slot], dk, dv)
+        m = position % CHUNK  # the chunk's rows already computed
+        S = S0.clone() if position else torch.zeros_like(S0)
+        K, U, G = keys[:, :, :m].transpose(1, 2), corrections[:, :m], log_decays[:, :m]  # rows since S
+        outs, done = [], 0
+        while done < n:
+            P, take = K.shape[1], min(n - done, BLOCK - K.shape[1])  # known rows, new ones
+            new = slice(done, done + take)
+            kt, qt = k[:, new], q[:, new]
+            Gt = (G[:, -1:] if P else 0) + log_decay[:, new].cumsum(1)  # [Hv, take]
+            K, G = torch.cat((K, kt), 1), torch.cat((G, Gt), 1)  # [Hv, L, dk], [Hv, L]
+            rows = torch.arange(P + take, device=proj.device)
+            after = rows[P:, None] >= rows  # [take, L]: token j at or before token t
+            decay = torch.where(after, (Gt[..., None] - G[:, None, :]).exp(), 0.0)  # [Hv, take, L]: j <= t
+            dots = (kt @ K.transpose(1, 2)) * decay  # [Hv, take, L]
+            strict = dots.tril(P - 1)  # j < t
+            rhs = beta[:, new] * (v[:, new] - Gt.exp()[..., None] * (kt @ S) - strict[:, :, :P] @ U)
+            system = torch.eye(take, device=proj.device) + beta[:, new] * strict[:, :, P:]
+            U = torch.cat((U, torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)), 1)
+            outs.append(Gt.exp()[..., None] * (qt @ S) + ((qt @ K.transpose(1, 2)) * decay) @ U)
+            c = K.shape[1] // CHUNK * CHUNK  # the block's whole chunks, folded into S
+            if c:
+                w = (G[:, c - 1 : c] - G[:, :c]).exp()  # [Hv, c]
+                S = (
+                    G[:, c - 1].exp()[:, None, None] * S
+                    + (K[:, :c] * w[..., None]).transpose(1, 2) @ U[:, :c]
+                )
+                K, U, G = K[:, c:], U[:, c:], G[:, c:] - G[:, c - 1 : c]
+            done += take
+        r = K.shape[1]
+        S0.copy_(S)
+        keys[:, :, :r], corrections[:, :r], log_decays[:, :r] = K.transpose(1, 2), U, G
+        out = torch.cat(outs, 1).transpose(0, 1)  # [n, Hv, dv]
+        return self._gated_norm(out.to(proj.dtype), z).reshape(n, spec.value_dim)
 
     def _convolve(
         self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool, keep_each: int = -1

@@ -42,8 +42,9 @@ class Ops:
     layer_stack: Callable | None = None
     moe: Callable | None = None  # the C++ MoE FFN's constructor (model/moe.py); None = PyTorch ops
     gated_delta_net: Callable | None = None  # a DeltaNet layer's recurrence (model/deltanet.py): likewise
-    # without it, whether a step of decodes runs its sequences at once (a GPU's: not batch-invariant) or one by one
-    batched_decodes: bool = False
+    # without it, whether a DeltaNet layer runs many tokens at once (a GPU's: a step's decodes together, a prompt's
+    # tokens in blocks; not batch-invariant) or a token at a time
+    parallel_deltanet: bool = False
     # (a sparse layer's experts) -> the GPU's grouped expert GEMMs (model/moe_triton.py) or None; None = PyTorch's
     # loop over experts
     grouped_experts: Callable | None = None
@@ -378,7 +379,8 @@ class Transformer(nn.Module):
         meta: list,  # the step's attention metadata (model/attention.py), one per KV group of the cache
         kv_cache: KVCache,
         long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
-        states: StepStates | DecodeStates | None = None,  # the sequences' state slots, for Gated DeltaNet layers
+        # the sequences' state slots, for Gated DeltaNet layers
+        states: StepStates | DecodeStates | None = None,
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
         if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it

@@ -210,7 +210,7 @@ class CudaBackend:
         if triton_missing() is None:  # a sparse layer's dense experts as two grouped GEMMs, checked at load
             from model.moe_triton import grouped_experts
         # a DeltaNet layer's step of decodes as one (model/deltanet.py's _decodes), not a loop over sequences
-        ops = Ops(linear, batched_decodes=True, grouped_experts=grouped_experts)
+        ops = Ops(linear, parallel_deltanet=True, grouped_experts=grouped_experts)
         return cls(device, dtype, ops, weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:

@@ -38,7 +38,7 @@ def why_not_graphed(model: Transformer, attention) -> str | None:
     config = model.config
     if not isinstance(attention, TritonAttention):
         return "attention is not the Triton kernel"
-    if any(layer.linear and not layer.attn.batched_decodes for layer in model.layers):
+    if any(layer.linear and not layer.attn.parallel for layer in model.layers):
         return "Gated DeltaNet layers that run a step's sequences one by one"
     sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE | DenseAndMoE)]
     if any((mlp.moe if isinstance(mlp, DenseAndMoE) else mlp).grouped is None for mlp in sparse):

@@ -26,7 +26,8 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
     from model.moe_triton import grouped_experts
 
     assert backend.ops.moe is None and backend.ops.grouped_experts is grouped_experts
-    assert backend.ops.batched_decodes and backend.ops.gated_delta_net is None  # DeltaNet decodes all at once
+    # DeltaNet layers many tokens at once, in PyTorch ops
+    assert backend.ops.parallel_deltanet and backend.ops.gated_delta_net is None
     assert backend.sampler is TORCH_SAMPLER
     assert backend.kv_cache_dtype("auto") == torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):

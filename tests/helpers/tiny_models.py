@@ -295,7 +295,7 @@ class CpuPath:
         if self.gpu_attention is not None:  # a GPU's ops: sparse layers' experts as grouped Triton GEMMs too,
             from model.moe_triton import grouped_experts  # and a DeltaNet layer's decodes all at once
 
-            ops = dataclasses.replace(ops, grouped_experts=grouped_experts, batched_decodes=True)
+            ops = dataclasses.replace(ops, grouped_experts=grouped_experts, parallel_deltanet=True)
         return load_model(path, dtype, "cpu", ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):

@@ -339,7 +339,7 @@ def test_qwen3_nexts_grouped_projections_regroup_as_transformers_splits_them():
 def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     tiny_model_factory, monkeypatch, family, tiled
 ):
-    """A GPU's steps of decodes (Ops.batched_decodes: every sequence's token at once, on the device) against the
+    """A GPU's steps of decodes (Ops.parallel_deltanet: every sequence's token at once, on the device) against the
     loop a sequence at a time, float32: sequences at different places in their chunks, decoding across chunk
     ends (their rows folded into S0), one starting from nothing in a slot another left its state in; the logits
     and the states they leave, to float32's rounding of sums in another order."""
@@ -352,7 +352,7 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     path = tiny_family(tiny_model_factory, family)
     ops = dataclasses.replace(Ops.with_kernels(PlainLinear(), cpu_kernels()), gated_delta_net=None)
     looped, config = load_model(path, torch.float32, "cpu", ops)
-    batched, _ = load_model(path, torch.float32, "cpu", dataclasses.replace(ops, batched_decodes=True))
+    batched, _ = load_model(path, torch.float32, "cpu", dataclasses.replace(ops, parallel_deltanet=True))
     mixers = [layer.attn for model in (looped, batched) for layer in model.layers if layer.linear]
     for mixer in mixers:
         mixer.spec = dataclasses.replace(mixer.spec, tiled_value_heads=tiled)
@@ -388,3 +388,63 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     for slot in range(5):
         for a, b in zip(state_of(caches[1], slot), state_of(caches[0], slot), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "forgetting", ["slow", "fast"]
+)  # fast: heads whose decay empties S within a few tokens
+def test_a_gpus_prompts_in_blocks_are_the_loops_arithmetic(tiny_model_factory, forgetting):
+    """A GPU's prompt chunks (Ops.parallel_deltanet: a sequence's tokens in blocks of up to BLOCK positions, each
+    block's corrections solved at once) against the loop a token at a time, float32: a prompt prefilled in
+    pieces that start mid-chunk and cross blocks, beside another in the same step and a third in a slot another
+    sequence left its state in; the logits and the states they leave, to float32's rounding of sums in another
+    order."""
+    import dataclasses
+
+    from model.deltanet import BLOCK
+    from model.loader import load_model
+    from model.transformer import Ops
+
+    path = tiny_family(tiny_model_factory, "qwen3_5")
+    ops = dataclasses.replace(Ops.with_kernels(PlainLinear(), cpu_kernels()), gated_delta_net=None)
+    looped, config = load_model(path, torch.float32, "cpu", ops)
+    blocked, _ = load_model(path, torch.float32, "cpu", dataclasses.replace(ops, parallel_deltanet=True))
+    if forgetting == "fast":
+        for model in (looped, blocked):
+            for layer in model.layers:
+                if layer.linear:
+                    layer.attn.A_log.add_(3.0)
+    caches = [fresh_cache(config, slots=4), fresh_cache(config, slots=4)]
+    long, other, third = prompt(2 * BLOCK + 22, 30), prompt(BLOCK - 3, 31), prompt(CHUNK + 1, 32)
+    tables = [list(range(0, 40)), list(range(40, 60)), list(range(60, 64))]
+    for model, cache in zip((looped, blocked), caches, strict=True):
+        step(model, cache, [(prompt(12, 33), 0, 3, tables[2])])  # a state left in slot 3
+    pieces = [3, BLOCK + 7, BLOCK + 12]  # 3, then from mid-chunk across a block's end, then the rest
+    done = 0
+    for i, n in enumerate(pieces):
+        seqs = [(long[: done + n], done, 0, tables[0])]
+        if i == 1:
+            seqs += [(other, 0, 1, tables[1]), (third, 0, 3, tables[2])]
+        got = step(blocked, caches[1], seqs)
+        want = step(looped, caches[0], seqs)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+        done += n
+    assert done == len(long)
+    for slot, length in ((0, len(long)), (1, len(other)), (3, len(third))):
+        theirs = live_state(caches[0], config, slot, length)
+        for a, b in zip(live_state(caches[1], config, slot, length), theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def live_state(cache: KVCache, config, slot: int, length: int) -> list[torch.Tensor]:
+    """What a sequence of `length` tokens reads of its state: its convolution inputs, S0 and its chunk's rows so
+    far (rows past them hold older values, never read)."""
+    from model.deltanet import split_state
+
+    spec = config.linear_attention
+    state = cache.recurrent[:, slot].contiguous()  # [layers, Hv, width]: split_state takes [heads, width]
+    S0, keys, corrections, log_decays = split_state(state, spec.key_head_dim, spec.value_head_dim)
+    m = length % CHUNK
+    return [cache.conv[:, slot], S0, keys[..., :m], corrections[:, :m], log_decays[..., :m]]
