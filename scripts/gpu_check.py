@@ -20,6 +20,9 @@ Sections, in order:
   multiplied by the quantized GEMM (on a GPU kvserve's Triton kernel, model/linear_triton.py): the same figures
   against its own, smaller floor, without a second transformers baseline.
 - http: the 1B shape served over HTTP, `kvserve bench` at concurrency 1 and 64.
+- shape:qwen3_5-q35: a Qwen3.5 near 1.5B (18 Gated DeltaNet and 6 gated attention layers): its DeltaNet steps on
+  the device (a step of decodes together, graphed; prompts in blocks of 64), the floor counting each sequence's
+  DeltaNet state read and written a step; transformers' generate at batches 1 and 32 only.
 - shape:qwen3moe-30b-a3b-L6: Qwen3-30B-A3B's layers (128 experts, 8 a token; 6 of its 48 layers), the same
   figures (the floor reads a token's 8 experts of each layer, not all 128), transformers' generate at batches 1 and
   32 only (its experts run eagerly). Last: its 9 GB of weights take the longest to build. Then again with its
@@ -37,6 +40,9 @@ Predicted at 36da080 for the Qwen3-30B-A3B shape: a token reads ~1.3 GB (attenti
 LM head), a floor of ~0.3 ms; ~35 kernels a layer (routing, the device-side sort, two grouped GEMMs), replayed from
 graphs, ~0.6-0.8 ms a step (2-2.5x the floor). Before it (the loop over experts: a host read and ~50 launches a
 layer, no graphs) ~3-5 ms.
+Predicted at b9d7f58 for the Qwen3.5 shape: ~3 GB of weights and ~40 MB of state a token, a floor of ~0.75 ms; ~60
+kernels a DeltaNet layer in a graphed decode step, ~1-1.5 ms a step at batch 1 (1.5-2x the floor); its 2,000-token
+prompt ~32 blocks a DeltaNet layer, ~0.1-0.2 s, where a token at a time took ~10 s.
 Predicted at 6d48965 for its int4 run (the experts quantized, grouped on dequantized tiles): ~0.55 GB a token (5 bits
 a weight, the LM head 8.5), a floor of ~0.13 ms; the grouped GEMMs' tiles of 16 rows dequantize each weight tile for
 one token at batch 1, so ~0.5-0.7 ms a step (4-5x its floor), its batches above the bfloat16 run's from batch 32."""
@@ -65,7 +71,8 @@ H200_BF16_FLOPS = 790e12  # measured there (../shared/GPU.md): the compute floor
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape, built with random weights: a Llama block, or with experts a Qwen3-MoE one."""
+    """A decoder's shape, built with random weights: a Llama block, with experts a Qwen3-MoE one, or with linear
+    heads a Qwen3.5 one (Gated DeltaNet on three layers of four, gated attention on every fourth)."""
 
     hidden: int
     layers: int
@@ -78,10 +85,25 @@ class Shape:
     experts: int = 0  # a sparse FFN of this many experts, each of expert_ffn, top_k a token
     top_k: int = 0
     expert_ffn: int = 0
+    # Gated DeltaNet's key and value heads, each linear_head_dim wide (a 4-tap convolution)
+    linear_heads: int = 0
+    linear_head_dim: int = 0
 
     @property
-    def kv_bytes_per_token(self) -> int:  # bfloat16 K and V of every layer
-        return 2 * self.layers * self.kv_heads * (self.head_dim or self.hidden // self.heads) * 2
+    def attention_layers(self) -> int:
+        return self.layers // 4 if self.linear_heads else self.layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # bfloat16 K and V of every attention layer
+        return 2 * self.attention_layers * self.kv_heads * (self.head_dim or self.hidden // self.heads) * 2
+
+    @property
+    def state_bytes_per_step(self) -> int:
+        """A sequence's DeltaNet state read and written by a decode step (float32: each head's S0 and chunk of 8
+        rows, model/deltanet.py), 0 without DeltaNet layers."""
+        d = self.linear_head_dim
+        per_layer = self.linear_heads * (d * d + 8 * (2 * d + 1)) * 4
+        return 2 * (self.layers - self.attention_layers) * per_layer
 
 
 SHAPES = {
@@ -93,6 +115,12 @@ MOE_SHAPES = {  # Qwen3-30B-A3B's layers, 6 of its 48
     "qwen3moe-30b-a3b-L6": Shape(2048, 6, 32, 4, 6144, 151936, False, 128, 128, 8, 768),
 }
 SMALL_MOE_SHAPES = {"tiny-moe": Shape(64, 2, 4, 2, 128, 300, experts=8, top_k=2, expert_ffn=32)}
+HYBRID_SHAPES = {  # Qwen3.5's near 1.5B (scripts/make_hybrid_gguf.py's q35): 18 DeltaNet and 6 attention layers
+    "qwen3_5-q35": Shape(2048, 24, 8, 2, 6144, 49152, True, 256, linear_heads=16, linear_head_dim=128),
+}
+SMALL_HYBRID_SHAPES = {
+    "tiny-hybrid": Shape(64, 4, 4, 2, 128, 300, head_dim=16, linear_heads=2, linear_head_dim=16)
+}
 
 
 @dataclass(frozen=True)
@@ -110,15 +138,15 @@ class Plan:
     http_concurrency: tuple
     http_requests: int  # at least; twice the concurrency where that is more
     kv_cache_memory: int  # the shapes' KV cache
-    moe_shapes: dict  # measured last, transformers' generate only at the batches up to moe_baseline_batch
-    moe_baseline_batch: int
+    # hybrid and sparse: measured last, transformers' generate only at batches up to late_baseline_batch
+    late_shapes: dict
+    late_baseline_batch: int
 
 
-FULL = Plan(
-    1 << 30, SHAPES, (1, 32, 128, 256), 128, 128, 2000, None, 24, (1, 64), 16, 8 << 30, MOE_SHAPES, 32
-)
+FULL = Plan(1 << 30, SHAPES, (1, 32, 128, 256), 128, 128, 2000, None, 24, (1, 64), 16, 8 << 30,
+            HYBRID_SHAPES | MOE_SHAPES, 32)  # fmt: skip
 SMALL = Plan(16 << 20, SMALL_SHAPES, (1, 4), 16, 8, 64, ("llama", "qwen3moe"), 8, (1, 4), 8, 256 << 20,
-             SMALL_MOE_SHAPES, 1)  # fmt: skip
+             SMALL_HYBRID_SHAPES | SMALL_MOE_SHAPES, 1)  # fmt: skip
 
 
 def main() -> int:
@@ -157,17 +185,18 @@ def main() -> int:
             (
                 f"shape:{name}",
                 lambda s=shape, n=name: shape_run(
-                    device, plan, work, n, s, report, baseline=plan.moe_baseline_batch
+                    device, plan, work, n, s, report, baseline=plan.late_baseline_batch
                 ),
             )
-            for name, shape in plan.moe_shapes.items()
+            for name, shape in plan.late_shapes.items()
         ),  # fmt: skip
         *(  # and its experts quantized too, grouped on the quantized tiles (as a GGUF's Q4_K_M experts run)
             (
                 f"shape:{name}-int4",
                 lambda s=shape, n=name: shape_run(device, plan, work, n, s, report, "int4"),
             )
-            for name, shape in plan.moe_shapes.items()
+            for name, shape in plan.late_shapes.items()
+            if shape.experts
         ),  # fmt: skip
     ]
     wanted = None if args.sections == "all" else args.sections.split(",")
@@ -377,8 +406,8 @@ def teacher_forced(reference, test, ids: list[int]) -> dict:
 
 
 def build_shape(shape: Shape, path: Path, device: str) -> Path:
-    """A random-weight Llama (or with experts, Qwen3-MoE) of the shape, bfloat16, built on the device (fast there)
-    and saved with a tiny tokenizer (prompts are token ids)."""
+    """A random-weight Llama (with experts, Qwen3-MoE; with linear heads, Qwen3.5) of the shape, bfloat16, built on
+    the device (fast there) and saved with a tiny tokenizer (prompts are token ids)."""
     import transformers
 
     from tests.helpers.tiny_models import save_tiny_tokenizer
@@ -391,7 +420,15 @@ def build_shape(shape: Shape, path: Path, device: str) -> Path:
     )  # fmt: skip
     if shape.head_dim is not None:
         common["head_dim"] = shape.head_dim
-    if shape.experts:
+    if shape.linear_heads:  # Qwen3.5's text model: DeltaNet on three layers of four
+        kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape.layers)]
+        config = transformers.AutoConfig.for_model(
+            "qwen3_5_text", linear_num_key_heads=shape.linear_heads, linear_num_value_heads=shape.linear_heads,
+            linear_key_head_dim=shape.linear_head_dim, linear_value_head_dim=shape.linear_head_dim,
+            linear_conv_kernel_dim=4, layer_types=kinds, **common,
+        )  # fmt: skip
+        model_class = transformers.AutoModelForCausalLM.from_config
+    elif shape.experts:
         config = transformers.Qwen3MoeConfig(num_experts=shape.experts, num_experts_per_tok=shape.top_k,
                                              moe_intermediate_size=shape.expert_ffn, norm_topk_prob=True, **common)  # fmt: skip
         model_class = transformers.Qwen3MoeForCausalLM
@@ -433,7 +470,7 @@ def shape_run(
     step_ms = 1e3 / single["decode_tokens_per_s"]
     context = plan.input_len + plan.output_len // 2
     kv_bytes = shape.kv_bytes_per_token * context
-    floor_bytes = active_weight_bytes(model) + kv_bytes
+    floor_bytes = active_weight_bytes(model) + kv_bytes + shape.state_bytes_per_step
     bandwidth = report.get("copy_bandwidth").get("gb_per_s")
     result.update(decode_step_ms=round(step_ms, 3), decode_tokens_per_s_b1=single["decode_tokens_per_s"],
                   bytes_read_per_step=floor_bytes)  # fmt: skip

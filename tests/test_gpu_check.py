@@ -23,7 +23,7 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     assert run.returncode == 0, (run.stdout[-6000:], run.stderr[-3000:])
     assert list(sections) == [
         "environment", "copy_bandwidth", "cuda_tests", "parity", "shape:tiny", "shape:tiny-int4", "http",
-        "shape:tiny-moe", "shape:tiny-moe-int4",
+        "shape:tiny-hybrid", "shape:tiny-moe", "shape:tiny-moe-int4",
     ]  # fmt: skip
 
     assert sections["environment"]["device"] == "cpu" and sections["copy_bandwidth"]["gb_per_s"] > 0
@@ -61,6 +61,13 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     moe = sections["shape:tiny-moe"]
     assert moe["params"] > shape["params"] and 0 < moe["bandwidth_utilisation"] <= 1
     assert set(moe["output_tokens_per_s"]) == {"1", "4"} and set(moe["transformers_tokens_per_s"]) == {"1"}
+    # a hybrid shape: Gated DeltaNet layers (on a GPU their steps of decodes graphed too); its floor reads their
+    # states as well as the weights
+    hybrid = sections["shape:tiny-hybrid"]
+    assert hybrid["decode_step_ms"] > 0 and 0 < hybrid["bandwidth_utilisation"] <= 1
+    assert set(hybrid["output_tokens_per_s"]) == {"1", "4"} and set(hybrid["transformers_tokens_per_s"]) == {
+        "1"
+    }
     # and its experts quantized: fewer bytes a token's experts read
     moe_int4 = sections["shape:tiny-moe-int4"]
     assert moe_int4["weights"] == "int4" and moe_int4["bytes_read_per_step"] < moe["bytes_read_per_step"]
