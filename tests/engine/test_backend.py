@@ -105,7 +105,8 @@ def test_the_cpu_backend_gives_the_runner_what_it_chose(tiny_llama_dir, kernels)
 # replayed from a graph, and op by op: a dense model's, a sparse one's (its experts grouped on the device), a
 # hybrid's (its DeltaNet decodes together)
 @pytest.mark.parametrize(
-    "family,eager", [("llama", False), ("llama", True), ("qwen3moe", True), ("qwen3_5", False), ("qwen3_5", True)]
+    "family,eager",
+    [("llama", False), ("llama", True), ("qwen3moe", True), ("qwen3_5", False), ("qwen3_5", True)],
 )
 def test_a_gpu_decode_step_waits_for_the_gpu_once(tiny_model_factory, family, eager):
     """A decode step's metadata goes to the GPU from pinned memory and the forward and the sampler read nothing
