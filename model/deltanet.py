@@ -191,23 +191,15 @@ class GatedDeltaNet(nn.Module):
         for each; its sums run in other orders than the loop's, so a token's bits may depend on its batch (a GPU
         promises no batch invariance). slots, positions: [B] int64 on proj's device."""
         spec, B = self.spec, proj.shape[0]
-        dk, dv, Hv, Hk = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.num_key_heads
+        dk, dv, Hv = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
         fresh, m = positions == 0, positions % CHUNK  # [B]
         # the convolution over each sequence's kept inputs (none when fresh) and its token
         past = torch.where(fresh[:, None, None], 0.0, conv_state[slots])
         window = torch.cat((past, qkv.float()[:, None]), 1)  # [B, kernel, conv_dim]
         conv_state[slots] = window[:, 1:]
-        convolved = (window * self.conv[:, 0].T).sum(1)
-        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim), dim=-1)
-        q, k = (l2_normalize(h.view(B, Hk, dk)) for h in (q, k))
-        group = Hv // Hk
-        q, k = (
-            h.repeat(1, group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 1) for h in (q, k)
-        )
-        q = q * dk**-0.5  # [B, Hv, dk]
-        beta = b.sigmoid().float()  # [B, Hv]
-        log_decay = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        q, k, v = self._heads((window * self.conv[:, 0].T).sum(1))  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv]
+        beta, log_decay = self._gates(b, a)  # [B, Hv]
         state = recurrent_state[slots]  # [B, Hv, state_width], a copy written back below
         S0, keys, corrections, log_decays = (
             t.view(B, Hv, *shape)
@@ -233,7 +225,7 @@ class GatedDeltaNet(nn.Module):
             return decay[..., None] * (S0 * x[..., None]).sum(2) + from_rows
 
         recall = read(k, m)  # [B, Hv, dv]
-        correction = (v.view(B, Hv, dv) - recall) * beta[..., None]
+        correction = (v - recall) * beta[..., None]
         corrections.scatter_(2, at[..., None].expand(B, Hv, 1, dv), correction[:, :, None])
         out = read(q, m + 1)
         # a chunk's last token folds its rows into S0: S0 <- exp(G) S0 + sum_j exp(G - G_j) k_j u_j^T
@@ -252,19 +244,12 @@ class GatedDeltaNet(nn.Module):
         float32's rounding), a few dozen kernels a block where the loop launches as many a token; the state is
         left as the loop leaves it (S0 at the last chunk's end, the rows since). -> [n, value_dim]"""
         spec, n = self.spec, proj.shape[0]
-        dk, dv, Hv, Hk = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.num_key_heads
+        dk, dv = spec.key_head_dim, spec.value_head_dim
         qkv, z, b, a = proj.split(self.sizes, dim=-1)
-        convolved = self._convolve(qkv.float(), conv_state, slot, position == 0)
-        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim), dim=-1)
-        q, k = (l2_normalize(h.view(n, Hk, dk)) for h in (q, k))
-        group = Hv // Hk
-        q, k = (
-            h.repeat(1, group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 1) for h in (q, k)
-        )
-        # [Hv, n, ...]: heads first, each head's tokens a matrix
-        q, k, v = (q * dk**-0.5).transpose(0, 1), k.transpose(0, 1), v.view(n, Hv, dv).transpose(0, 1)
-        beta = b.sigmoid().float().T[..., None]  # [Hv, n, 1]
-        log_decay = (-self.A_log.exp() * F.softplus(a.float() + self.dt_bias)).T  # [Hv, n]
+        heads = self._heads(self._convolve(qkv.float(), conv_state, slot, position == 0))
+        q, k, v = (h.transpose(0, 1) for h in heads)  # [Hv, n, ...]: heads first, each head's tokens a matrix
+        beta, log_decay = (g.T for g in self._gates(b, a))  # [Hv, n]
+        beta = beta[..., None]
         S0, keys, corrections, log_decays = split_state(recurrent_state[slot], dk, dv)
         m = position % CHUNK  # the chunk's rows already computed
         S = S0.clone() if position else torch.zeros_like(S0)
@@ -299,6 +284,22 @@ class GatedDeltaNet(nn.Module):
         keys[:, :, :r], corrections[:, :r], log_decays[:, :r] = K.transpose(1, 2), U, G
         out = torch.cat(outs, 1).transpose(0, 1)  # [n, Hv, dv]
         return self._gated_norm(out.to(proj.dtype), z).reshape(n, spec.value_dim)
+
+    def _heads(self, convolved: torch.Tensor):
+        """[N, conv_dim] convolved inputs -> q, k [N, Hv, dk] (L2-normed per key head, repeated for their value
+        heads, q scaled) and v [N, Hv, dv], as _delta_rule makes them of one token."""
+        spec, N = self.spec, convolved.shape[0]
+        q, k, v = F.silu(convolved).split((spec.key_dim, spec.key_dim, spec.value_dim), dim=-1)
+        q, k = (l2_normalize(h.view(N, spec.num_key_heads, spec.key_head_dim)) for h in (q, k))
+        group = spec.num_value_heads // spec.num_key_heads
+        q, k = (
+            h.repeat(1, group, 1) if spec.tiled_value_heads else h.repeat_interleave(group, 1) for h in (q, k)
+        )
+        return q * spec.key_head_dim**-0.5, k, v.view(N, spec.num_value_heads, spec.value_head_dim)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, Hv] beta = sigmoid(b) and log decay g = -exp(A_log) softplus(a + dt_bias), float32."""
+        return b.sigmoid().float(), -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
 
     def _convolve(
         self, qkv: torch.Tensor, conv_state: torch.Tensor, slot: int, fresh: bool, keep_each: int = -1
