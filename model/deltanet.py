@@ -202,10 +202,8 @@ class GatedDeltaNet(nn.Module):
         beta, log_decay = self._gates(b, a)  # [B, Hv]
         state = recurrent_state[slots]  # [B, Hv, state_width], a copy written back below
         S0, keys, corrections, log_decays = (
-            t.view(B, Hv, *shape)
-            for t, shape in zip(state.split((dk * dv, dk * CHUNK, CHUNK * dv, CHUNK), dim=-1),
-                                ((dk, dv), (dk, CHUNK), (CHUNK, dv), (CHUNK,)), strict=True)
-        )  # fmt: skip
+            t.view(B, Hv, *t.shape[1:]) for t in split_state(state.view(B * Hv, -1), dk, dv)
+        )
         S0.masked_fill_(fresh[:, None, None, None], 0.0)
         at = m[:, None, None].expand(B, Hv, 1)
         previous = log_decays.gather(-1, (at - 1).clamp(min=0)).squeeze(-1)
