@@ -79,17 +79,34 @@ class StepStates:
         if self.keep_each is None:
             self.keep_each = [-1] * len(self.starts)
 
+    @functools.cached_property
+    def decodes(self) -> list[int]:
+        """The sequences that decode a token, keeping no state after it (no drafts): a GPU runs them together."""
+        return [
+            i
+            for i, (n, keep) in enumerate(zip(self.lengths, self.keep_each, strict=True))
+            if n == 1 and keep < 0
+        ]
+
     @property
     def decodes_only(self) -> bool:
-        """A step of decodes: a token a sequence, no drafts kept after each."""
-        return all(n == 1 for n in self.lengths) and all(k < 0 for k in self.keep_each)
+        return len(self.decodes) == len(self.starts)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, positions) as [N] int64 tensors on the device: copied once a step, read by every layer."""
-        if getattr(self, "_on", (None,))[0] != device:
-            host = torch.tensor([self.slots, self.positions])
-            self._on = (device, *to_device(host, device).unbind(0))
-        return self._on[1:]
+        """The decodes' (slots, positions) as [D] int64 tensors on the device: copied once a step, read by every
+        layer (with their rows in the step: decode_rows)."""
+        return self._on_device(device)[1:]
+
+    def decode_rows(self, device: torch.device) -> torch.Tensor:
+        """[D] int64 on the device: each decode's row in the step's tokens."""
+        return self._on_device(device)[0]
+
+    def _on_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if getattr(self, "_device", None) != device:
+            columns = ([self.starts[i] for i in self.decodes], [self.slots[i] for i in self.decodes],
+                       [self.positions[i] for i in self.decodes])  # fmt: skip
+            self._device, self._tensors = device, to_device(torch.tensor(columns), device).unbind(0)
+        return self._tensors
 
     @functools.cached_property
     def table(self) -> torch.Tensor:
@@ -156,30 +173,46 @@ class GatedDeltaNet(nn.Module):
                                spec.value_head_dim, self.eps, spec.tiled_value_heads)  # fmt: skip
         if self.parallel and states.decodes_only:
             return self._decodes(proj, conv_state, recurrent_state, *states.on(proj.device))
-        qkv, z, b, a = proj.split(self.sizes, dim=-1)
-        decay_rate = -self.A_log.exp()
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
+        together = set(states.decodes) if self.parallel else set()
+        if together:  # a GPU's mixed step: its decodes together, as in a step of decodes
+            rows = states.decode_rows(proj.device)
+            out[rows] = self._decodes(proj[rows], conv_state, recurrent_state, *states.on(proj.device))
         sequences = zip(
             states.starts, states.lengths, states.slots, states.positions, states.keep_each, strict=True
         )
-        for start, n, slot, position, keep_each in sequences:
+        for i, (start, n, slot, position, keep_each) in enumerate(sequences):
             rows = slice(start, start + n)
-            if self.parallel and keep_each < 0:
-                out[rows] = self._blocks(proj[rows], conv_state, recurrent_state, slot, position)
+            if i in together:
                 continue
-            convolved = self._convolve(qkv[rows].float(), conv_state, slot, position == 0, keep_each)
-            state = recurrent_state[slot].clone()
-            if position == 0:
-                state[:, : spec.key_head_dim * spec.value_head_dim] = 0
-            for t in range(n):  # every op on one token's values, in shapes its position alone sets
-                row = start + t
-                beta = b[row].sigmoid().float()  # [Hv]
-                log_decay = decay_rate * F.softplus(a[row].float() + self.dt_bias)
-                o = self._delta_rule(convolved[t], beta, log_decay, state, (position + t) % CHUNK)
-                out[row] = self._gated_norm(o.to(proj.dtype), z[row]).reshape(-1)
-                if keep_each >= 0 and t + 1 < n:
-                    recurrent_state[keep_each + t] = state
-            recurrent_state[slot] = state
+            if self.parallel and keep_each < 0:  # a GPU's prompt chunk
+                out[rows] = self._blocks(proj[rows], conv_state, recurrent_state, slot, position)
+            else:
+                out[rows] = self._tokens(proj[rows], conv_state, recurrent_state, slot, position, keep_each)
+        return out
+
+    def _tokens(
+        self, proj, conv_state, recurrent_state, slot: int, position: int, keep_each: int
+    ) -> torch.Tensor:
+        """One sequence's n tokens (proj [n, sum(sizes)], its first at `position`) a token at a time: every op on
+        one token's values, in shapes its position alone sets; from slot keep_each on (>= 0), its state after each
+        token but the last. -> [n, value_dim]"""
+        spec, n = self.spec, proj.shape[0]
+        qkv, z, b, a = proj.split(self.sizes, dim=-1)
+        decay_rate = -self.A_log.exp()
+        convolved = self._convolve(qkv.float(), conv_state, slot, position == 0, keep_each)
+        state = recurrent_state[slot].clone()
+        if position == 0:
+            state[:, : spec.key_head_dim * spec.value_head_dim] = 0
+        out = torch.empty(n, spec.value_dim, dtype=proj.dtype, device=proj.device)
+        for t in range(n):
+            beta = b[t].sigmoid().float()  # [Hv]
+            log_decay = decay_rate * F.softplus(a[t].float() + self.dt_bias)
+            o = self._delta_rule(convolved[t], beta, log_decay, state, (position + t) % CHUNK)
+            out[t] = self._gated_norm(o.to(proj.dtype), z[t]).reshape(-1)
+            if keep_each >= 0 and t + 1 < n:
+                recurrent_state[keep_each + t] = state
+        recurrent_state[slot] = state
         return out
 
     __call__ = forward  # see model/transformer.py's Block

@@ -341,8 +341,9 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
 ):
     """A GPU's steps of decodes (Ops.parallel_deltanet: every sequence's token at once, on the device) against the
     loop a sequence at a time, float32: sequences at different places in their chunks, decoding across chunk
-    ends (their rows folded into S0), one starting from nothing in a slot another left its state in; the logits
-    and the states they leave, to float32's rounding of sums in another order."""
+    ends (their rows folded into S0), one starting from nothing in a slot another left its state in, and one
+    step whose decodes share it with a prompt (they still run together); the logits and the states they leave,
+    to float32's rounding of sums in another order."""
     import dataclasses
 
     from model.deltanet import GatedDeltaNet
@@ -361,11 +362,9 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     original = GatedDeltaNet._decodes
     monkeypatch.setattr(GatedDeltaNet, "_decodes", lambda self, *a: calls.append(1) or original(self, *a))
     prompts = [prompt(n, 20 + n) for n in (5, 11, 16)]
-    tables = [list(range(16 * i, 16 * i + 16)) for i in range(4)]
+    tables = [list(range(12 * i, 12 * i + 12)) for i in range(5)]
     caches = [fresh_cache(config, slots=5), fresh_cache(config, slots=5)]
-    for (
-        cache
-    ) in caches:  # a state left behind in slot 4, which the fourth sequence then starts from nothing in
+    for cache in caches:  # a state left in slot 4, which the fourth sequence then starts from nothing in
         step(looped, cache, [(prompt(9, 40), 0, 4, tables[3])])
     seqs = [[ids, 0, slot, t] for ids, slot, t in zip(prompts, (2, 0, 1), tables[:3], strict=True)]
     for model, cache in zip((looped, batched), caches, strict=True):  # the prompts: not a step of decodes
@@ -376,6 +375,8 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     for t in range(2 * CHUNK + 3):
         for s in seqs:
             s[0] = s[0] + [3 + (7 * t + len(s[0])) % 290]
+        if t == 3:  # a prompt joins this step (slot 3): the others' decodes still run together
+            seqs.append([prompt(10, 41), 0, 3, tables[4]])
         calls.clear()
         want = step(looped, caches[0], [tuple(s) for s in seqs])
         assert not calls
@@ -385,8 +386,9 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
         for s in seqs:
             s[1] = len(s[0])
-    for slot in range(5):
-        for a, b in zip(state_of(caches[1], slot), state_of(caches[0], slot), strict=True):
+    for ids, _, slot, _ in seqs:
+        theirs = live_state(caches[0], config, slot, len(ids))
+        for a, b in zip(live_state(caches[1], config, slot, len(ids)), theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
