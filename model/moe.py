@@ -97,10 +97,8 @@ class MoE(nn.Module):
             (config.swiglu_alpha, config.swiglu_limit) if config.mlp == "clamped_swiglu" else (1.0, 0.0)
         )
         self.fused = None  # this FFN as one C++ call (weights_ready), where every expert is quantized
-        self.grouped_ffn, self.grouped = (
-            ops.grouped_experts,
-            None,
-        )  # the GPU's: dense or quantized on the device
+        # the GPU's grouped experts (model/moe_triton.py), dense or quantized on the device
+        self.grouped_ffn, self.grouped = ops.grouped_experts, None
 
     def weights_ready(self) -> None:
         """Once loaded: the whole FFN as one C++ call (model/csrc/moe.cpp: the same routing and sums, the step's

@@ -222,15 +222,12 @@ def why_not_grouped(experts: nn.ModuleList) -> str | None:
         linears = [getattr(e, name) for e in experts]
         if all(getattr(linear, "bits", None) is None and not linear.weight.is_meta for linear in linears):
             continue
+        # each layer's runs of rows on the device: () for a dense one, or one quantized for the CPU's kernels
         layouts = {
             tuple((s.quantized.format, s.n, s.k) for s in getattr(linear, "segments", ()))
             for linear in linears
         }
-        if (
-            any(getattr(linear, "bits", None) is None for linear in linears)
-            or len(layouts) != 1
-            or not next(iter(layouts))
-        ):
+        if len(layouts) != 1 or () in layouts:
             return f"their {name} projections are not all dense, nor all quantized alike on the device"
     return None
 
@@ -245,10 +242,8 @@ def grouped_experts(experts: nn.ModuleList) -> GroupedExperts | None:
             log.warning("MoE experts: PyTorch's loop over experts (%s)", why_not)
             _said.add(why_not)
         return None
-    first = experts[0].down
-    dtype = (
-        first.weight.dtype if getattr(first, "bits", None) is None else first.method.dtype
-    )  # the activations'
+    first = experts[0].down  # the activations' dtype: a dense weight's, or the one the quantized GEMM runs in
+    dtype = first.weight.dtype if getattr(first, "bits", None) is None else first.method.dtype
     grouped = GroupedExperts(experts, dtype)
     key = (*grouped.up.key(), *grouped.down.key(), dtype, _device(grouped.up))
     if key not in _works:

@@ -70,10 +70,9 @@ class DecodeGraphs:
         self.tables = torch.zeros(groups, B, max_blocks, dtype=torch.int32, device=device)
         tiles = torch.stack((torch.arange(B), torch.zeros(B, dtype=torch.long)), 1)  # a decode a program
         self.tiles = tiles.to(device=device, dtype=torch.int32)
-        # a hybrid's DeltaNet layers: each row's state slot and its tokens before this one
+        # a hybrid's DeltaNet layers: each row's state slot (its tokens before this one are its position)
         self.hybrid = bool(model.config.linear_layers)
         self.state_slots = torch.zeros(B, dtype=torch.long, device=device)
-        self.state_positions = torch.zeros(B, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replayed = 0
@@ -96,7 +95,7 @@ class DecodeGraphs:
         ]
 
     def _forward(self, b: int) -> torch.Tensor:
-        states = DecodeStates(self.state_slots[:b], self.state_positions[:b]) if self.hybrid else None
+        states = DecodeStates(self.state_slots[:b], self.positions[:b]) if self.hybrid else None
         return self.model(self.ids[:b], self.positions[:b], self._metas(b), self.kv_cache, None, states)
 
     def capture(self) -> None:
@@ -155,8 +154,5 @@ class DecodeGraphs:
         self.slots[:, :b].copy_(to_device(slots, device), non_blocking=True)
         self.tables[:, :b, :width].copy_(to_device(tables, device), non_blocking=True)
         if self.hybrid:
-            spare = self.kv_cache.spare_state_slot
-            states = torch.tensor([state_slots + [spare] * pad, [n - 1 for n in seq_lens] + [0] * pad])
-            states = to_device(states, device)
-            self.state_slots[:b].copy_(states[0], non_blocking=True)
-            self.state_positions[:b].copy_(states[1], non_blocking=True)
+            padded_slots = torch.tensor(state_slots + [self.kv_cache.spare_state_slot] * pad)
+            self.state_slots[:b].copy_(to_device(padded_slots, device), non_blocking=True)
