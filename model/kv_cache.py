@@ -1,12 +1,28 @@
-"""The KV cache: one preallocated pool of pages, each holding block_size tokens' K/V of the layers of one KV group
-(ModelConfig.kv_groups), addressed by slot = page * block_size + offset; and for a hybrid model's Gated DeltaNet
-layers (model/deltanet.py), a pool of per-sequence state slots."""
+"""The KV cache: one pool of pages, reserved at start, each holding block_size tokens' K/V of the layers of one KV
+group (ModelConfig.kv_groups), addressed by slot = page * block_size + offset; and for a hybrid model's Gated
+DeltaNet layers (model/deltanet.py), a pool of per-sequence state slots."""
+
+import math
+import mmap
 
 import torch
 
 from model.config import KvGroup, ModelConfig
 from model.deltanet import state_width
 from model.device import to_device
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros (a key nobody wrote must not be NaN: a masked score's zero weight times it would be). On the CPU,
+    anonymous memory that the kernel fills with zeros at each page's first write, so the process holds the
+    blocks requests have used, not the whole budget from the start (torch.zeros writes every page). On a GPU
+    the pool is allocated whole, as vLLM does."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # the tensor keeps the mapping alive; it is unmapped when the last view of the pool goes
+    pages = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class KVCache:
@@ -45,8 +61,8 @@ class KVCache:
             # slots, the widest layer's KV heads x head_dim], each layer viewing its part of a slot's values as
             # its heads (narrower layers side by side: ModelConfig.kv_groups)
             shape = (self.rows_per_page, num_blocks * block_size, config.kv_width)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeroed_pool(shape, dtype, device)
+        self.v = zeroed_pool(shape, dtype, device)
         # layer i's K/V: part `part` of row j of the pages its group g's block tables name
         rows, places, groups = config.kv_rows, config.kv_places, config.kv_groups
         layers = {

@@ -7,7 +7,9 @@ back to the pool as the request advances; their table entries become BEHIND_WIND
 512-token window holds ~33 blocks of 16 however long its sequence, where a full layer holds them all.
 
 A block is in exactly one of three states:
-  free    ref 0, no hash            in `free_block_ids`, handed out first
+  free    ref 0, no hash            in `free_block_ids`, handed out first, the last freed first (so the pages
+                                    a block wrote are reused before those of the pool nobody has written, which
+                                    the process does not yet hold: model/kv_cache.py)
   cached  ref 0, hash registered    in `cached_block_ids` (LRU order), reusable by a prefix hit or evictable
   live    ref > 0                   in the block tables of one or more requests (more than one only via a hit)
 
@@ -304,7 +306,7 @@ class BlockManager:
                 block_id = table.pop()
                 assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
                 self.ref_counts[block_id] = 0
-                self.free_block_ids.append(block_id)
+                self.free_block_ids.appendleft(block_id)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail first, so that in the LRU the tail of a prefix is evicted
@@ -325,7 +327,7 @@ class BlockManager:
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
             if self.block_hashes[block_id] is None:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids.appendleft(block_id)
             else:
                 self.cached_block_ids[block_id] = None  # most recently used
 

@@ -201,7 +201,9 @@ def test_fragmented_free_list_gives_non_contiguous_tables():
     d = make_request("d", list(range(16)))
     assert bm.allocate(d, 16)
     assert b.block_tables == []
-    assert d.block_tables[0] == [6, 7, 3, 2]  # the never-used tail, then b's blocks (released tail first)
+    # b's blocks first, whose pages are written (the process holds them: model/kv_cache.py), in table order as
+    # they were released tail first; then the pool's never-used tail
+    assert d.block_tables[0] == [2, 3, 6, 7]
     live = [slots(bm, r) for r in (a, c, d)]
     flat = [s for ss in live for s in ss]
     assert len(flat) == len(set(flat)) == 32  # every position has its own slot
