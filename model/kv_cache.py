@@ -102,6 +102,12 @@ class KVCache:
         values = pool[j][:, part * width : (part + 1) * width]
         return values.unflatten(1, (group.num_kv_heads, group.head_dim)).transpose(0, 1)
 
+    def resident_bytes(self, num_blocks_touched: int) -> int:
+        """What the K/V pools hold in memory once blocks 0 .. num_blocks_touched - 1 have been written: on the CPU
+        those blocks' pages (zeroed_pool), on a GPU both pools whole."""
+        pools = self.k.nbytes + self.v.nbytes
+        return pools if self.k.device.type != "cpu" else pools * num_blocks_touched // self.num_blocks
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (K, V) pools, or a DeltaNet layer's (convolution, recurrent) state pools."""
         return self._layers[i]

@@ -83,6 +83,12 @@ class _EngineCollector:
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0-1).", s.kv_cache_usage),
+            (
+                "kv_cache_resident_bytes",
+                "Bytes of the KV cache's pool in memory: on CPU the blocks written since start (held as first "
+                "written, reused, never given back), on a GPU the whole pool.",
+                s.kv_cache_resident_bytes,
+            ),
         ]
         if s.num_state_slots:  # a hybrid model's other pools
             gauges += [

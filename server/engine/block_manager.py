@@ -93,6 +93,9 @@ class BlockManager:
         # (KV group, hash) of a cached block, set only on the block the index points to
         self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # blocks 0 .. num_blocks_touched - 1 have been handed out since start, the others never: those never
+        # handed out are the free list's tail, in order, taken only once no other block is free
+        self.num_blocks_touched = 0
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.hash_to_block: dict[tuple[int, int], int] = {}
         # request id -> chained hashes of its full blocks so far; the parent of the next block is the last one
@@ -214,6 +217,7 @@ class BlockManager:
             self.block_hashes[block_id] = None
         assert self.ref_counts[block_id] == 0
         self.ref_counts[block_id] = 1
+        self.num_blocks_touched = max(self.num_blocks_touched, block_id + 1)
         return block_id
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -177,7 +177,12 @@ class Engine:
         return Drafter(spec, self.step_costs) if spec is not None else None
 
     def stats(self) -> EngineStats:
-        stats = dataclasses.replace(self.scheduler.stats(), kv_cache_dtype=self.kv_cache_dtype)
+        stats = self.scheduler.stats()
+        stats = dataclasses.replace(
+            stats,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_resident_bytes=self.runner.kv_cache.resident_bytes(stats.num_blocks_touched),
+        )
         if self.drafter is not None:
             d = self.drafter
             stats = dataclasses.replace(

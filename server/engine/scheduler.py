@@ -344,6 +344,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=bm.usage,
             num_blocks=bm.num_blocks,
+            num_blocks_touched=bm.num_blocks_touched,
             block_size=bm.block_size,
             enable_prefix_caching=bm.enable_prefix_caching,
             prefix_cache_queries=bm.prefix_cache_queries,

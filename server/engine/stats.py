@@ -11,6 +11,9 @@ class EngineStats:
     # the KV cache's shape, fixed once the model has loaded (0 before)
     num_blocks: int = 0
     block_size: int = 0
+    num_blocks_touched: int = 0  # blocks handed out at least once since start
+    # bytes of the K/V pools the process holds: on CPU the blocks touched (model/kv_cache.py), on a GPU it all
+    kv_cache_resident_bytes: int = 0
     kv_cache_dtype: str = ""  # "bfloat16" (every CPU tier by default), or what --kv-cache-dtype asked for
     enable_prefix_caching: bool = False
     # cumulative counters since start

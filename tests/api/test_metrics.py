@@ -76,6 +76,22 @@ def test_counters_move_by_the_right_amounts(tiny_engine, start_server, scrape):
     assert after["kvserve:kv_cache_usage_perc"] == 0
 
 
+def test_the_kv_caches_resident_bytes_are_the_blocks_written_so_far(tiny_engine, start_server, scrape):
+    url, _ = start_server(tiny_engine)
+    cache = tiny_engine._engine.runner.kv_cache
+    per_block = (cache.k.nbytes + cache.v.nbytes) // cache.num_blocks
+    before = scrape(url, idle=True)["kvserve:kv_cache_resident_bytes"]
+    prompt = " ".join(f"w{i}" for i in range(30))  # a prompt no earlier test sent
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    usage = httpx.post(f"{url}/v1/completions", json=body).json()["usage"]
+    after = scrape(url, idle=True)["kvserve:kv_cache_resident_bytes"]
+    stats = tiny_engine.stats()
+    assert after == stats.num_blocks_touched * per_block
+    # the pool holds at least this request's blocks, and on CPU not the blocks nobody has written yet
+    assert stats.num_blocks_touched >= -(-usage["total_tokens"] // stats.block_size)
+    assert before <= after < cache.num_blocks * per_block
+
+
 def test_apps_have_their_own_registries(tiny_engine, start_server, scrape):
     url_a, _ = start_server(tiny_engine, served_model_name="a")
     url_b, _ = start_server(tiny_engine, served_model_name="b")

@@ -211,6 +211,28 @@ def test_fragmented_free_list_gives_non_contiguous_tables():
 
 
 @pytest.mark.timeout(30)
+def test_blocks_written_before_are_handed_out_before_the_pools_untouched_ones():
+    """On CPU the pool is held page by page as blocks are first written (model/kv_cache.py): what the process
+    holds is the blocks handed out since start, which stays the most held at once, live and cached."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a, b = make_request("a", list(range(10))), make_request("b", list(range(100, 108)))
+    admit(bm, a)
+    admit(bm, b)
+    assert bm.num_blocks_touched == 5
+    compute(bm, a)
+    bm.free(a)  # two full blocks cached, the partial third free
+    bm.free(b)  # b never computed: both free
+    assert bm.num_blocks_touched == 5
+    c = make_request("c", list(range(200, 220)))  # 5 blocks: the 3 free ones written before, then 2 new
+    admit(bm, c)
+    assert sorted(c.block_tables[0]) == [2, 3, 4, 5, 6] and bm.num_blocks_touched == 7
+    d = make_request("d", list(range(10)))  # a's cached prefix, then a block never written
+    assert admit(bm, d) == 8
+    assert d.block_tables[0] == [0, 1, 7] and bm.num_blocks_touched == 8
+    bm.check_invariants()
+
+
+@pytest.mark.timeout(30)
 def test_without_prefix_caching_nothing_is_hashed_or_reused():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     a = make_request("a", [1, 2, 3, 4, 5])

@@ -41,4 +41,6 @@ def test_a_minute_of_mixed_load_ends_with_no_5xx_and_every_block_free(spawn, lon
     assert result["kv_cache_usage_perc_end"] == 0, result
     # Drift is judged over 20 minutes, not one minute on a shared machine: only gross growth fails here.
     assert result["rss_mib"]["ratio"] < 1.5, result
+    # compared less the KV cache's pool, which the server's /metrics said it holds
+    assert 0 < result["rss_mib"]["kv_cache_end"] < result["rss_mib"]["peak"], result
     assert "Traceback" not in server.log()
