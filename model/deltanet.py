@@ -24,8 +24,8 @@ token's values: torch's elementwise loops hand a tensor's last few elements to s
 the vector code's in the last bit, so which elements those are must not depend on the step. Where kvserve's C++
 kernels run, model/csrc/deltanet.cpp does the same between the two projections (each sequence and value head in
 parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized. On a GPU, which
-promises no batch invariance, a step of decodes runs all its sequences at once instead (`_decodes`), and a
-sequence's tokens run in blocks of up to BLOCK positions, each block's corrections one triangular solve (`_blocks`).
+promises no batch invariance, a step's decodes run all at once instead (`_decodes`), and its prompt chunks all
+together in blocks of BLOCK positions, each block's corrections one triangular solve (`_prompts`).
 """
 
 import functools
@@ -45,7 +45,7 @@ from model.linear import Linear
 # step of 32 sequences ran slower than at 8 (model/csrc/deltanet.cpp, Zen 4, both tiers)
 CHUNK = 8
 # positions a block of a sequence's tokens spans from a chunk's start, where its corrections are solved at once (a
-# GPU's prompts: _blocks); a multiple of CHUNK
+# GPU's prompts: _prompts); a multiple of CHUNK
 BLOCK = 64
 
 
@@ -108,6 +108,21 @@ class StepStates:
             self._device, self._tensors = device, to_device(torch.tensor(columns), device).unbind(0)
         return self._tensors
 
+    def prompts(self, conv_kernel: int, device: torch.device) -> "PromptLayout":
+        """Where a GPU reads and writes the step's prompt chunks (every sequence but the decodes and those that
+        keep states after their tokens): built once a step, read by every layer."""
+        if getattr(self, "_prompts_on", None) != device:
+            chosen = set(self.decodes)
+            chunks = [
+                (start, n, slot, position)
+                for i, (start, n, slot, position, keep) in enumerate(
+                    zip(self.starts, self.lengths, self.slots, self.positions, self.keep_each, strict=True)
+                )
+                if i not in chosen and keep < 0
+            ]
+            self._prompts_on, self._prompts = device, PromptLayout.of(chunks, conv_kernel, device)
+        return self._prompts
+
     @functools.cached_property
     def table(self) -> torch.Tensor:
         """[N, 5] int64 (start, length, slot, position, keep_each) for the C++ kernel: made once a step, read by
@@ -127,6 +142,69 @@ class DecodeStates:
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.slots, self.positions
+
+
+@dataclass
+class PromptLayout:
+    """A step's prompt chunks as a GPU runs them together (GatedDeltaNet._prompts), sequences longest first: their
+    tokens in the step's order ("prompt tokens"), and each sequence's rows in blocks of BLOCK positions from its
+    chunk's start, row r at position - position % CHUNK + r. Index tensors on the device; `blocks` on the host."""
+
+    rows: torch.Tensor  # [Tp] each prompt token's row in the step
+    # [kernel, Tp] each token's convolution inputs, tap by tap, as rows of (the prompt tokens' inputs, then each
+    # sequence's kept kernel - 1); [B, kernel - 1] the inputs each sequence keeps after the step, the same way
+    taps: torch.Tensor
+    kept: torch.Tensor
+    tokens: torch.Tensor  # [B, blocks x BLOCK] the prompt token at each row of a sequence, Tp where none
+    slots: torch.Tensor  # [B]
+    fresh: torch.Tensor  # [B] bool: no tokens before (its state starts from zero)
+    held: torch.Tensor  # [B] rows its state holds since its chunk's start (position % CHUNK)
+    ends: torch.Tensor  # [B] its rows: held + its tokens this step
+    blocks: list[int]  # sequences with rows in each block: a prefix, longest first
+
+    @staticmethod
+    def of(chunks: list[tuple[int, int, int, int]], conv_kernel: int, device: torch.device) -> "PromptLayout":
+        """chunks: (start in the step, tokens, state slot, position) of each sequence."""
+        chunks = sorted(chunks, key=lambda c: -(c[3] % CHUNK + c[1]))
+        start, n, slot, position = torch.tensor(chunks, dtype=torch.int64).reshape(-1, 4).T
+        B, Tp, K1 = len(chunks), int(n.sum()), conv_kernel - 1
+        held = position % CHUNK
+        ends = held + n
+        width = -(-int(ends.max()) // BLOCK) * BLOCK if B else 0
+        offset = n.cumsum(0) - n  # each sequence's first prompt token
+        seq = torch.repeat_interleave(torch.arange(B), n)  # [Tp]
+        t = torch.arange(Tp) - offset[seq]  # a token's place in its sequence's chunk
+
+        def source(
+            seq: torch.Tensor, t: torch.Tensor
+        ) -> torch.Tensor:  # input t of a sequence (< 0: kept ones)
+            return torch.where(t >= 0, offset[seq] + t, Tp + seq * K1 + K1 + t)
+
+        taps = torch.stack([source(seq, t - K1 + j) for j in range(conv_kernel)])
+        each = torch.arange(B)[:, None]
+        kept = source(each, n[:, None] - K1 + torch.arange(K1))
+        r = torch.arange(width)
+        tokens = torch.where(
+            (r >= held[:, None]) & (r < ends[:, None]), offset[:, None] + r - held[:, None], Tp
+        )
+        blocks = [int((ends > b * BLOCK).sum()) for b in range(width // BLOCK)]
+        parts = (
+            start[seq] + t,
+            taps.flatten(),
+            kept.flatten(),
+            tokens.flatten(),
+            slot,
+            position == 0,
+            held,
+            ends,
+        )
+        sizes = [len(x) for x in parts]
+        on = to_device(torch.cat([x.long() for x in parts]), device).split(sizes)
+        rows, taps, kept, tokens, slots, fresh, held, ends = on
+        return PromptLayout(
+            rows, taps.view(conv_kernel, Tp), kept.view(B, K1), tokens.view(B, width), slots, fresh.bool(), held,
+            ends, blocks,
+        )  # fmt: skip
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -153,7 +231,7 @@ class GatedDeltaNet(nn.Module):
         self.kernel = (
             ops.gated_delta_net
         )  # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
-        # a GPU's: a step of decodes as one (_decodes), a sequence's tokens in blocks (_blocks), not a token at a time
+        # a GPU's: a step's decodes as one (_decodes), its prompts in blocks (_prompts), not a token at a time
         self.parallel = ops.parallel_deltanet
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
@@ -174,20 +252,23 @@ class GatedDeltaNet(nn.Module):
         if self.parallel and states.decodes_only:
             return self._decodes(proj, conv_state, recurrent_state, *states.on(proj.device))
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
-        together = set(states.decodes) if self.parallel else set()
-        if together:  # a GPU's mixed step: its decodes together, as in a step of decodes
-            rows = states.decode_rows(proj.device)
-            out[rows] = self._decodes(proj[rows], conv_state, recurrent_state, *states.on(proj.device))
+        if (
+            self.parallel
+        ):  # a GPU's mixed step: its decodes together, as in a step of decodes; its prompts together
+            if states.decodes:
+                rows = states.decode_rows(proj.device)
+                out[rows] = self._decodes(proj[rows], conv_state, recurrent_state, *states.on(proj.device))
+            prompts = states.prompts(spec.conv_kernel, proj.device)
+            if prompts.blocks:
+                out[prompts.rows] = self._prompts(proj, conv_state, recurrent_state, prompts)
         sequences = zip(
             states.starts, states.lengths, states.slots, states.positions, states.keep_each, strict=True
         )
-        for i, (start, n, slot, position, keep_each) in enumerate(sequences):
-            rows = slice(start, start + n)
-            if i in together:
-                continue
-            if self.parallel and keep_each < 0:  # a GPU's prompt chunk
-                out[rows] = self._blocks(proj[rows], conv_state, recurrent_state, slot, position)
-            else:
+        for start, n, slot, position, keep_each in sequences:
+            if (
+                not self.parallel or keep_each >= 0
+            ):  # a GPU's decodes that keep their drafts' states: the loop
+                rows = slice(start, start + n)
                 out[rows] = self._tokens(proj[rows], conv_state, recurrent_state, slot, position, keep_each)
         return out
 
@@ -265,56 +346,91 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slots] = state
         return self._gated_norm(out.to(proj.dtype), z).reshape(B, spec.value_dim)
 
-    def _blocks(self, proj, conv_state, recurrent_state, slot: int, position: int) -> torch.Tensor:
-        """One sequence's n tokens (proj [n, sum(sizes)], its first at `position`) in blocks of up to BLOCK
-        positions from a chunk's start, each block's corrections at once: for its new tokens t,
+    def _prompts(self, proj, conv_state, recurrent_state, layout: PromptLayout) -> torch.Tensor:
+        """The step's prompt chunks together (layout: where each reads and writes), in blocks of BLOCK positions
+        from each sequence's chunk start, every sequence's block b at once. For a block's new tokens t,
             u_t + beta_t sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j = beta_t (v_t - exp(G_t) S^T k_t),
-        a unit lower-triangular system (the chunk's rows already computed are known terms), then every output
-        o_t = exp(G_t) S^T q_t + sum_{j<=t} exp(G_t - G_j) (q_t . k_j) u_j, and the block's whole chunks folded
-        into S, G counted from the block's start. The recurrence's arithmetic in other orders (the loop's to
-        float32's rounding), a few dozen kernels a block where the loop launches as many a token; the state is
-        left as the loop leaves it (S0 at the last chunk's end, the rows since). -> [n, value_dim]"""
-        spec, n = self.spec, proj.shape[0]
-        dk, dv = spec.key_head_dim, spec.value_head_dim
-        qkv, z, b, a = proj.split(self.sizes, dim=-1)
-        heads = self._heads(self._convolve(qkv.float(), conv_state, slot, position == 0))
-        q, k, v = (h.transpose(0, 1) for h in heads)  # [Hv, n, ...]: heads first, each head's tokens a matrix
-        beta, log_decay = (g.T for g in self._gates(b, a))  # [Hv, n]
-        beta = beta[..., None]
-        S0, keys, corrections, log_decays = split_state(recurrent_state[slot], dk, dv)
-        m = position % CHUNK  # the chunk's rows already computed
-        S = S0.clone() if position else torch.zeros_like(S0)
-        K, U, G = keys[:, :, :m].transpose(1, 2), corrections[:, :m], log_decays[:, :m]  # rows since S
-        outs, done = [], 0
-        while done < n:
-            P, take = K.shape[1], min(n - done, BLOCK - K.shape[1])  # known rows, new ones
-            new = slice(done, done + take)
-            kt, qt = k[:, new], q[:, new]
-            Gt = (G[:, -1:] if P else 0) + log_decay[:, new].cumsum(1)  # [Hv, take]
-            K, G = torch.cat((K, kt), 1), torch.cat((G, Gt), 1)  # [Hv, L, dk], [Hv, L]
-            rows = torch.arange(P + take, device=proj.device)
-            after = rows[P:, None] >= rows  # [take, L]: token j at or before token t
-            decay = torch.where(after, (Gt[..., None] - G[:, None, :]).exp(), 0.0)  # [Hv, take, L]: j <= t
-            dots = (kt @ K.transpose(1, 2)) * decay  # [Hv, take, L]
-            strict = dots.tril(P - 1)  # j < t
-            rhs = beta[:, new] * (v[:, new] - Gt.exp()[..., None] * (kt @ S) - strict[:, :, :P] @ U)
-            system = torch.eye(take, device=proj.device) + beta[:, new] * strict[:, :, P:]
-            U = torch.cat((U, torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)), 1)
-            outs.append(Gt.exp()[..., None] * (qt @ S) + ((qt @ K.transpose(1, 2)) * decay) @ U)
-            c = K.shape[1] // CHUNK * CHUNK  # the block's whole chunks, folded into S
-            if c:
-                w = (G[:, c - 1 : c] - G[:, :c]).exp()  # [Hv, c]
-                S = (
-                    G[:, c - 1].exp()[:, None, None] * S
-                    + (K[:, :c] * w[..., None]).transpose(1, 2) @ U[:, :c]
-                )
-                K, U, G = K[:, c:], U[:, c:], G[:, c:] - G[:, c - 1 : c]
-            done += take
-        r = K.shape[1]
+        a unit lower-triangular system over the block's rows (the rows the state holds since the chunk's start,
+        and a shorter sequence's padding, are rows of the identity: known corrections, zeros), then every output
+        o_t = exp(G_t) S^T q_t + sum_{j<=t} exp(G_t - G_j) (q_t . k_j) u_j, and each sequence's whole chunks
+        folded into its S, G counted from the block's start. The recurrence's arithmetic in other orders (the
+        loop's to float32's rounding), a few dozen kernels a block however many prompts the step holds; the
+        state is left as the loop leaves it (S0 at the last chunk's end, the rows since). -> [Tp, value_dim], in
+        the layout's token order."""
+        spec, device = self.spec, proj.device
+        dk, dv, Hv, kernel = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.conv_kernel
+        B, Tp = len(layout.slots), len(layout.rows)
+        qkv, z, b, a = proj[layout.rows].split(self.sizes, dim=-1)
+        # the convolution, tap by tap: each token's inputs from its sequence's tokens or the inputs it kept
+        kept = torch.where(
+            layout.fresh[:, None, None], 0.0, conv_state[layout.slots]
+        )  # [B, kernel - 1, conv_dim]
+        inputs = torch.cat((qkv.float(), kept.flatten(0, 1)))
+        taps = self.conv[:, 0].T  # [kernel, conv_dim]
+        convolved = inputs[layout.taps[0]] * taps[0]
+        for j in range(1, kernel):
+            convolved = convolved + inputs[layout.taps[j]] * taps[j]
+        conv_state[layout.slots] = inputs[layout.kept]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # a zero token at Tp, which padding rows read
+            return torch.cat((x, x.new_zeros(1, *x.shape[1:])))
+
+        q, k, v = (padded(h) for h in self._heads(convolved))  # [Tp + 1, Hv, dk | dv]
+        beta, log_decay = (padded(g) for g in self._gates(b, a))  # [Tp + 1, Hv]
+        state = recurrent_state[layout.slots]  # [B, Hv, state_width], a copy written back below
+        S0, keys, corrections, log_decays = (
+            t.view(B, Hv, *t.shape[1:]) for t in split_state(state.view(B * Hv, -1), dk, dv)
+        )
+        S = torch.where(layout.fresh[:, None, None, None], 0.0, S0)  # [B, Hv, dk, dv]
+        # each sequence's rows since its last whole chunk, as its last block leaves them: [B, Hv, CHUNK, ...]
+        K_since, U_since, G_since = keys.transpose(2, 3).clone(), corrections.clone(), log_decays.clone()
+        rows = torch.arange(BLOCK, device=device)
+        causal = rows[:, None] >= rows  # [L, L]: j <= t
+        held = (rows[:CHUNK] < layout.held[:, None])[:, None, :]  # [B, 1, CHUNK]: rows the state holds
+        out = torch.empty(Tp + 1, Hv, dv, device=device)  # row Tp: where padding rows' outputs go
+        for block, A in enumerate(layout.blocks):
+            token = layout.tokens[:A, block * BLOCK : (block + 1) * BLOCK]  # [A, L]
+            Q, K, V = (h[token].transpose(1, 2) for h in (q, k, v))  # [A, Hv, L, dk | dv]
+            beta_b, steps = (g[token].transpose(1, 2) for g in (beta, log_decay))  # [A, Hv, L]
+            G = steps.cumsum(-1)  # log decay since the block's start
+            rhs_known = torch.zeros_like(V)
+            if (
+                block == 0
+            ):  # rows the state holds: their keys, corrections and log decays since the chunk's start
+                h = held[:A, :, :, None]
+                K[:, :, :CHUNK] = torch.where(h, K_since[:A], K[:, :, :CHUNK])
+                rhs_known[:, :, :CHUNK] = torch.where(h, U_since[:A], 0.0)
+                at = (layout.held[:A, None, None] - 1).clamp(min=0).expand(A, Hv, 1)
+                G = G + torch.where(layout.held[:A, None, None] > 0, log_decays[:A].gather(-1, at), 0.0)
+                G[:, :, :CHUNK] = torch.where(held[:A], G_since[:A], G[:, :, :CHUNK])
+            Sb = S[:A]
+            decay = torch.where(causal, (G[..., :, None] - G[..., None, :]).exp(), 0.0)  # [A, Hv, L, L]
+            strict = ((K @ K.transpose(-1, -2)) * decay).tril(-1)  # j < t
+            rhs = beta_b[..., None] * (V - G.exp()[..., None] * (K @ Sb)) + rhs_known
+            # the diagonal is taken as ones; a held or padding row (beta 0) is a row of the identity
+            U = torch.linalg.solve_triangular(
+                beta_b[..., None] * strict, rhs, upper=False, unitriangular=True
+            )
+            outputs = (
+                G.exp()[..., None] * (Q @ Sb) + ((Q @ K.transpose(-1, -2)) * decay) @ U
+            )  # [A, Hv, L, dv]
+            out[token.flatten()] = outputs.transpose(1, 2).flatten(0, 1)
+            # each sequence's whole chunks of the block folded into its S; the rows after them kept
+            whole = (layout.ends[:A] - block * BLOCK).clamp(max=BLOCK) // CHUNK * CHUNK  # [A]
+            at = (whole - 1).clamp(min=0)[:, None, None].expand(A, Hv, 1)
+            G_end = torch.where(whole[:, None, None] > 0, G.gather(-1, at), 0.0)  # [A, Hv, 1]
+            w = torch.where(rows < whole[:, None, None], (G_end - G).exp(), 0.0)  # [A, Hv, L]
+            S[:A] = G_end.exp()[..., None] * Sb + (K * w[..., None]).transpose(-1, -2) @ U
+            since = (whole[:, None] + rows[:CHUNK]).clamp(max=BLOCK - 1)[:, None, :].expand(A, Hv, CHUNK)
+            K_since[:A] = K.gather(2, since[..., None].expand(A, Hv, CHUNK, dk))
+            U_since[:A] = U.gather(2, since[..., None].expand(A, Hv, CHUNK, dv))
+            G_since[:A] = G.gather(2, since) - G_end
         S0.copy_(S)
-        keys[:, :, :r], corrections[:, :r], log_decays[:, :r] = K.transpose(1, 2), U, G
-        out = torch.cat(outs, 1).transpose(0, 1)  # [n, Hv, dv]
-        return self._gated_norm(out.to(proj.dtype), z).reshape(n, spec.value_dim)
+        keys.copy_(K_since.transpose(2, 3))
+        corrections.copy_(U_since)
+        log_decays.copy_(G_since)
+        recurrent_state[layout.slots] = state
+        return self._gated_norm(out[:Tp].to(proj.dtype), z).reshape(Tp, spec.value_dim)
 
     def _heads(self, convolved: torch.Tensor):
         """[N, conv_dim] convolved inputs -> q, k [N, Hv, dk] (L2-normed per key head, repeated for their value

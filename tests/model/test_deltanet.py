@@ -59,8 +59,8 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def fresh_cache(config, slots: int = 4) -> KVCache:
-    return KVCache(config, cache_blocks(config, 64), BLOCK, torch.float32, "cpu", num_state_slots=slots)
+def fresh_cache(config, slots: int = 4, blocks: int = 64) -> KVCache:
+    return KVCache(config, cache_blocks(config, blocks), BLOCK, torch.float32, "cpu", num_state_slots=slots)
 
 
 def state_of(cache: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,11 +397,12 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     "forgetting", ["slow", "fast"]
 )  # fast: heads whose decay empties S within a few tokens
 def test_a_gpus_prompts_in_blocks_are_the_loops_arithmetic(tiny_model_factory, forgetting):
-    """A GPU's prompt chunks (Ops.parallel_deltanet: a sequence's tokens in blocks of up to BLOCK positions, each
-    block's corrections solved at once) against the loop a token at a time, float32: a prompt prefilled in
-    pieces that start mid-chunk and cross blocks, beside another in the same step and a third in a slot another
-    sequence left its state in; the logits and the states they leave, to float32's rounding of sums in another
-    order."""
+    """A GPU's prompt chunks (Ops.parallel_deltanet: the step's prompts together, in blocks of BLOCK positions from
+    their chunks' starts, each block's corrections solved at once) against the loop a token at a time, float32: a
+    prompt prefilled in pieces that start mid-chunk and cross blocks, beside a shorter one and a third in a slot
+    another sequence left its state in, then beside the second's next piece, both across a block's end from
+    different places in their chunks; the logits and the states they leave, to float32's rounding of sums in
+    another order."""
     import dataclasses
 
     from model.deltanet import BLOCK
@@ -417,17 +418,19 @@ def test_a_gpus_prompts_in_blocks_are_the_loops_arithmetic(tiny_model_factory, f
             for layer in model.layers:
                 if layer.linear:
                     layer.attn.A_log.add_(3.0)
-    caches = [fresh_cache(config, slots=4), fresh_cache(config, slots=4)]
-    long, other, third = prompt(2 * BLOCK + 22, 30), prompt(BLOCK - 3, 31), prompt(CHUNK + 1, 32)
-    tables = [list(range(0, 40)), list(range(40, 60)), list(range(60, 64))]
+    caches = [fresh_cache(config, slots=4, blocks=128), fresh_cache(config, slots=4, blocks=128)]
+    long, other, third = prompt(2 * BLOCK + 22, 30), prompt(2 * BLOCK + 2, 31), prompt(CHUNK + 1, 32)
+    tables = [list(range(0, 40)), list(range(40, 80)), list(range(80, 84))]
     for model, cache in zip((looped, blocked), caches, strict=True):
         step(model, cache, [(prompt(12, 33), 0, 3, tables[2])])  # a state left in slot 3
     pieces = [3, BLOCK + 7, BLOCK + 12]  # 3, then from mid-chunk across a block's end, then the rest
     done = 0
     for i, n in enumerate(pieces):
         seqs = [(long[: done + n], done, 0, tables[0])]
-        if i == 1:
-            seqs += [(other, 0, 1, tables[1]), (third, 0, 3, tables[2])]
+        if i == 1:  # the second's first 61 tokens, the third's all
+            seqs += [(other[: BLOCK - 3], 0, 1, tables[1]), (third, 0, 3, tables[2])]
+        if i == 2:  # the second's rest: from 5 rows into a chunk, across a block's end
+            seqs += [(other, BLOCK - 3, 1, tables[1])]
         got = step(blocked, caches[1], seqs)
         want = step(looped, caches[0], seqs)
         for a, b in zip(got, want, strict=True):
