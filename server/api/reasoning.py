@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from server.api.config import REASONING_ALIASES, REASONING_PARSERS
 from server.api.errors import ApiError
 from server.api.tools import CallDelta, ToolCallParser, Tools, gemma4_call, new_call_id
-from server.engine.request import ReasoningSpec, RequestOutput, SamplingParams
+from server.engine.request import FinishReason, ReasoningSpec, RequestOutput, SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # the formats of reasoning between two markers: (opening, closing, the label the opening is followed by)
@@ -183,6 +183,7 @@ class ReplyParser:
     _call_index: int = 0  # harmony: the open call's index in the reply
     _label: str | None = None  # gemma4: the reasoning's first text so far, while it may still be the label
     _call: str | None = None  # gemma4: the open call's text so far (None: no call open)
+    _cut: bool = False  # the reply being fed ended at its max_tokens
 
     def __post_init__(self):
         if self.format is not None and self.format.name == "harmony":
@@ -197,6 +198,8 @@ class ReplyParser:
 
     def feed(self, out: RequestOutput) -> list[Piece]:
         pieces: list[Piece] = []
+        # the reply ends at its max_tokens: a call or tag it was writing is cut short, and none of it is content
+        self._cut = out.finished and out.finish_reason is FinishReason.LENGTH
         if self.format is None:
             self._content(pieces, out.text, out.finished)
             return pieces
@@ -216,9 +219,9 @@ class ReplyParser:
             self._first = False
         self._text(pieces, out.text[cut:])
         if out.finished:
-            if self._call is not None:  # a call cut short: its text, as written
+            if self._call is not None and not self._cut:  # a call the model ended unclosed: its text, as written
                 self._content(pieces, GEMMA4_CALL + self._call)
-                self._call = None
+            self._call = None
             self._content(pieces, "", final=True)
         return _joined(pieces)
 
@@ -270,7 +273,7 @@ class ReplyParser:
             if text:
                 pieces.append(Piece("content", text))
             return
-        content, calls = self.calls.feed(text, final)
+        content, calls = self.calls.feed(text, final, cut=final and self._cut)
         # Within one feed, the pieces that go on with the open call come first, then the content (it can only
         # follow a call's end), then new calls.
         n = 0

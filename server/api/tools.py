@@ -26,6 +26,8 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 ANY_OBJECT = {"type": "object"}
 # A call's opening, up to its arguments: {"name": "...", "arguments":
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# ... and up to its name, when that comes first
+CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 MAX_HEAD_CHARS = 512  # a head not parsed by then is read as a whole call at its end tag
 
 
@@ -204,7 +206,9 @@ class ToolCallParser:
     feed() takes each text delta and returns the content to send and the call pieces: a call's id and name as
     soon as its opening is written, then its arguments as they are generated. Text that may be the start of a
     call, and whitespace next to calls, is held back until it is clear. A block that is not a valid call of a
-    declared function stays content, as written.
+    declared function stays content, as written. A reply that ends inside a call (max_tokens) keeps what it
+    wrote of the call: its partial arguments once its name is out (as OpenAI's API returns them), nothing of a
+    call whose opening was cut short, nor of a tag cut short; the model's markup never becomes content.
     """
 
     names: set[str]
@@ -219,7 +223,8 @@ class ToolCallParser:
     _in_string: bool = False
     _escaped: bool = False
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> tuple[str, list[CallDelta]]:
+        """cut: the reply ends here at its max_tokens (with final)."""
         self._buffer += text
         content: list[str] = []
         calls: list[CallDelta] = []
@@ -233,7 +238,7 @@ class ToolCallParser:
         while steps[self._state](content, calls, final):
             pass
         if final:
-            content.append(self._flush())
+            content.append(self._flush(cut))
         return "".join(content), calls
 
     def _text(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
@@ -291,11 +296,26 @@ class ToolCallParser:
             arguments = json.dumps(call["arguments"], ensure_ascii=False)
             calls.append(CallDelta(self.num_calls, self.new_id(), call["name"], arguments))
             self._end_call()
+        elif end < 0 and self._cut_short(body):  # the reply ended while the call's opening was written
+            self._state = "text"
         else:  # not a call: the text stays as the model wrote it
             content.append(self._gap + CALL_START + body + (CALL_END if end >= 0 else ""))
             self._state = "text"
         self._buffer = self._buffer[end + len(CALL_END) :] if end >= 0 else ""
         return True
+
+    def _cut_short(self, body: str) -> bool:
+        """Whether `body`, the rest of a reply after <tool_call>, is a call's opening cut short: blank, or an
+        object whose name is a declared function's or not yet written out."""
+        if body.strip() and not body.lstrip().startswith("{"):
+            return False
+        named = CALL_NAME.match(body)
+        if named is None:
+            return True
+        try:
+            return json.loads(named.group(1)) in self.names
+        except json.JSONDecodeError:
+            return False
 
     def _arguments(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
         skipped = n = 0  # whitespace before the value; characters read
@@ -346,10 +366,14 @@ class ToolCallParser:
         self._buffer = ""  # one call asked for: what follows it is dropped
         return False
 
-    def _flush(self) -> str:
-        """At the end of the reply: what is still held back. Whitespace next to calls goes."""
+    def _flush(self, cut: bool) -> str:
+        """At the end of the reply: what is still held back. Whitespace next to calls goes, and where max_tokens
+        cut the reply, a tag cut short with the blank space before it."""
         rest, self._buffer = self._buffer, ""
         if self._state == "text":
+            tag = _partial_suffix(rest, CALL_START) if cut else 0
+            if tag:
+                return rest[:-tag].rstrip()
             return rest if not self.num_calls else rest.rstrip()
         if self._state == "head":  # an opening cut short: it stays content
             return self._gap + CALL_START + rest

@@ -196,6 +196,21 @@ def test_responses_cut_by_max_output_tokens_is_incomplete():
     assert last.type == "response.incomplete" and last.response.output_text == "Once upon"
 
 
+# a reply cut by max_tokens while it opened a second call
+CUT_IN_A_CALL = pieces("Checking.\n" + CALL + '\n<tool_call>\n{"name": "get_wea', 4)
+
+
+def test_responses_cut_inside_a_calls_opening_show_no_markup():
+    client = responses_client(ScriptedEngine(CUT_IN_A_CALL, finish="length"), TOOLS)
+    body = client.responses.create(model="m", input="hi")
+    assert [item.type for item in body.output] == ["message", "function_call"]
+    assert body.output_text == "Checking." and body.output[1].arguments == '{"city": "Paris"}'
+    with client.responses.stream(model="m", input="hi") as stream:
+        events = list(stream)
+    assert "<" not in "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == "Checking."
+
+
 # --- Messages ----------------------------------------------------------------------------------------
 
 
@@ -233,6 +248,17 @@ def test_messages_tool_use_blocks_stream_their_input_json():
     partial = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.index == 1]
     assert len(partial) > 2 and "".join(partial) == '{"city": "Paris"}'
     assert [e.type for e in events if e.type.startswith("message")][-2:] == ["message_delta", "message_stop"]
+
+
+def test_messages_cut_inside_a_calls_opening_show_no_markup():
+    client = messages_client(ScriptedEngine(CUT_IN_A_CALL, finish="length"), TOOLS)
+    kw = dict(model="m", max_tokens=100, messages=[{"role": "user", "content": "hi"}])
+    body = client.messages.create(**kw)
+    assert [b.type for b in body.content] == ["text", "tool_use"] and body.content[0].text == "Checking."
+    assert body.content[1].input == {"city": "Paris"}
+    with client.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[0].text == "Checking."
 
 
 @pytest.mark.parametrize(

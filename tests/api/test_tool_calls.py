@@ -17,14 +17,16 @@ TWO_CALLS = (
 )
 
 
-def parse(text: str, step: int, **kw) -> tuple[str, list[dict], list]:
-    """Feed `text` in pieces of `step` characters; (content, calls reassembled, every piece)."""
+def parse(text: str, step: int, cut: bool = False, **kw) -> tuple[str, list[dict], list]:
+    """Feed `text` in pieces of `step` characters, the reply cut there by max_tokens if `cut`; (content, calls
+    reassembled, every piece)."""
     ids = (f"call_{i}" for i in itertools.count())
     parser = ToolCallParser({"get_weather", "add"}, new_id=lambda: next(ids), **kw)
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
     content, calls, deltas = "", [], []
     for i, piece in enumerate(pieces):
-        c, ds = parser.feed(piece, final=i == len(pieces) - 1)
+        last = i == len(pieces) - 1
+        c, ds = parser.feed(piece, final=last, cut=cut and last)
         content += c
         deltas += ds
         for d in ds:
@@ -90,6 +92,26 @@ def test_a_call_written_arguments_first_is_read_whole():
 def test_a_call_cut_short_keeps_its_partial_arguments():
     content, calls, _ = parse('<tool_call>\n{"name": "add", "arguments": {"a": "aaa', 3)
     assert content == "" and calls == [{"id": "call_0", "name": "add", "arguments": '{"a": "aaa'}]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_call_or_tag_cut_short_by_max_tokens_is_never_content(step):
+    """Where max_tokens ends a reply inside a call's opening or its tag, what was written of it goes: the model's
+    markup is not the reply's text. A call whose name is out keeps its partial arguments."""
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut_at in range(1, whole.index("{", 20)):  # every cut before its arguments begin
+        for before, text in (("", ""), ("Let me check.\n", "Let me check."), (whole + "\n", "")):
+            content, calls, _ = parse(before + whole[:cut_at], step, cut=True)
+            assert content == text, (before, whole[:cut_at], content)
+            # once its opening is written out the call is there, its arguments empty
+            named = whole[:cut_at].rstrip().endswith('"arguments":')
+            assert len(calls) == before.count("<tool_call>") + named, (before, whole[:cut_at], calls)
+    # where the model itself ended the reply, a partial tag is its text
+    content, calls, _ = parse("Use x <tool_c", step)
+    assert (content, calls) == ("Use x <tool_c", [])
+    # a cut-short block naming no declared function stays as written
+    rm = '<tool_call>\n{"name": "rm_rf", "argu'
+    assert parse(rm, step, cut=True)[:2] == (rm, [])
 
 
 def test_one_call_when_not_parallel():
