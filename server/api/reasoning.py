@@ -219,7 +219,9 @@ class ReplyParser:
             self._first = False
         self._text(pieces, out.text[cut:])
         if out.finished:
-            if self._call is not None and not self._cut:  # a call the model ended unclosed: its text, as written
+            if (
+                self._call is not None and not self._cut
+            ):  # a call the model ended unclosed: its text, as written
                 self._content(pieces, GEMMA4_CALL + self._call)
             self._call = None
             self._content(pieces, "", final=True)
