@@ -5,6 +5,7 @@ What each API's fields ask for is read in its own module (OpenAI's chat and comp
 import json
 
 from server.api.errors import ApiError
+from server.api.schemas import closed_objects
 from server.api.serving import Serving
 from server.api.tools import Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
@@ -20,6 +21,11 @@ def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Too
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise ApiError(400, "tools: function names must be unique", param="tools")
+    for f in functions:  # a call's arguments are an object
+        kind = f.parameters.get("type", "object")
+        if "object" not in (kind if isinstance(kind, list) else [kind]):
+            why = f"tools: {f.name[:64]}'s parameters must be an object's schema (type object), not {str(kind)[:64]}"
+            raise ApiError(400, why, param="tools")
     if choice not in ("none", "auto", "required") and choice not in names:
         raise ApiError(400, f"tool_choice: no tool is named {choice[:64]!r}", param="tool_choice")
     return Tools(functions, choice, parallel)
@@ -32,7 +38,7 @@ def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tupl
         spec = output_grammar(tools, answer)
         return (spec, "tools") if spec is not None else None
     if answer is not None:
-        return GrammarSpec("json_schema", json.dumps(answer)), param
+        return GrammarSpec("json_schema", json.dumps(closed_objects(answer))), param
     return None
 
 

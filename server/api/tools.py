@@ -20,10 +20,12 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from server.api.schemas import closed_objects
 from server.engine.request import GrammarSpec
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-ANY_OBJECT = {"type": "object"}
+# a function declared without parameters takes none (OpenAI's rule): its arguments are {}
+NO_PARAMETERS = {"type": "object", "properties": {}}
 # A call's opening, up to its arguments: {"name": "...", "arguments":
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 # ... and up to its name, when that comes first
@@ -35,7 +37,7 @@ MAX_HEAD_CHARS = 512  # a head not parsed by then is read as a whole call at its
 class Function:
     name: str
     description: str | None = None
-    parameters: dict = field(default_factory=lambda: dict(ANY_OBJECT))  # the arguments' JSON schema
+    parameters: dict = field(default_factory=lambda: dict(NO_PARAMETERS))  # the arguments' JSON schema
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSp
     required: one or more calls (one if not parallel); a named function: one call of it; auto: free text,
     unless a response_format asks for JSON, then either that JSON or calls; none: the JSON if asked for.
     """
+    answer_schema = None if answer_schema is None else closed_objects(answer_schema)
     if tools is None or not tools.active:
         return None if answer_schema is None else GrammarSpec("json_schema", json.dumps(answer_schema))
     if tools.choice == "auto" and answer_schema is None:
@@ -180,7 +183,7 @@ def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSp
 def _call_schema(f: Function) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+        "properties": {"name": {"const": f.name}, "arguments": closed_objects(f.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

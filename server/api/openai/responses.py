@@ -22,7 +22,7 @@ from server.api.reasoning import reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
 from server.api.structured import answer_grammar, compiled, offered_tools
-from server.api.tools import ANY_OBJECT, Function, call_parser
+from server.api.tools import NO_PARAMETERS, Function, call_parser
 from server.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def offered_functions(body: rp.ResponsesRequest) -> tuple[list[Function], dict[s
             if isinstance(t, rp.CustomTool):
                 functions.append(Function(name, custom_description(t), CUSTOM_INPUT))
             else:
-                functions.append(Function(name, t.description, t.parameters or ANY_OBJECT))
+                functions.append(Function(name, t.description, t.parameters or NO_PARAMETERS))
             offered[name] = Offered(t.name, namespace, isinstance(t, rp.CustomTool))
     return functions, offered
 

@@ -6,9 +6,10 @@ import json
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
+from server.api.schemas import closed_objects
 from server.api.serving import Serving
 from server.api.structured import answer_grammar, compiled, offered_tools
-from server.api.tools import Function, Tools
+from server.api.tools import NO_PARAMETERS, Function, Tools
 from server.engine.request import GrammarSpec
 
 
@@ -17,7 +18,7 @@ def chat_tools(body: p.ChatCompletionRequest) -> Tools | None:
     choice = body.tool_choice
     name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
     functions = [
-        Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+        Function(t.function.name, t.function.description, t.function.parameters or NO_PARAMETERS)
         for t in body.tools or []
     ]
     return offered_tools(functions, name or choice or "auto", body.parallel_tool_calls)
@@ -41,8 +42,13 @@ def requested_grammar(body: p.SamplingFields, tools: Tools | None) -> tuple[Gram
 
 def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
     if so.json_ is not None:
-        schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
-        return GrammarSpec("json_schema", schema)
+        schema = so.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                return GrammarSpec("json_schema", so.json_)  # the compile says what is wrong with it
+        return GrammarSpec("json_schema", json.dumps(closed_objects(schema)))
     if so.regex is not None:
         return GrammarSpec("regex", so.regex)
     if so.choice is not None:

@@ -1,0 +1,125 @@
+"""The schemas a reply must match are closed to keys they do not list (server/api/schemas.py), in the grammars
+every API builds: response_format, tools' parameters (a tool without them takes {}), vLLM's structured_outputs."""
+
+import json
+
+import pytest
+
+from server.api.errors import ApiError
+from server.api.openai import protocol as p
+from server.api.openai.structured import chat_tools, requested_grammar
+from server.api.schemas import closed_objects
+from server.api.structured import answer_grammar, offered_tools
+from server.api.tools import Function
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+
+pytestmark = pytest.mark.timeout(60)
+
+CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+def test_objects_that_list_their_properties_are_closed_wherever_they_are():
+    schema = {
+        **CAT,
+        "properties": {
+            "owner": {"type": "object", "properties": {"id": {"type": "integer"}}},
+            "toys": {"type": "array", "items": {"$ref": "#/$defs/toy"}},
+            "either": {"anyOf": [{"properties": {"a": {}}}, {"type": "string"}]},
+        },
+        "$defs": {"toy": {"type": "object", "properties": {"kind": {"type": "string"}}}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["owner"]["additionalProperties"] is False
+    assert closed["$defs"]["toy"]["additionalProperties"] is False
+    assert closed["properties"]["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is left as it came
+
+
+def test_what_a_schema_says_of_other_keys_is_kept():
+    for said in (
+        {"additionalProperties": True},
+        {"additionalProperties": {"type": "integer"}},
+        {"patternProperties": {"^x_": {}}},
+        {"unevaluatedProperties": False},
+    ):
+        closed = closed_objects({**CAT, **said})
+        assert {k: closed[k] for k in said} == said and ("additionalProperties" in said) == (
+            "additionalProperties" in closed
+        )
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object: nothing listed
+
+
+def test_an_all_of_and_what_it_refers_to_stay_open():
+    schema = {
+        "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"extra": {"type": "string"}}}],
+        "properties": {"id": {"type": "integer"}},
+        "$defs": {"base": {"properties": {"name": {"type": "string"}}}, "other": {"properties": {"x": {}}}},
+    }
+    closed = closed_objects(schema)
+    assert "additionalProperties" not in closed
+    assert "additionalProperties" not in closed["allOf"][1]
+    assert "additionalProperties" not in closed["$defs"]["base"]
+    assert closed["$defs"]["other"]["additionalProperties"] is False
+
+
+def test_a_schema_deeper_than_python_recurses_comes_back_as_it_was():
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert closed_objects(deep) is deep
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return Engine(str(tiny_llama_dir), EngineConfig(kv_cache_memory=4 << 20, block_size=4))
+
+
+def accepts(engine: Engine, spec, text: str) -> bool:
+    """Whether the grammar takes the whole of `text`."""
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.grammars.compile(spec).new_state().valid_prefix(ids) == len(ids)
+
+
+def test_a_reply_holds_only_the_keys_its_schema_lists(engine):
+    spec, _ = answer_grammar(CAT, "response_format", None)
+    assert accepts(engine, spec, '{"name": "Tom", "age": 3}')
+    assert not accepts(engine, spec, '{"name": "Tom", "age": 3, "color": "orange"}')
+    spec, _ = answer_grammar({**CAT, "additionalProperties": True}, "response_format", None)
+    assert accepts(engine, spec, '{"name": "Tom", "age": 3, "color": "orange"}')
+    # vLLM's structured_outputs, its schema as a string
+    body = p.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"json": json.dumps(CAT)}}
+    )
+    spec, _ = requested_grammar(body, None)
+    assert not accepts(engine, spec, '{"name": "Tom", "color": "orange"}')
+
+
+def test_a_tools_arguments_hold_only_its_parameters_and_none_without_them(engine):
+    body = p.ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": "required",
+            "tools": [
+                {"type": "function", "function": {"name": "now"}},
+                {"type": "function", "function": {"name": "pet", "parameters": CAT}},
+            ],
+        }
+    )
+    spec, _ = requested_grammar(body, chat_tools(body))
+
+    def call(name: str, arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+    assert accepts(engine, spec, call("now", "{}"))
+    assert not accepts(engine, spec, call("now", '{"an argument": "time"}'))
+    assert accepts(engine, spec, call("pet", '{"name": "Tom"}'))
+    assert not accepts(engine, spec, call("pet", '{"name": "Tom", "kind": "cat"}'))
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_refused():
+    with pytest.raises(ApiError) as e:
+        offered_tools([Function("f", None, {"type": "string"})], "auto", True)
+    assert e.value.status == 400 and e.value.param == "tools" and "object" in e.value.message
+    assert offered_tools([Function("f", None, {"type": ["object", "null"]})], "auto", True) is not None
