@@ -210,6 +210,18 @@ class ChatMessage(Body):
         return self
 
 
+class FunctionDefinition(Body):
+    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
+    description: Text | None = None
+    parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
+    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 # --- the server's own bodies: health, models, tokens, errors ------------------------------------
 
 
@@ -232,6 +244,9 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = Field(
+        None, description="For messages: the tools offered, in the prompt as /v1/chat/completions puts them."
+    )
     add_special_tokens: bool = Field(
         True, description="For a prompt: add the tokenizer's BOS/EOS if it has them."
     )

@@ -22,6 +22,7 @@ from server.api.errors import ApiError
 from server.api.prompt import chat_prompt_ids
 from server.api.scoring import rerank, score
 from server.api.serving import Serving
+from server.api.structured import chat_function, offered_tools
 
 # --- dependencies -------------------------------------------------------------------------------
 
@@ -145,8 +146,9 @@ def tokenize(body: p.TokenizeRequest, serving: Ready) -> p.TokenizeResponse:
         ids = serving.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         continued = body.continue_final_message
+        tools = offered_tools([chat_function(t) for t in body.tools or []], "auto", True)
         ids = chat_prompt_ids(
-            serving, body.messages, body.add_generation_prompt, continue_final_message=continued
+            serving, body.messages, body.add_generation_prompt, tools, continue_final_message=continued
         )
     return p.TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids)
 

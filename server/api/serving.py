@@ -25,7 +25,13 @@ from server.api.metrics import Metrics
 from server.api.reasoning import ReasoningFormat
 from server.api.shape import Choice, Event, Shape, usage
 from server.engine.async_engine import AsyncEngine
-from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
+from server.engine.request import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ParamError,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +78,11 @@ class Serving:
         prompt comes from) when none may."""
         rest = self.engine.max_model_len - len(ids)
         if rest < 1:
-            why = f"the prompt ({len(ids)} tokens) fills the context of {self.engine.max_model_len} tokens"
-            raise ApiError(400, why, param=param)
+            why = (
+                f"the prompt ({len(ids)} tokens) leaves no room for a reply within the maximum context length of "
+                f"{self.engine.max_model_len} tokens"
+            )
+            raise ApiError(400, why, param=param, code=CONTEXT_LENGTH_EXCEEDED)
         return rest
 
     @staticmethod
@@ -116,7 +125,7 @@ class Serving:
             message = str(e)
             for name, own in names.items():  # the engine's words for the fields, in the endpoint's
                 message = re.sub(rf"\b{name}\b", own, message)
-            raise ApiError(400, message, param=names.get(e.param, e.param)) from None
+            raise ApiError(400, message, param=names.get(e.param, e.param), code=e.code) from None
         choices = []
         for j in range(n):
             choice_params = params

@@ -4,11 +4,18 @@ What each API's fields ask for is read in its own module (OpenAI's chat and comp
 
 import json
 
+from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.schemas import closed_objects
 from server.api.serving import Serving
-from server.api.tools import Function, Tools, output_grammar
+from server.api.tools import NO_PARAMETERS, Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
+
+
+def chat_function(tool: p.ChatTool) -> Function:
+    """A tool as OpenAI's chat declares it."""
+    f = tool.function
+    return Function(f.name, f.description, f.parameters or NO_PARAMETERS)
 
 
 def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Tools | None:

@@ -20,7 +20,13 @@ from server.engine.grammar import GrammarCompiler
 from server.engine.output_processor import OutputProcessor
 from server.engine.pooling import select_task
 from server.engine.reasoning import ReasoningState
-from server.engine.request import ParamError, PoolingParams, RequestOutput, SamplingParams
+from server.engine.request import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ParamError,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 from server.engine.request_state import Request
 from server.engine.scheduler import Scheduler
 from server.engine.setup import build_runner, context_length, select_speculation
@@ -67,7 +73,7 @@ class Engine:
         max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
         error = self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
         if error:
-            raise ParamError("prompt", error)
+            raise ParamError("prompt", error, code=CONTEXT_LENGTH_EXCEEDED)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams

@@ -62,13 +62,18 @@ class ReasoningSpec:
                 )
 
 
+# ParamError's code for a request longer than the context, as OpenAI's API and vLLM name it: clients read it to
+# shorten the conversation
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class ParamError(ValueError):
     """A request the engine can never serve, blamed on one of its parameters: each API dialect names that
     parameter in its own words (the engine's `prompt` is chat's `messages`)."""
 
-    def __init__(self, param: str | None, message: str):
+    def __init__(self, param: str | None, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class FinishReason(enum.Enum):

@@ -148,6 +148,38 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     assert_error(post("/tokenize", json={}), 400)
 
 
+def test_a_request_longer_than_the_context_is_a_400_clients_recognise(tiny_engine, start_server):
+    """The code OpenAI's API and vLLM give (context_length_exceeded) and the words "maximum context length" on the
+    OpenAI routes, Anthropic's "prompt is too long: N tokens > M maximum" on Messages: clients (LiteLLM, Claude
+    Code, agent SDKs) read them to trim or compact the conversation."""
+    url, _ = start_server(tiny_engine)
+    limit = tiny_engine.max_model_len
+    words = "word " * (2 * limit)
+    chat = {"messages": [{"role": "user", "content": words}]}
+    for route, body, param in [
+        ("/v1/completions", {"prompt": words}, "prompt"),  # the prompt alone
+        ("/v1/completions", {"prompt": "hi", "max_tokens": limit}, "prompt"),  # the prompt and max_tokens
+        ("/v1/chat/completions", chat, "messages"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": "hi"}], "max_tokens": limit},
+            "messages",
+        ),  # fmt: skip
+        ("/v1/responses", {"input": words}, "input"),
+    ]:
+        error = assert_error(httpx.post(f"{url}{route}", json=body), 400, param, "maximum context length")
+        assert error["code"] == "context_length_exceeded" and str(limit) in error["message"], (route, error)
+    # max_completion_tokens is named as it was sent
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": limit}
+    assert_error(
+        httpx.post(f"{url}/v1/chat/completions", json=body), 400, "messages", "max_completion_tokens ("
+    )
+    r = httpx.post(f"{url}/v1/messages", json={**chat, "max_tokens": 4})
+    message = assert_anthropic_error(r, 400, "invalid_request_error", "prompt is too long: ")
+    n = int(message.split(": ")[1].split()[0])
+    assert n > limit and message.endswith(f"tokens > {limit - 1} maximum")
+
+
 def test_401_unless_the_key_matches(tiny_engine, start_server):
     url, _ = start_server(tiny_engine, api_key="sesame")
     for headers in [

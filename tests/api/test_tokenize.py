@@ -23,3 +23,16 @@ def test_tokenize_matches_the_generation_routes(tiny_engine, start_server):
     assert "Be brief." in text and "hi" in text
     (model,) = client.get("/v1/models").json()["data"]
     assert model["id"] == "test-model" and model["max_model_len"] == tiny_engine.max_model_len
+
+
+def test_tokenize_counts_the_tools_as_chat_puts_them_in_the_prompt(long_engine, start_server):
+    url, _ = start_server(long_engine)
+    client = httpx.Client(base_url=url)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "ping", "description": "Ping a host."}}]
+    plain = client.post("/tokenize", json={"messages": messages}).json()
+    with_tools = client.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+    body = {"messages": messages, "tools": tools, "max_tokens": 1}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == with_tools["count"] > plain["count"]
+    assert "Ping a host." in client.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]

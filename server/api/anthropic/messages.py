@@ -48,7 +48,7 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.
-    max_tokens = min(body.max_tokens, serving.rest_of_context(ids, "messages"))
+    max_tokens = min(body.max_tokens, rest_of_context(serving, ids))
     params = serving.sampling_params(body, max_tokens, None)
     schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
     params.grammar = await compiled(serving, answer_grammar(schema, "output_config.format", tools))
@@ -76,6 +76,16 @@ def render(serving: Serving, body: mp.MessagesRequest, tools: Tools | None) -> P
 def thinks(body: mp.MessagesRequest) -> bool:
     """The request enables thinking: its blocks are shown."""
     return body.thinking is not None and body.thinking.type != "disabled"
+
+
+def rest_of_context(serving: Serving, ids: list[int]) -> int:
+    """How many tokens may follow the prompt. One that leaves no room is refused in Anthropic's words, which
+    clients (Claude Code) read to compact the conversation."""
+    try:
+        return serving.rest_of_context(ids, "messages")
+    except ApiError as e:
+        why = f"prompt is too long: {len(ids)} tokens > {serving.engine.max_model_len - 1} maximum"
+        raise ApiError(400, why, param=e.param, code=e.code) from None
 
 
 def thinking_kwargs(body: mp.MessagesRequest) -> dict | None:

@@ -32,7 +32,10 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
     params.grammar = await output_grammar_for(serving, body, tools)
     reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = serving.choices(response_id, 0, ids, params, body.n, names={"prompt": "messages"})
+    names = {"prompt": "messages"} | (
+        {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else {}
+    )
+    choices = serving.choices(response_id, 0, ids, params, body.n, names=names)
     shape = ChatShape(serving, body, response_id, int(time.time()), tools, prompt.reasoning_start)
     return await serving.answer(choices, shape, body.stream)
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field, field_validator, model_serializer, model_
 from server.api.protocol import (
     MAX_POOLED_INPUTS,
     MAX_STOP,
-    TOOL_NAME,
     Body,
     ChatMessage,
+    ChatTool,
     Effort,
     EmbeddingUsage,
     JsonObject,
@@ -151,18 +151,6 @@ class CompletionRequest(SamplingFields):
         return one_of(
             handler, value, "must be a string, a list of strings, a list of token ids or a list of lists"
         )
-
-
-class FunctionDefinition(Body):
-    name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
-    description: Text | None = None
-    parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
-    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
-
-
-class ChatTool(Body):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class FunctionName(Body):

@@ -8,8 +8,8 @@ from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.schemas import closed_objects
 from server.api.serving import Serving
-from server.api.structured import answer_grammar, compiled, offered_tools
-from server.api.tools import NO_PARAMETERS, Function, Tools
+from server.api.structured import answer_grammar, chat_function, compiled, offered_tools
+from server.api.tools import Tools
 from server.engine.request import GrammarSpec
 
 
@@ -17,10 +17,7 @@ def chat_tools(body: p.ChatCompletionRequest) -> Tools | None:
     """The request's tools and tool_choice, checked; None when it offers no tools."""
     choice = body.tool_choice
     name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
-    functions = [
-        Function(t.function.name, t.function.description, t.function.parameters or NO_PARAMETERS)
-        for t in body.tools or []
-    ]
+    functions = [chat_function(t) for t in body.tools or []]
     return offered_tools(functions, name or choice or "auto", body.parallel_tool_calls)
 
 
