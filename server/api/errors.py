@@ -66,16 +66,21 @@ async def _api_error(request: Request, error: ApiError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return _response(_bad_request(error), request)
+    return _response(_bad_request(error, request.headers.get("content-type", "")), request)
 
 
-def _bad_request(error: RequestValidationError) -> ApiError:
+def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
     # FastAPI says 422 with a list of errors; clients expect 400 with the first one, naming the field.
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"] if part != "body"]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     if not loc and first["type"] in ("model_attributes_type", "missing"):
+        kind = content_type.split(";")[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):  # FastAPI read no JSON at all
+            # (`curl -d` without -H sends application/x-www-form-urlencoded)
+            why = f"the body must be a JSON object, sent with Content-Type: application/json, not {kind[:80]}"
+            return ApiError(400, why, param="content-type")
         return ApiError(400, "the body must be a JSON object")
     param = ".".join(loc) or None
     message = first["msg"].removeprefix("Value error, ")

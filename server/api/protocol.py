@@ -117,7 +117,8 @@ class Sampling(Body):
 
     model: str | None = Field(None, description="The served model name; may be left out.")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1)
+    # 0, which OpenAI's API takes, keeps the most likely token alone (apply_top_k_top_p keeps at least one)
+    top_p: float = Field(1.0, ge=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off.")
     min_p: float = Field(0.0, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)

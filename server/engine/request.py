@@ -134,8 +134,8 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < -1:
             bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            bad("top_p", f"must be in [0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:

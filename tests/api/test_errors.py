@@ -120,6 +120,14 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     assert_error(
         post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400
     )
+    # top_p 0, which OpenAI's API takes: the most likely token alone
+    assert post("/v1/completions", json={**PROMPT, "top_p": 0, "temperature": 1}).status_code == 200
+    assert_error(post("/v1/completions", json={**PROMPT, "top_p": -0.1}), 400, "top_p")
+    # JSON sent as a form (`curl -d` without -H) or as text: the 400 names the header, not the JSON
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = post("/v1/completions", content=json.dumps(PROMPT).encode(), headers={"content-type": kind})
+        assert_error(r, 400, "content-type", contains="Content-Type: application/json")
+    assert_error(post("/v1/completions", content=b"[1, 2]", headers={}), 400, contains="JSON object")
     r = post(
         "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
     )

@@ -35,4 +35,6 @@ def test_tokenize_counts_the_tools_as_chat_puts_them_in_the_prompt(long_engine, 
     body = {"messages": messages, "tools": tools, "max_tokens": 1}
     usage = client.post("/v1/chat/completions", json=body).json()["usage"]
     assert usage["prompt_tokens"] == with_tools["count"] > plain["count"]
-    assert "Ping a host." in client.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert (
+        "Ping a host." in client.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    )

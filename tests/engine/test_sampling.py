@@ -156,6 +156,11 @@ def test_top_p_stays_in_the_smallest_nucleus():
     kept = apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5]), width=1000)
     assert kept[0].isfinite().all() and kept[1].isfinite().sum() == 1
 
+    # top_p = 0 (which OpenAI's API takes) keeps the most likely token alone
+    row = torch.randn(vocab_size) * 1.5
+    t = make(vocab_size, n, top_p=[0.0] * n, seeds=[7] * n)
+    assert set(sample(repeat_row(row, n), t).token_ids.tolist()) == {int(row.argmax())}
+
 
 @pytest.mark.timeout(60)
 def test_min_p_drops_tokens_under_the_fraction_of_the_top_prob():
