@@ -187,7 +187,7 @@ SERVER_FLAGS = (
         SERVER.read_timeout,
         float,
         env=True,
-        help="seconds a request body may take to arrive; slower ones get 408",
+        help="seconds a request's headers, then its body, may take to arrive; slower ones get 408",
     ),
     Flag("--no-ui", False, store_true=True, env=True, help="no chat page at /"),
     Flag(

@@ -123,15 +123,21 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from server.api.app import create_app, set_engine
-    from server.api.uvicorn_server import DrainingServer, log_stats_periodically
+    from server.api.uvicorn_server import (
+        DrainingServer,
+        guarded_http,
+        log_stats_periodically,
+        raise_open_files_limit,
+    )
     from server.engine.async_engine import AsyncEngine
 
     engine_config(args)  # a bad flag value exits now, before the listener starts
     app = create_app(None, server_config(args, args.model))
     # ws="none": kvserve serves no WebSocket route, and uvicorn's default imported the websockets package at
     # start (~0.23 s of a ~3 s start, measured with python -X importtime)
+    http = guarded_http(app.state.config.read_timeout, raise_open_files_limit())
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, ws="none"
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, ws="none", http=http
     )
     server = DrainingServer(config, app)
     failed = threading.Event()

@@ -19,7 +19,8 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS origins; empty = no CORS headers at all
     max_queue: int = 256  # waiting requests at which new ones get 429
     max_request_bytes: int = 4 << 20  # larger bodies get 413
-    read_timeout: float = 30.0  # seconds a request body may take to arrive in full; slower ones get 408
+    # seconds a request's line and headers may take to arrive, then its body (each in full); slower ones get 408
+    read_timeout: float = 30.0
     shutdown_timeout: float = 30.0  # seconds running requests get to finish when draining
     system_prompt: str | None = None  # put first in chat requests that have no system message
     ui: bool = True  # serve the chat page at / (public, like /health; it holds no secret)

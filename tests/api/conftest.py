@@ -23,11 +23,11 @@ DEFAULT_NAME = "smollm2"
 
 
 @contextmanager
-def serve(app) -> Iterator[str]:
+def serve(app, **uvicorn_config) -> Iterator[str]:
     """Run `app` on 127.0.0.1:<free port>; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **uvicorn_config)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
