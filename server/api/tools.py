@@ -17,6 +17,7 @@ import json
 import re
 import secrets
 import string
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -181,9 +182,14 @@ def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSp
 
 
 def _call_schema(f: Function) -> dict:
+    arguments = closed_objects(f.parameters)
+    if (
+        "$id" not in arguments
+    ):  # its own base, so that its "#/$defs/..." resolve in it, not in the call around it
+        arguments = {"$id": f"urn:kvserve:tool:{urllib.parse.quote(f.name, safe='')}", **arguments}
     return {
         "type": "object",
-        "properties": {"name": {"const": f.name}, "arguments": closed_objects(f.parameters)},
+        "properties": {"name": {"const": f.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

@@ -484,10 +484,15 @@ def gbnf_to_lark(source: str, seconds: float = GBNF_SECONDS) -> str:
     return done.stdout.decode()
 
 
+GRAMMAR_LINE = re.compile(r"\s*\d+ \| ")
+
+
 def _short(message: str) -> str:
-    # llguidance's messages can quote the whole grammar with a caret line, or dump its parser's state after a
-    # "<state>" line; the first lines say what is wrong.
-    lines = [line for line in message.strip().split("\n<state>")[0].splitlines() if line.strip()][:3]
+    # llguidance's messages can quote the whole grammar with a caret line ("N | text" lines: for a tool call,
+    # kvserve's own grammar around the client's schema), or dump its parser's state after a "<state>" line; the
+    # first other lines say what is wrong.
+    lines = message.strip().split("\n<state>")[0].splitlines()
+    lines = [line for line in lines if line.strip() and not GRAMMAR_LINE.match(line)][:3]
     if lines and lines[0].strip() == "NoExtensionBias":  # its word for: no token may come next
         return "the grammar allows no token here (no text matches it from this point)"
     return " ".join(line.strip() for line in lines)[:300]

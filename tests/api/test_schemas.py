@@ -123,3 +123,42 @@ def test_a_tool_whose_parameters_are_not_an_object_is_refused():
         offered_tools([Function("f", None, {"type": "string"})], "auto", True)
     assert e.value.status == 400 and e.value.param == "tools" and "object" in e.value.message
     assert offered_tools([Function("f", None, {"type": ["object", "null"]})], "auto", True) is not None
+
+
+@pytest.mark.parametrize("defs", ["$defs", "definitions"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_a_tools_own_refs_resolve_in_its_parameters(engine, defs, choice):
+    """Pydantic and MCP tools write enums and nested models as "#/$defs/..." refs: a forced call resolves them in
+    the tool's parameters, not in the grammar's call object around them."""
+    weather = {
+        "type": "object",
+        defs: {"Unit": {"type": "string", "enum": ["c", "f"]}},
+        "properties": {"city": {"type": "string"}, "unit": {"$ref": f"#/{defs}/Unit"}},
+        "required": ["city", "unit"],
+    }
+    body = p.ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": choice,
+            "tools": [
+                {"type": "function", "function": {"name": "weather", "parameters": weather}},
+                {"type": "function", "function": {"name": "now"}},
+            ],
+        }
+    )
+    spec, _ = requested_grammar(body, chat_tools(body))
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "unit": "%s"}}\n</tool_call>'
+    assert accepts(engine, spec, call % "c")
+    assert not accepts(engine, spec, call % "k")
+
+
+def test_a_tool_schema_that_does_not_compile_is_refused_in_a_line_of_its_own(engine):
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    tools = offered_tools([Function("f", None, broken)], "required", True)
+    spec, param = answer_grammar(None, "response_format", tools)
+    with pytest.raises(ValueError) as e:
+        engine.grammars.compile(spec)
+    assert param == "tools" and "missing" in str(e.value)
+    assert "<tool_call>" not in str(e.value) and "start:" not in str(
+        e.value
+    )  # not kvserve's grammar around it
