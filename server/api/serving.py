@@ -68,9 +68,16 @@ class Serving:
             why = f"{what} needs a model served with {flag}; this one is served for {served}"
             raise ApiError(400, why, param="model", code="model_not_supported")
 
-    def check_queue(self) -> None:
-        if self.engine.stats().num_waiting >= self.max_queue:
-            why = f"the server is busy ({self.max_queue} requests waiting); retry shortly"
+    def check_queue(self, sequences: int = 1, param: str = "n") -> None:
+        """A request of `sequences` engine requests (prompts x n) fits in the queue: a 429 while the queue is too
+        full for them, a 400 naming `param` if they alone are more than it holds (one request must not fill
+        the queue and turn every other client away)."""
+        if sequences > self.max_queue:
+            why = f"{sequences} sequences (prompts x n) are more than the server queues (--max-queue {self.max_queue})"
+            raise ApiError(400, why, param=param)
+        waiting = self.engine.stats().num_waiting
+        if waiting + sequences > self.max_queue:
+            why = f"the server is busy ({waiting} requests waiting, {self.max_queue} at most); retry shortly"
             raise ApiError(429, why, "rate_limit_error", headers={"Retry-After": "1"})
 
     def rest_of_context(self, ids: list[int], param: str) -> int:

@@ -264,6 +264,22 @@ def test_429_when_the_queue_is_full(long_engine, start_server, wait_for):
     assert httpx.post(f"{url}/v1/completions", json=PROMPT).status_code == 200
 
 
+def test_one_request_cannot_fill_the_queue_by_fanning_out(tiny_engine, start_server):
+    """Prompts x n engine requests count against --max-queue: more than it holds is a 400 that says so, and one
+    that would overflow what is already waiting a 429; before, one request of 256 prompts x 16 queued 4,096 and
+    every other client got 429 until they were done (hostile-input audit)."""
+    url, _ = start_server(tiny_engine, max_queue=8)
+    body = {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n", "--max-queue 8")
+    assert "9 sequences" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 9, "max_tokens": 1}
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json=chat), 400, "n")
+    prompts = {"prompt": ["p"] * 9, "max_tokens": 1}
+    assert_error(httpx.post(f"{url}/v1/completions", json=prompts), 400, "prompt")
+    r = httpx.post(f"{url}/v1/completions", json={**body, "n": 2})  # 6: fits
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6
+
+
 def test_503_while_loading_then_ready(tiny_engine, start_server, scrape):
     url, app = start_server(None)
     assert_error(httpx.get(f"{url}/health"), 503, contains="loading")

@@ -20,7 +20,7 @@ from server.engine.request import RequestOutput, TokenLogprob
 async def chat(serving: Serving, body: p.ChatCompletionRequest):
     """A ChatCompletionResponse, an SSE stream of strings, or None when the client went away."""
     serving.check_model(body.model)
-    serving.check_queue()
+    serving.check_queue(body.n)
     tools = chat_tools(body)
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     prompt = chat_prompt(

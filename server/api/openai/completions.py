@@ -19,13 +19,13 @@ LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 async def completion(serving: Serving, body: p.CompletionRequest):
     """A CompletionResponse, an SSE stream of strings, or None when the client went away."""
     serving.check_model(body.model)
-    serving.check_queue()
     tokenizer = serving.engine.tokenizer
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
     if isinstance(prompts[0], int):
         prompts = [prompts]
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    serving.check_queue(len(prompts) * body.n, "prompt" if body.n == 1 else "n")
     params = serving.sampling_params(body, body.max_tokens, body.logprobs)
     params.prompt_logprobs = body.echo and body.logprobs is not None
     params.grammar = await output_grammar_for(serving, body)
