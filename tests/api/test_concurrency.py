@@ -135,3 +135,30 @@ def test_a_grammar_slow_to_convert_is_refused_in_its_budget_and_holds_no_other_t
     assert answered - sent < 8
     gaps = [b - a for a, b in pairwise([sent, *arrivals])]
     assert len(arrivals) > 20 and max(gaps) < 1.0, (len(arrivals), max(gaps))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}]}),
+        ("/v1/completions", lambda text: {"prompt": text}),
+        ("/v1/responses", lambda text: {"input": text}),
+        ("/v1/messages", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 4}),
+    ],
+)
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(tiny_engine, start_server, route, body):
+    """A prompt just under the body limit takes seconds to render and tokenize (then it is refused: longer than
+    the context); every other request is answered meanwhile (before, /health waited ~2 s behind each one)."""
+    url, _ = start_server(tiny_engine)
+    big = body("ab " * 1_300_000)
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(httpx.post, f"{url}{route}", json=big, timeout=60)
+        slowest = 0.0
+        while not refused.done():
+            start = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.02)
+        assert refused.result().status_code == 400
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while a prompt was tokenized"

@@ -2,6 +2,7 @@
 become chat messages rendered through the chat template as /v1/chat/completions renders them, and the reply
 streams as content blocks (thinking, text, tool_use) in Anthropic's event sequence."""
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -44,7 +45,7 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     if thinking and prefills(body):
         raise ApiError(400, "a final assistant message (a prefill) cannot be continued with thinking enabled",
                        param="messages")  # fmt: skip
-    prompt = render(serving, body, tools)
+    prompt = await asyncio.to_thread(render, serving, body, tools)  # off the event loop, as chat's
     ids = prompt.ids
     # Clients written for large models ask for more than a small context holds: generate what fits, and say
     # so by the stop reason (model_context_window_exceeded), as Anthropic's API does.

@@ -1,5 +1,6 @@
 """/v1/completions: prompts as text or token ids, each with n choices; echo and logprobs in OpenAI's legacy shape."""
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ async def completion(serving: Serving, body: p.CompletionRequest):
     params.grammar = await output_grammar_for(serving, body)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     choices = []
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+
+    def tokenized() -> list[list[int]]:  # off the event loop, as chat's prompts
+        return [tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else x for x in prompts]
+
+    for prompt, ids in zip(prompts, await asyncio.to_thread(tokenized), strict=True):
         for c in serving.choices(response_id, len(choices), ids, params, body.n):
             if body.echo:
                 c.prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)

@@ -8,6 +8,7 @@ what the request declared: `name` and `namespace` apart (Codex runs a namespaced
 tool's `input` as the text it is. Built-in tools are left out of the prompt (see ignored_tools).
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -122,7 +123,9 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
     tools = offered_tools(functions, choice, body.parallel_tool_calls)
     effort = body.reasoning.effort if body.reasoning is not None else None
     kwargs = template_kwargs(body.chat_template_kwargs, effort)
-    prompt = chat_prompt(serving, chat_messages(body), tools=tools, template_kwargs=kwargs)
+    prompt = await asyncio.to_thread(
+        chat_prompt, serving, chat_messages(body), tools=tools, template_kwargs=kwargs
+    )
     ids = prompt.ids
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
     params = serving.sampling_params(body, max_tokens, None)
