@@ -6,7 +6,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from model.tokenizer import MAX_HELD_IDS, IncrementalDetokenizer, Tokenizer
+from model.tokenizer import LONG_TEXT, MAX_HELD_IDS, IncrementalDetokenizer, Tokenizer
 
 SAMPLES = [
     "Hello, world!",
@@ -67,6 +67,21 @@ def test_default_model_special_tokens(smol, hf_smol):
     assert ids[0] == 1 and ids[-1] == 2
     assert smol.decode(ids) == "user\nHi"
     assert smol.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_long_text_encodes_to_the_same_ids_off_the_gil(smol):
+    """Past LONG_TEXT characters the text goes through tokenizers' batch (which releases the GIL): the same ids,
+    special tokens written in it included."""
+    text = "<|im_start|>user\n" + "Héllo, wörld! 12 + 30 = 42. " * (LONG_TEXT // 20) + "<|im_end|>"
+    assert len(text) >= LONG_TEXT
+    ids = smol.encode(text)
+    assert ids == smol._tokenizer.encode(text, add_special_tokens=False).ids and ids[0] == 1 and ids[-1] == 2
+    assert (
+        smol.encode(text, add_special_tokens=True)
+        == smol._tokenizer.encode(text, add_special_tokens=True).ids
+    )
 
 
 @pytest.mark.slow
