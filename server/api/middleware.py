@@ -1,6 +1,7 @@
 """The one middleware: request ids, body size and read-time limits, before the app reads a byte."""
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -8,6 +9,12 @@ import uuid
 from server.api.errors import ApiError, ErrorShapes, error_response
 
 REQUEST_ID = re.compile(r"[\w.:@/+=-]{1,128}")  # an X-Request-Id echoed as given; anything else is replaced
+
+log = logging.getLogger("kvserve")
+
+
+class ClientNotReading(Exception):
+    """A stream's client read none of it for read_timeout seconds."""
 
 
 class RequestGuard:
@@ -19,7 +26,12 @@ class RequestGuard:
     `request.state.received` says when it was all here (time.monotonic(); a request without a body: when it came).
 
     HEAD is answered as GET without the body, on every route: FastAPI gives a GET route no HEAD (a 405), and
-    clients probe with one (Claude Code sends `HEAD /` as it starts)."""
+    clients probe with one (Claude Code sends `HEAD /` as it starts).
+
+    A stream whose client reads none of it for read_timeout seconds (a chunk not taken by the connection in that
+    time: its buffers are full) is dropped, which aborts its request: the engine would otherwise generate it to
+    its end, its output piling up unread (one such stream held 546 MB: the hostile-input audit). A complete
+    body (a request's one answer) has no such limit: it is all made already, and a slow link may take long."""
 
     def __init__(self, app, error_shapes: ErrorShapes, max_request_bytes: int, read_timeout: float = 30.0):
         self.app = app
@@ -30,6 +42,14 @@ class RequestGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        try:
+            await self._guarded(scope, receive, send)
+        except ClientNotReading:
+            request_id = scope["state"]["request_id"]
+            log.warning("request %s: its client read nothing of the stream for %g s: dropped", request_id,
+                        self.read_timeout)  # fmt: skip
+
+    async def _guarded(self, scope, receive, send) -> None:
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
@@ -39,6 +59,12 @@ class RequestGuard:
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            if message["type"] == "http.response.body" and message.get("more_body"):  # a stream's chunk
+                try:
+                    async with asyncio.timeout(self.read_timeout):
+                        return await send(message)
+                except TimeoutError:
+                    raise ClientNotReading from None
             await send(message)
 
         if scope["method"] == "HEAD":

@@ -1,6 +1,8 @@
 """Many streams at once give what each gives alone; a client that goes away frees its request at once."""
 
 import asyncio
+import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -162,3 +164,36 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(tiny_engine, start_server
             time.sleep(0.02)
         assert refused.result().status_code == 400
     assert slowest < 1.0, f"/health took {slowest:.2f} s while a prompt was tokenized"
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_nobody_reads_is_dropped_and_its_request_aborted(
+    long_engine, start_server, wait_for, caplog
+):
+    """A client that stops reading its stream (its connection's buffers full) for --read-timeout: the server
+    drops the stream and the engine stops generating it, rather than piling its output up unread."""
+    url, _ = start_server(long_engine, read_timeout=1.0)
+    host, port = url.removeprefix("http://").split(":")
+    # ~2 KB a token's chunk: ~8 MB in all, more than the connection's buffers hold
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "ignore_eos": True,
+                       "stream": True, "logprobs": True, "top_logprobs": 20})  # fmt: skip
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    s.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    try:
+        wait_for(lambda: long_engine.stats().num_running == 1, what="the stream running")
+        wait_for(lambda: long_engine.stats().num_running == 0, what="the unread stream aborted", timeout=60)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("read nothing of the stream" in m for m in messages)
+        assert not any("failed" in m or "Traceback" in m for m in messages), messages
+        s.settimeout(30)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data  # cut, not finished
+    finally:
+        s.close()
