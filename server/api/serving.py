@@ -71,8 +71,9 @@ class Serving:
     def check_queue(self, sequences: int = 1, param: str = "n") -> None:
         """A request of `sequences` engine requests (prompts x n) fits in the queue: a 429 while the queue is too
         full for them, a 400 naming `param` if they alone are more than it holds (one request must not fill
-        the queue and turn every other client away)."""
-        if sequences > self.max_queue:
+        the queue and turn every other client away). Checked as a request arrives, and again as its choices are
+        queued (answer): the prompt is tokenized in between, off the event loop, while others arrive."""
+        if sequences > max(self.max_queue, 1):
             why = f"{sequences} sequences (prompts x n) are more than the server queues (--max-queue {self.max_queue})"
             raise ApiError(400, why, param=param)
         waiting = self.engine.stats().num_waiting
@@ -149,7 +150,8 @@ class Serving:
         """Queue the choices and answer: an SSE stream of strings, the body, or None when the client went
         away."""
         # Handed to the engine now, while the request is being answered, so that the waiting count the next
-        # request's 429 check reads already includes them.
+        # request's 429 check reads already includes them; checked with nothing awaited between.
+        self.check_queue(len(choices))
         self._queue(choices)
         if streamed:
             return self._stream(choices, shape)

@@ -117,7 +117,7 @@ def test_targeted_cases_are_clear_4xx(hostile_server: Server):
         ("/v1/completions", {**COMPLETION, "logprobs": 10**6}, "logprobs"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
         ("/v1/completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
-        ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_p": -0.01}, "top_p"),  # 0 is valid (OpenAI takes it): top-1
         ("/v1/completions", {**COMPLETION, "top_p": 1.0001}, "top_p"),
         ("/v1/completions", {**COMPLETION, "top_p": -1}, "top_p"),
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 300]}, "prompt"),
