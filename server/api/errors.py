@@ -72,7 +72,7 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
     # FastAPI says 422 with a list of errors; clients expect 400 with the first one, naming the field.
     first = error.errors()[0]
-    loc = [str(part) for part in first["loc"] if part != "body"]
+    loc = [_printable(part) for part in first["loc"] if part != "body" and not _validator_tag(part)]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     if not loc and first["type"] in ("model_attributes_type", "missing"):
@@ -85,6 +85,31 @@ def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
     param = ".".join(loc) or None
     message = first["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+# the words pydantic puts in an error's location for what it tried, not where: a union's member ("str",
+# "list[str]", "literal['auto']"), a validator ("function-after[_valid_unicode(), str]"), a key ("[key]")
+_TYPE_WORDS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "bytes",
+    "json-or-python",
+    "lax-or-strict",
+}
+
+
+def _validator_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or "(" in part or part in _TYPE_WORDS)
+
+
+def _printable(part) -> str:
+    # a key the client sent may hold a lone surrogate, which no response can encode
+    return str(part).encode("utf-8", "backslashreplace").decode()
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -120,6 +120,13 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     assert_error(
         post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400
     )
+    # a field's path, never pydantic's words for the union member or validator it tried
+    for body, param in [
+        ({**chat, "stop": [5]}, "stop"),
+        ({**chat, "tool_choice": "bogus"}, "tool_choice"),
+        ({**chat, "structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ]:
+        assert_error(post("/v1/chat/completions", json=body), 400, param, f"{param}: ")
     # top_p 0, which OpenAI's API takes: the most likely token alone
     assert post("/v1/completions", json={**PROMPT, "top_p": 0, "temperature": 1}).status_code == 200
     assert_error(post("/v1/completions", json={**PROMPT, "top_p": -0.1}), 400, "top_p")
