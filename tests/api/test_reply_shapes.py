@@ -22,6 +22,7 @@ from server.api.serving import Serving
 from server.api.shape import Choice
 from server.api.tools import Function, ToolCallParser, Tools, call_parser, new_call_id
 from server.engine.request import FinishReason, RequestOutput, SamplingParams
+from server.engine.stats import EngineStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,6 +47,9 @@ class ScriptedEngine:
         self, deltas: list[str], finish: str = "stop", stop_string: str | None = None, cached: int = 0
     ):
         self.deltas, self.finish, self.stop_string, self.cached = deltas, finish, stop_string, cached
+
+    def stats(self) -> EngineStats:  # an idle engine's: nothing waits
+        return EngineStats()
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams, arrival_time: float):
         for i, text in enumerate(self.deltas):
