@@ -45,13 +45,18 @@ def guarded_http(headers_seconds: float, max_connections: int) -> type[H11Protoc
     and then nothing held its connection forever, and 20,000 such held every descriptor the process had: the
     server accepted nothing more (measured by the hostile-input audit of 2026-12-04)."""
 
+    last_warning = float("-inf")  # a flood is said once a minute, not once a connection
+
     class GuardedH11(H11Protocol):
         _headers_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
+            nonlocal last_warning
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                log.warning("more than %d connections: closing a new one", max_connections)
+                if time.monotonic() - last_warning > 60:
+                    log.warning("more than %d connections: closing new ones as they come", max_connections)
+                    last_warning = time.monotonic()
                 transport.close()
                 return
             self._time_headers()
