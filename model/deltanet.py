@@ -175,9 +175,8 @@ class PromptLayout:
         seq = torch.repeat_interleave(torch.arange(B), n)  # [Tp]
         t = torch.arange(Tp) - offset[seq]  # a token's place in its sequence's chunk
 
-        def source(
-            seq: torch.Tensor, t: torch.Tensor
-        ) -> torch.Tensor:  # input t of a sequence (< 0: kept ones)
+        # input t of a sequence's (t < 0: the ones it kept)
+        def source(seq: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return torch.where(t >= 0, offset[seq] + t, Tp + seq * K1 + K1 + t)
 
         taps = torch.stack([source(seq, t - K1 + j) for j in range(conv_kernel)])
@@ -252,9 +251,8 @@ class GatedDeltaNet(nn.Module):
         if self.parallel and states.decodes_only:
             return self._decodes(proj, conv_state, recurrent_state, *states.on(proj.device))
         out = torch.empty(T, spec.value_dim, dtype=proj.dtype, device=proj.device)
-        if (
-            self.parallel
-        ):  # a GPU's mixed step: its decodes together, as in a step of decodes; its prompts together
+        # a GPU's mixed step: its decodes together, as in a step of decodes; its prompts together
+        if self.parallel:
             if states.decodes:
                 rows = states.decode_rows(proj.device)
                 out[rows] = self._decodes(proj[rows], conv_state, recurrent_state, *states.on(proj.device))
@@ -265,9 +263,8 @@ class GatedDeltaNet(nn.Module):
             states.starts, states.lengths, states.slots, states.positions, states.keep_each, strict=True
         )
         for start, n, slot, position, keep_each in sequences:
-            if (
-                not self.parallel or keep_each >= 0
-            ):  # a GPU's decodes that keep their drafts' states: the loop
+            # every sequence on the CPU; on a GPU the decodes that keep their drafts' states
+            if not self.parallel or keep_each >= 0:
                 rows = slice(start, start + n)
                 out[rows] = self._tokens(proj[rows], conv_state, recurrent_state, slot, position, keep_each)
         return out
@@ -362,9 +359,8 @@ class GatedDeltaNet(nn.Module):
         B, Tp = len(layout.slots), len(layout.rows)
         qkv, z, b, a = proj[layout.rows].split(self.sizes, dim=-1)
         # the convolution, tap by tap: each token's inputs from its sequence's tokens or the inputs it kept
-        kept = torch.where(
-            layout.fresh[:, None, None], 0.0, conv_state[layout.slots]
-        )  # [B, kernel - 1, conv_dim]
+        # ([B, kernel - 1, conv_dim], zeros where fresh)
+        kept = torch.where(layout.fresh[:, None, None], 0.0, conv_state[layout.slots])
         inputs = torch.cat((qkv.float(), kept.flatten(0, 1)))
         taps = self.conv[:, 0].T  # [kernel, conv_dim]
         convolved = inputs[layout.taps[0]] * taps[0]
@@ -394,9 +390,8 @@ class GatedDeltaNet(nn.Module):
             beta_b, steps = (g[token].transpose(1, 2) for g in (beta, log_decay))  # [A, Hv, L]
             G = steps.cumsum(-1)  # log decay since the block's start
             rhs_known = torch.zeros_like(V)
-            if (
-                block == 0
-            ):  # rows the state holds: their keys, corrections and log decays since the chunk's start
+            # block 0: the rows the state holds, their keys, corrections and log decays since the chunk's start
+            if block == 0:
                 h = held[:A, :, :, None]
                 K[:, :, :CHUNK] = torch.where(h, K_since[:A], K[:, :, :CHUNK])
                 rhs_known[:, :, :CHUNK] = torch.where(h, U_since[:A], 0.0)
@@ -411,9 +406,8 @@ class GatedDeltaNet(nn.Module):
             U = torch.linalg.solve_triangular(
                 beta_b[..., None] * strict, rhs, upper=False, unitriangular=True
             )
-            outputs = (
-                G.exp()[..., None] * (Q @ Sb) + ((Q @ K.transpose(-1, -2)) * decay) @ U
-            )  # [A, Hv, L, dv]
+            # [A, Hv, L, dv]
+            outputs = G.exp()[..., None] * (Q @ Sb) + ((Q @ K.transpose(-1, -2)) * decay) @ U
             out[token.flatten()] = outputs.transpose(1, 2).flatten(0, 1)
             # each sequence's whole chunks of the block folded into its S; the rows after them kept
             whole = (layout.ends[:A] - block * BLOCK).clamp(max=BLOCK) // CHUNK * CHUNK  # [A]

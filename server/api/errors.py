@@ -89,18 +89,7 @@ def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
 
 # the words pydantic puts in an error's location for what it tried, not where: a union's member ("str",
 # "list[str]", "literal['auto']"), a validator ("function-after[_valid_unicode(), str]"), a key ("[key]")
-_TYPE_WORDS = {
-    "str",
-    "int",
-    "float",
-    "bool",
-    "list",
-    "dict",
-    "none",
-    "bytes",
-    "json-or-python",
-    "lax-or-strict",
-}
+_TYPE_WORDS = set("str int float bool list dict none bytes json-or-python lax-or-strict".split())
 
 
 def _validator_tag(part) -> bool:

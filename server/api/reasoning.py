@@ -219,9 +219,8 @@ class ReplyParser:
             self._first = False
         self._text(pieces, out.text[cut:])
         if out.finished:
-            if (
-                self._call is not None and not self._cut
-            ):  # a call the model ended unclosed: its text, as written
+            # a call the model ended unclosed: its text, as written (one max_tokens cut: nothing of it)
+            if self._call is not None and not self._cut:
                 self._content(pieces, GEMMA4_CALL + self._call)
             self._call = None
             self._content(pieces, "", final=True)

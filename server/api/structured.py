@@ -2,11 +2,8 @@
 grammar the engine constrains sampling with when the reply must be JSON matching a schema or calls of the tools.
 What each API's fields ask for is read in its own module (OpenAI's chat and completions: openai/structured.py)."""
 
-import json
-
 from server.api import protocol as p
 from server.api.errors import ApiError
-from server.api.schemas import closed_objects
 from server.api.serving import Serving
 from server.api.tools import NO_PARAMETERS, Function, Tools, output_grammar
 from server.engine.request import GrammarSpec
@@ -41,12 +38,10 @@ def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Too
 def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tuple[GrammarSpec, str] | None:
     """The grammar of a reply that is JSON matching the schema `answer` (None: free text; `param` is the field
     it comes from) or calls of the tools, as tool_choice says; None when nothing constrains the reply."""
-    if tools is not None and tools.active:
-        spec = output_grammar(tools, answer)
-        return (spec, "tools") if spec is not None else None
-    if answer is not None:
-        return GrammarSpec("json_schema", json.dumps(closed_objects(answer))), param
-    return None
+    spec = output_grammar(tools, answer)
+    if spec is None:
+        return None
+    return spec, "tools" if tools is not None and tools.active else param
 
 
 async def compiled(serving: Serving, requested: tuple[GrammarSpec, str] | None):

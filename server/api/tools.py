@@ -183,9 +183,8 @@ def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSp
 
 def _call_schema(f: Function) -> dict:
     arguments = closed_objects(f.parameters)
-    if (
-        "$id" not in arguments
-    ):  # its own base, so that its "#/$defs/..." resolve in it, not in the call around it
+    # its own base, so that its "#/$defs/..." resolve in it, not in the call around it
+    if "$id" not in arguments:
         arguments = {"$id": f"urn:kvserve:tool:{urllib.parse.quote(f.name, safe='')}", **arguments}
     return {
         "type": "object",
