@@ -83,8 +83,33 @@ def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
             return ApiError(400, why, param="content-type")
         return ApiError(400, "the body must be a JSON object")
     param = ".".join(loc) or None
-    message = first["msg"].removeprefix("Value error, ")
+    message = _wrong_type(first) or first["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+}
+_JSON_TYPES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def _wrong_type(error: dict) -> str | None:
+    # OpenAI's words for a value of the wrong JSON type ("expected an integer, but got a string instead")
+    expected = _EXPECTED.get(error["type"])
+    got = _JSON_TYPES.get(type(error.get("input")))
+    if expected is None or got is None:
+        return None
+    return f"expected {expected}, but got {got} instead"
 
 
 # the words pydantic puts in an error's location for what it tried, not where: a union's member ("str",

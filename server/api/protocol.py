@@ -6,7 +6,7 @@ shape, which vLLM's clients read too), rerank and score.
 
 Unknown request fields are ignored (clients send extras); fields kvserve knows but does not support are
 rejected by name, so a client never silently gets behaviour it did not ask for. A JSON null means "the
-default", as in OpenAI's API.
+default", as in OpenAI's API; a value of another JSON type is refused, never converted.
 """
 
 from collections.abc import Callable
@@ -18,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -30,7 +31,9 @@ TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of the wrong JSON type is refused, as OpenAI's and Anthropic's APIs refuse it, rather than
+    # read as something the client did not write ("max_tokens": true is not 1, "stream": "false" is not false)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -134,7 +137,8 @@ class Sampling(Body):
         description="false: no speculative drafts for this request (the server drafts by default on CPU, and "
         "as --speculative-config says). The output is the same either way; drafts only change its speed.",
     )
-    logit_bias: dict[int, float] | None = Field(
+    # JSON's keys are strings: a token id's may be read as the number it spells
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit; at most 300."
     )
 
