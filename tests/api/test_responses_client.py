@@ -101,6 +101,45 @@ def test_text_streamed_and_not(client):
     assert len(deltas) > 1 and "".join(deltas) == final.output_text == r.output_text
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert final.usage.output_tokens == u.output_tokens
+    # completed_at only once completed, as OpenAI's
+    assert (r.completed_at is None) == (r.status != "completed")
+    assert final.completed_at >= final.created_at and events[0].response.completed_at is None
+
+
+def test_logprobs_of_the_output_text_as_chat_gives_them(client):
+    question = "Name three colours."
+    kw = dict(model="smollm2", input=question, max_output_tokens=8, temperature=0)
+    r = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+    (part,) = r.output[0].content
+    assert len(part.logprobs) == r.usage.output_tokens == 8
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode() == part.text
+    for lp in part.logprobs:  # greedy: the token is the likeliest of its alternatives
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+        assert lp.logprob <= 0 and lp.top_logprobs[1].logprob <= lp.top_logprobs[0].logprob == lp.logprob
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = chat.choices[0].logprobs.content
+    assert [(lp.token, round(lp.logprob, 4)) for lp in part.logprobs] == [
+        (lp.token, round(lp.logprob, 4)) for lp in expected
+    ]
+    # streamed: the deltas carry them, the done events and the final response hold them all
+    events = list(client.responses.create(**kw, include=["message.output_text.logprobs"], stream=True))
+    final = events[-1].response  # response.incomplete: cut at max_output_tokens
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == [lp.token for lp in expected]
+    held = [lp.model_dump() for lp in final.output[0].content[0].logprobs]
+    assert held == [lp.model_dump() for lp in done.logprobs] and not streamed[0].top_logprobs
+    # not asked for: none
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.responses.create(**kw, top_logprobs=21)
 
 
 def test_input_items_and_a_length_cut(client):

@@ -8,14 +8,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from server.api.openai import protocol as p
-from server.api.openai.shape import OpenAIShape
+from server.api.openai.shape import OpenAIShape, token_logprob
 from server.api.openai.structured import chat_tools, output_grammar_for
 from server.api.prompt import chat_prompt, template_kwargs
 from server.api.reasoning import ReplyParser, reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event
 from server.api.tools import CallDelta, Tools, call_parser
-from server.engine.request import RequestOutput, TokenLogprob
+from server.engine.request import RequestOutput
 
 
 async def chat(serving: Serving, body: p.ChatCompletionRequest):
@@ -60,7 +60,7 @@ class ChatShape(OpenAIShape):
     def delta(self, c: Choice, out: RequestOutput) -> p.ChatChunkChoice | None:
         logprobs = None
         if self.body.logprobs:
-            logprobs = p.ChatLogprobs(content=[self._logprob(e) for e in out.logprobs or []])
+            logprobs = p.ChatLogprobs(content=[token_logprob(self.serving, e) for e in out.logprobs or []])
         finish_reason = c.finish_reason
         parser = self.parsers.get(c.index)
         if parser is None:
@@ -88,19 +88,6 @@ class ChatShape(OpenAIShape):
             tool_calls=tool_call_deltas(calls) or None,
         )
         return p.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-
-    def _logprob(self, entry: TokenLogprob) -> p.TokenLogprob:
-        tokenizer = self.serving.engine.tokenizer
-
-        def top(token_id: int, logprob: float) -> p.TopLogprob:
-            return p.TopLogprob(
-                token=tokenizer.token_text(token_id),
-                logprob=logprob,
-                bytes=list(tokenizer.token_bytes(token_id)),
-            )
-
-        chosen = top(entry.token_id, entry.logprob)
-        return p.TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top])
 
     def opening(self, choices: list[Choice]) -> list[Event]:
         # OpenAI's streams open each choice with its role and empty content.

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
 from server.api.openai import responses_protocol as rp
+from server.api.openai.protocol import TokenLogprob
+from server.api.openai.shape import token_logprob
 from server.api.prompt import chat_prompt, template_kwargs
 from server.api.reasoning import reason, reply_parser
 from server.api.serving import Serving
@@ -128,7 +130,7 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
     )
     ids = prompt.ids
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
-    params = serving.sampling_params(body, max_tokens, None)
+    params = serving.sampling_params(body, max_tokens, body.logprobs)
     params.grammar = await compiled(
         serving, answer_grammar(body.text.format.output_schema(), "text.format", tools)
     )
@@ -199,6 +201,10 @@ class ResponsesShape(Shape):
     blocks: ReplyBlocks
     offered: dict[str, Offered] = field(default_factory=dict)  # the tools behind the functions, by name
     item_ids: dict[int, str] = field(default_factory=dict)  # by block
+    # the logprobs of tokens whose text the reply parser still holds (a stop string's or a marker's first part):
+    # they go with the text they turn out to be, or are dropped when they turn out to be reasoning or a call
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by text block
     sequence_number: int = 0
     end = ""
     closes_with_answer = True
@@ -235,7 +241,10 @@ class ResponsesShape(Shape):
 
     def events(self, c: Choice, out: RequestOutput) -> list[Event]:
         events: list[Event] = []
+        self.held_logprobs += [token_logprob(self.serving, e) for e in out.logprobs or []]
         for step in self.blocks.feed(out):
+            if not isinstance(step, Closed) and (step.block.reasoning or step.block.call is not None):
+                self.held_logprobs.clear()  # the tokens were reasoning, a call or its marker
             events += self._step(step, c)
         c.num_reasoning_tokens = self.blocks.num_reasoning_tokens
         return events
@@ -279,7 +288,13 @@ class ResponsesShape(Shape):
                     added.append(self._part_event("added", block, ""))
                 return added
             case Grew(piece=piece) if tool is None:
-                return [self._event(rp.OutputTextDeltaEvent, content_index=0, delta=piece, **at)]
+                logprobs, self.held_logprobs = self.held_logprobs, []
+                self.text_logprobs.setdefault(block.index, []).extend(logprobs)
+                return [
+                    self._event(
+                        rp.OutputTextDeltaEvent, content_index=0, delta=piece, logprobs=logprobs, **at
+                    )
+                ]
             case Grew(piece=piece) if not tool.custom:
                 return [self._event(rp.FunctionCallArgumentsDeltaEvent, delta=piece, **at)]
             case Grew():  # a custom call's input is known once its arguments' JSON is whole
@@ -288,8 +303,11 @@ class ResponsesShape(Shape):
                 # a block closes when the next one opens, or at the end: then it is whole if the reply is
                 status = "completed" if c.finish_reason in (None, "stop") else "incomplete"
                 if tool is None:
+                    logprobs = self.text_logprobs.get(block.index, [])
                     done = [
-                        self._event(rp.OutputTextDoneEvent, content_index=0, text=block.text, **at),
+                        self._event(
+                            rp.OutputTextDoneEvent, content_index=0, text=block.text, logprobs=logprobs, **at
+                        ),
                         self._part_event("done", block, block.text),
                     ]
                 elif tool.custom:
@@ -318,7 +336,7 @@ class ResponsesShape(Shape):
             summary = [rp.SummaryText(text=text)] if when == "done" and self.summarized else []
             item = rp.OutputReasoning(id=item_id, status=status, content=reasoning, summary=summary)
         elif block.call is None:
-            content = [rp.OutputText(text=text)] if when == "done" else []
+            content = [self._output_text(block, text)] if when == "done" else []
             item = rp.OutputMessage(id=item_id, status=status, content=content)
         else:
             tool = self._tool(block)
@@ -331,6 +349,12 @@ class ResponsesShape(Shape):
             rp.OutputItemEvent, type=f"response.output_item.{when}", output_index=block.index, item=item
         )
 
+    def _output_text(self, block: Block, text: str) -> rp.OutputText:
+        """A message's text part, with its tokens' logprobs so far (none before it grows)."""
+        return rp.OutputText(
+            text=text, logprobs=list(self.text_logprobs.get(block.index, [])) if text else []
+        )
+
     def _part_event(self, when: str, block: Block, text: str) -> Event:
         """content_part.added or .done: a message's one text part, or a reasoning item's."""
         return self._event(
@@ -339,7 +363,7 @@ class ResponsesShape(Shape):
             item_id=self.item_ids[block.index],
             output_index=block.index,
             content_index=0,
-            part=rp.ReasoningText(text=text) if block.reasoning else rp.OutputText(text=text),
+            part=rp.ReasoningText(text=text) if block.reasoning else self._output_text(block, text),
         )
 
     @property
@@ -381,7 +405,11 @@ class ResponsesShape(Shape):
                 answer.output[event.output_index] = event.item.model_copy(deep=True)
             case rp.ContentPartEvent(type="response.content_part.added"):
                 answer.output[event.output_index].content.append(event.part.model_copy())
-            case rp.OutputTextDeltaEvent() | rp.ReasoningTextDeltaEvent():
+            case rp.OutputTextDeltaEvent():
+                part = answer.output[event.output_index].content[event.content_index]
+                part.text += event.delta
+                part.logprobs += event.logprobs
+            case rp.ReasoningTextDeltaEvent():
                 answer.output[event.output_index].content[event.content_index].text += event.delta
             case rp.ReasoningSummaryPartEvent(type="response.reasoning_summary_part.added"):
                 answer.output[event.output_index].summary.append(event.part.model_copy())
@@ -407,6 +435,7 @@ class ResponsesShape(Shape):
         )
         if c.finish_reason == "stop":
             final.status = "completed"
+            final.completed_at = int(time.time())
         elif c.finish_reason == "length":
             final.status = "incomplete"
             final.incomplete_details = rp.IncompleteDetails(reason="max_output_tokens")

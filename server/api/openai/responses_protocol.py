@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.api.openai.protocol import TokenLogprob
 from server.api.protocol import (
     TOOL_NAME,
     Body,
@@ -282,6 +283,9 @@ class ReasoningConfig(Body):
         return (self.summary or self.generate_summary or "none") != "none"
 
 
+LOGPROBS = "message.output_text.logprobs"  # the include value that asks for them
+
+
 class ResponsesRequest(Sampling):
     input: list_or_string(InputItem, _user_message) = Field(
         min_length=1,
@@ -315,7 +319,14 @@ class ResponsesRequest(Sampling):
     chat_template_kwargs: JsonObject | None = Field(
         None, description='More variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).'
     )
-    include: list[str] | None = Field(None, description="Accepted; no effect.")
+    include: list[str] | None = Field(
+        None,
+        description='"message.output_text.logprobs": each output_text part carries its tokens\' logprobs (and '
+        "top_logprobs alternatives); other values are accepted, with no effect.",
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Alternatives to each token's logprob, with include's logprobs."
+    )
     prompt_cache_key: str | None = Field(
         None, description="Accepted; not needed: the prefix cache finds shared prefixes by their tokens."
     )
@@ -325,6 +336,13 @@ class ResponsesRequest(Sampling):
     conversation: Any = Field(None, description="Not supported (nothing is stored).")
     background: bool | None = Field(None, description="Only false.")
     prompt: Any = Field(None, description="Not supported (no stored prompt templates).")
+
+    @property
+    def logprobs(self) -> int | None:
+        """How many alternatives each output token's logprob comes with; None: no logprobs."""
+        if LOGPROBS in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -364,6 +382,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)  # with include's message.output_text.logprobs
 
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -454,6 +473,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
+    completed_at: int | None = None  # when status became completed (OpenAI's: only then)
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
@@ -568,7 +588,7 @@ class OutputTextDeltaEvent(BaseModel):
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class OutputTextDoneEvent(BaseModel):
@@ -578,7 +598,7 @@ class OutputTextDoneEvent(BaseModel):
     output_index: int
     content_index: int
     text: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class FunctionCallArgumentsDeltaEvent(BaseModel):

@@ -11,7 +11,7 @@ from server.api.openai import protocol as p
 from server.api.protocol import Usage, error_body
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
-from server.engine.request import RequestOutput
+from server.engine.request import RequestOutput, TokenLogprob
 
 
 @dataclass
@@ -72,3 +72,16 @@ class OpenAIShape(Shape):
             choices=answer,
             usage=usage(choices),
         )
+
+
+def token_logprob(serving: Serving, entry: TokenLogprob) -> p.TokenLogprob:
+    """A sampled token's logprob and its alternatives, as chat's and Responses' logprobs show them."""
+    tokenizer = serving.engine.tokenizer
+
+    def top(token_id: int, logprob: float) -> p.TopLogprob:
+        return p.TopLogprob(
+            token=tokenizer.token_text(token_id), logprob=logprob, bytes=list(tokenizer.token_bytes(token_id))
+        )
+
+    chosen = top(entry.token_id, entry.logprob)
+    return p.TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top])
