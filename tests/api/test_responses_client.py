@@ -133,7 +133,8 @@ def test_logprobs_of_the_output_text_as_chat_gives_them(client):
     final = events[-1].response  # response.incomplete: cut at max_output_tokens
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     (done,) = [e for e in events if e.type == "response.output_text.done"]
-    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == [lp.token for lp in expected]
+    tokens = [lp.token for lp in expected]
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == tokens
     held = [lp.model_dump() for lp in final.output[0].content[0].logprobs]
     assert held == [lp.model_dump() for lp in done.logprobs] and not streamed[0].top_logprobs
     # not asked for: none
