@@ -219,7 +219,11 @@ class FunctionDefinition(Body):
     name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
     description: Text | None = None
     parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
-    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
+    strict: bool | None = Field(
+        None,
+        description="Forced calls match the schema; true: its keywords no grammar can enforce (uniqueItems, not, "
+        "if/then/else) are a 400, otherwise ignored.",
+    )
 
 
 class ChatTool(Body):

@@ -12,7 +12,7 @@ from server.engine.request import GrammarSpec
 def chat_function(tool: p.ChatTool) -> Function:
     """A tool as OpenAI's chat declares it."""
     f = tool.function
-    return Function(f.name, f.description, f.parameters or NO_PARAMETERS)
+    return Function(f.name, f.description, f.parameters or NO_PARAMETERS, bool(f.strict))
 
 
 def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Tools | None:
@@ -35,10 +35,13 @@ def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Too
     return Tools(functions, choice, parallel)
 
 
-def answer_grammar(answer: dict | None, param: str, tools: Tools | None) -> tuple[GrammarSpec, str] | None:
+def answer_grammar(
+    answer: dict | None, param: str, tools: Tools | None, strict: bool = False
+) -> tuple[GrammarSpec, str] | None:
     """The grammar of a reply that is JSON matching the schema `answer` (None: free text; `param` is the field
-    it comes from) or calls of the tools, as tool_choice says; None when nothing constrains the reply."""
-    spec = output_grammar(tools, answer)
+    it comes from; strict: the client asked that it match whole) or calls of the tools, as tool_choice says;
+    None when nothing constrains the reply."""
+    spec = output_grammar(tools, answer, strict)
     if spec is None:
         return None
     return spec, "tools" if tools is not None and tools.active else param

@@ -39,6 +39,9 @@ class Function:
     name: str
     description: str | None = None
     parameters: dict = field(default_factory=lambda: dict(NO_PARAMETERS))  # the arguments' JSON schema
+    strict: bool = (
+        False  # the client asked that its calls match the schema whole (keywords no grammar holds: 400)
+    )
 
 
 @dataclass(frozen=True)
@@ -156,15 +159,20 @@ def _with_object_arguments(m: dict) -> dict:
 # --- the grammar ---------------------------------------------------------------------------------------
 
 
-def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSpec | None:
+def output_grammar(
+    tools: Tools | None, answer_schema: dict | None, answer_strict: bool = False
+) -> GrammarSpec | None:
     """The grammar of the reply, or None when it is free text.
 
     required: one or more calls (one if not parallel); a named function: one call of it; auto: free text,
     unless a response_format asks for JSON, then either that JSON or calls; none: the JSON if asked for.
+    Keywords no grammar can hold (uniqueItems, not, if) are ignored unless a schema in it is strict (a 400 then).
     """
     answer_schema = None if answer_schema is None else closed_objects(answer_schema)
     if tools is None or not tools.active:
-        return None if answer_schema is None else GrammarSpec("json_schema", json.dumps(answer_schema))
+        if answer_schema is None:
+            return None
+        return GrammarSpec("json_schema", json.dumps(answer_schema), lenient=not answer_strict)
     if tools.choice == "auto" and answer_schema is None:
         return None
     functions = tools.functions
@@ -178,7 +186,8 @@ def output_grammar(tools: Tools | None, answer_schema: dict | None) -> GrammarSp
         "many": tools.parallel and tools.choice in ("auto", "required"),
         "or_json": answer_schema if tools.choice == "auto" else None,  # here with a response_format
     }
-    return GrammarSpec("tool_calls", json.dumps(calls))
+    strict = any(f.strict for f in functions) or (answer_strict and calls["or_json"] is not None)
+    return GrammarSpec("tool_calls", json.dumps(calls), lenient=not strict)
 
 
 def _call_schema(f: Function) -> dict:

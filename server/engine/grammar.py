@@ -15,6 +15,7 @@ does not bound (past its thread's stack the process dies), is bounded here first
 """
 
 import json
+import logging
 import operator
 import re
 import subprocess
@@ -32,6 +33,8 @@ from llguidance.gbnf_to_lark import is_lark_syntax
 
 from model.tokenizer import Tokenizer
 from server.engine.request import GrammarSpec
+
+log = logging.getLogger(__name__)
 
 # The layout of JSON that constrained outputs take (llguidance's JSON options): compact, with one space after ','
 # and ':' as models write it. Flexible whitespace would let a small model spend its whole budget on blank space.
@@ -213,6 +216,8 @@ class GrammarCompiler:
             raise ValueError(_short(matcher.get_error()))
         if not matcher.is_accepting() and not first.any():
             raise ValueError("the grammar matches no text (no token can start it)")
+        for warning in matcher.get_grammar_warnings():  # a lenient schema's keywords left unenforced
+            log.warning("grammar: %s", _short(warning))
         compiled = CompiledGrammar(spec, matcher)
         with self._lock:
             self._cache[spec] = compiled
@@ -239,7 +244,7 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
             check_depth(json_depth(schema))
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_layout(spec.lenient))
         if spec.kind == "regex":
             # \d and \w as JSON Schema and JavaScript read them ([0-9], [0-9a-zA-Z_]): Rust's Unicode classes
             # let a model write a "digit" from any script (it did: U+1FBF8, SEGMENTED DIGIT EIGHT)
@@ -256,7 +261,7 @@ def grammar_text(spec: GrammarSpec, gbnf_seconds: float = GBNF_SECONDS) -> str:
             check_depth(lark_depth(lark))
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if spec.kind == "tool_calls":
-            lark = tool_calls_lark(json.loads(spec.source))
+            lark = tool_calls_lark(json.loads(spec.source), spec.lenient)
             check_depth(lark_depth(lark))  # the schemas' $ref chains, in its %json blocks
             return llguidance.LLMatcher.grammar_from_lark(lark)
     except json.JSONDecodeError as e:
@@ -440,7 +445,7 @@ def _deepest(roots: list, edges, depth_of, limit: int | None, depth: dict | None
     return max(depth.values(), default=0)
 
 
-def tool_calls_lark(calls: dict) -> str:
+def tool_calls_lark(calls: dict, lenient: bool = False) -> str:
     """The Lark grammar of a reply made of tool calls (GrammarSpec kind tool_calls): each call a JSON value
     matching one of the schemas, between the open and close markers; one call, or several joined by the
     separator; or else, when or_json is given, JSON matching that schema."""
@@ -448,18 +453,26 @@ def tool_calls_lark(calls: dict) -> str:
     body = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
     literal = json.dumps  # a JSON string is a Lark string literal
     rules = [
-        f"call: {literal(calls['open'])} {json_rule(body)} {literal(calls['close'])}",
+        f"call: {literal(calls['open'])} {json_rule(body, lenient)} {literal(calls['close'])}",
         f"calls: call ({literal(calls['separator'])} call)*" if calls["many"] else "calls: call",
     ]
     start = (
-        "start: calls" if calls.get("or_json") is None else f"start: {json_rule(calls['or_json'])} | calls"
+        "start: calls"
+        if calls.get("or_json") is None
+        else f"start: {json_rule(calls['or_json'], lenient)} | calls"
     )
     return "\n".join([start, *rules]) + "\n"
 
 
-def json_rule(schema: dict) -> str:
+def json_layout(lenient: bool) -> dict:
+    """llguidance's options for a JSON schema: the layout constrained JSON always takes, and whether keywords it
+    cannot enforce are ignored (lenient) or make the compile fail."""
+    return {**JSON_LAYOUT, "lenient": lenient}
+
+
+def json_rule(schema: dict, lenient: bool = False) -> str:
     """A Lark expression for JSON matching `schema`, in the layout constrained JSON always takes."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    return "%json " + json.dumps({**schema, "x-guidance": json_layout(lenient)})
 
 
 def gbnf_to_lark(source: str, seconds: float = GBNF_SECONDS) -> str:

@@ -23,6 +23,9 @@ class GrammarSpec:
     # `or_json` when that schema is given)
     kind: str
     source: str
+    # JSON schemas' keywords that cannot be enforced while sampling (uniqueItems, not, if/then/else) are ignored,
+    # not refused: for schemas the client did not mark strict, as OpenAI constrains those not at all
+    lenient: bool = False
 
 
 class Grammar(Protocol):

@@ -127,6 +127,21 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         ({**chat, "structured_outputs": {"json": 5}}, "structured_outputs.json"),
     ]:
         assert_error(post("/v1/chat/completions", json=body), 400, param, f"{param}: ")
+    messages = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    # a schema's keyword no grammar can hold: a 400 naming it when the schema is strict, ignored when not
+    unique = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    for strict, status in ((True, 400), (False, 200)):
+        json_schema = {"name": "t", "schema": unique, "strict": strict}
+        r = post(
+            "/v1/chat/completions",
+            json={**chat, "response_format": {"type": "json_schema", "json_schema": json_schema}},
+        )
+        assert r.status_code == status, r.text
+        if strict:
+            assert_error(r, 400, "response_format", contains="uniqueItems")
+    output = {"format": {"type": "json_schema", "schema": unique}}  # Anthropic's: always strict
+    r = post("/v1/messages", json={**messages, "output_config": output})
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
     # a value of the wrong JSON type is refused in OpenAI's words, never read as another ("true" is not 1)
     for field, value, words in [
         ("max_tokens", True, "expected an integer, but got a boolean instead"),
@@ -140,7 +155,6 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     ]:
         error = assert_error(post("/v1/completions", json={**PROMPT, field: value}), 400, contains=words)
         assert error["param"].startswith(field)
-    messages = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     r = post("/v1/messages", json={**messages, "max_tokens": True})
     assert r.status_code == 400 and "max_tokens: expected an integer" in r.json()["error"]["message"]
     r = post("/v1/responses", json={"input": "hi", "max_output_tokens": "3"})

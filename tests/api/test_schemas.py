@@ -5,8 +5,12 @@ import json
 
 import pytest
 
+from server.api.anthropic import protocol as mp
+from server.api.anthropic.messages import request_tools
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
+from server.api.openai import responses_protocol as rp
+from server.api.openai.responses import offered_functions
 from server.api.openai.structured import chat_tools, requested_grammar
 from server.api.schemas import closed_objects
 from server.api.structured import answer_grammar, offered_tools
@@ -162,3 +166,57 @@ def test_a_tool_schema_that_does_not_compile_is_refused_in_a_line_of_its_own(eng
     assert "<tool_call>" not in str(e.value) and "start:" not in str(
         e.value
     )  # not kvserve's grammar around it
+
+
+TAGS = {  # a Pydantic model's set[str] field: uniqueItems, which no grammar can hold
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    "required": ["tags"],
+}
+
+
+def test_keywords_no_grammar_holds_are_ignored_unless_the_schema_is_strict(engine):
+    """OpenAI constrains a schema not marked strict not at all: kvserve holds it to every keyword it can and
+    ignores the rest; a strict one, in every API that has the flag, is refused by the compile (a 400)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for strict in (None, False, True):
+        json_schema = {"name": "t", "schema": TAGS} | ({} if strict is None else {"strict": strict})
+        body = p.ChatCompletionRequest.model_validate(
+            {**chat, "response_format": {"type": "json_schema", "json_schema": json_schema}}
+        )
+        spec, param = requested_grammar(body, None)
+        function = {"name": "f", "parameters": TAGS} | ({} if strict is None else {"strict": strict})
+        body = p.ChatCompletionRequest.model_validate(
+            {**chat, "tool_choice": "required", "tools": [{"type": "function", "function": function}]}
+        )
+        call_spec, call_param = requested_grammar(body, chat_tools(body))
+        responses = rp.ResponsesRequest.model_validate(
+            {"input": "hi", "tools": [{"type": "function", **function}], "tool_choice": "required"}
+        )
+        functions, _ = offered_functions(responses)
+        response_spec, _ = answer_grammar(None, "text.format", offered_tools(functions, "required", True))
+        assert (param, call_param) == ("response_format", "tools")
+        for s in (spec, call_spec, response_spec):
+            assert s.lenient == (not strict)
+            if strict:
+                with pytest.raises(ValueError, match="uniqueItems"):
+                    engine.grammars.compile(s)
+        if not strict:  # the rest of the schema holds
+            assert accepts(engine, spec, '{"tags": ["a", "b"]}')
+            assert not accepts(engine, spec, '{"tags": ["a", 1]}')
+            assert not accepts(engine, spec, '{"tags": ["a"], "more": 1}')
+            assert accepts(
+                engine, call_spec, '<tool_call>\n{"name": "f", "arguments": {"tags": []}}\n</tool_call>'
+            )
+    # vLLM's structured_outputs has no strict: lenient; Anthropic's output format is always strict, its tools
+    # as they say
+    body = p.ChatCompletionRequest.model_validate({**chat, "structured_outputs": {"json": TAGS}})
+    assert requested_grammar(body, None)[0].lenient
+    messages = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+    for strict in (False, True):
+        tool = {"name": "f", "input_schema": TAGS, "strict": strict}
+        body = mp.MessagesRequest.model_validate(
+            {**messages, "tools": [tool], "tool_choice": {"type": "any"}}
+        )
+        spec, _ = answer_grammar(None, "output_config.format", request_tools(body))
+        assert spec.lenient == (not strict)

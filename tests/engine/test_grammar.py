@@ -180,6 +180,51 @@ def test_compiling_checks_and_caches(engine_factory):
         assert str(e.value) and len(str(e.value)) <= 300, spec
 
 
+UNENFORCEABLE = {  # a Pydantic set[int] field, and keywords no grammar holds beside ones it does
+    "type": "object",
+    "properties": {
+        "ids": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 4,
+            "uniqueItems": True,
+        },
+        "name": {"type": "string", "maxLength": 6, "not": {"const": "x"}},
+    },
+    "required": ["ids", "name"],
+    "additionalProperties": False,
+}
+
+
+def test_keywords_no_grammar_holds_are_refused_unless_lenient_and_the_rest_still_hold(engine_factory, caplog):
+    engine = engine_factory()
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": "f"}, "arguments": UNENFORCEABLE},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    for strict in (GrammarSpec("json_schema", json.dumps(UNENFORCEABLE)), tool_calls(call)):
+        with pytest.raises(ValueError, match="Unimplemented keys"):
+            engine.grammars.compile(strict)
+    prompts = random_prompts(3, engine.vocab_size, seed=5)
+    with caplog.at_level("WARNING", logger="server.engine.grammar"):
+        params = constrained(
+            engine, GrammarSpec("json_schema", json.dumps(UNENFORCEABLE), lenient=True), max_tokens=80
+        )
+        calls = constrained(engine, dataclasses.replace(tool_calls(call), lenient=True), max_tokens=80)
+    assert "uniqueItems" in caplog.text and "not" in caplog.text  # the keywords left unenforced are logged
+    for _, text, reason in run(engine, prompts, params).values():
+        value = json.loads(text)  # whole, and every enforceable keyword holds
+        assert set(value) == {"ids", "name"} and reason == FinishReason.STOP, text
+        assert len(value["ids"]) <= 4 and all(isinstance(i, int) and 0 <= i <= 9 for i in value["ids"])
+        assert len(value["name"]) <= 6
+    for _, text, reason in run(engine, prompts, calls).values():
+        assert text.startswith("<call>") and text.endswith("</call>") and reason == FinishReason.STOP, text
+        value = json.loads(text.removeprefix("<call>").removesuffix("</call>"))
+        assert value["name"] == "f" and set(value["arguments"]) == {"ids", "name"}, text
+
+
 def test_a_grammar_not_ready_by_its_deadline_is_refused_and_ready_the_next_time(engine_factory):
     """A request's grammar has COMPILE_SECONDS from the request's arrival: past them the request is refused,
     whatever the grammar; the compile goes on in its thread, so the same schema asked again is ready."""

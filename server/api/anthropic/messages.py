@@ -52,7 +52,10 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     max_tokens = min(body.max_tokens, rest_of_context(serving, ids))
     params = serving.sampling_params(body, max_tokens, None)
     schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
-    params.grammar = await compiled(serving, answer_grammar(schema, "output_config.format", tools))
+    # Anthropic's structured outputs always match the schema whole: strict
+    params.grammar = await compiled(
+        serving, answer_grammar(schema, "output_config.format", tools, strict=True)
+    )
     reason(params, serving.reasoning, prompt.reasoning_start, budget)
     message_id = f"msg_{uuid.uuid4().hex}"
     choices = serving.choices(message_id, 0, ids, params, names=ENGINE_NAMES)
@@ -96,7 +99,7 @@ def thinking_kwargs(body: mp.MessagesRequest) -> dict | None:
 
 
 def request_tools(body: mp.MessagesRequest) -> Tools | None:
-    functions = [Function(t.name, t.description, t.input_schema) for t in body.tools]
+    functions = [Function(t.name, t.description, t.input_schema, bool(t.strict)) for t in body.tools]
     choice = body.tool_choice
     parallel = not choice.disable_parallel_tool_use
     return offered_tools(functions, choice.name if choice.type == "tool" else CHOICES[choice.type], parallel)

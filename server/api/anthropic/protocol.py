@@ -108,6 +108,11 @@ class Tool(Body):
     name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
     description: Text | None = None
     input_schema: JsonObject = Field(description="The input's JSON schema.")
+    strict: bool | None = Field(
+        None,
+        description="Forced calls match the schema; true: its keywords no grammar can enforce (uniqueItems, not, "
+        "if/then/else) are a 400, otherwise ignored.",
+    )
 
 
 class ToolChoice(Body):

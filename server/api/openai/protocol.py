@@ -51,12 +51,20 @@ class JsonSchemaFormat(Body):
     schema_: JsonObject | None = Field(
         None, alias="schema", description="A JSON schema the output will match; left out: any JSON object."
     )
-    strict: bool | None = Field(None, description="Outputs always match the schema, strict or not.")
+    strict: bool | None = Field(
+        None,
+        description="true: the schema's keywords no grammar can enforce (uniqueItems, not, if/then/else) are a 400; "
+        "otherwise they are ignored. Every other keyword is enforced either way.",
+    )
 
 
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @property
+    def strict(self) -> bool:
+        return self.json_schema is not None and bool(self.json_schema.strict)
 
     @model_validator(mode="after")
     def _schema_given(self):

@@ -67,7 +67,7 @@ def offered_functions(body: rp.ResponsesRequest) -> tuple[list[Function], dict[s
             if isinstance(t, rp.CustomTool):
                 functions.append(Function(name, custom_description(t), CUSTOM_INPUT))
             else:
-                functions.append(Function(name, t.description, t.parameters or NO_PARAMETERS))
+                functions.append(Function(name, t.description, t.parameters or NO_PARAMETERS, bool(t.strict)))
             offered[name] = Offered(t.name, namespace, isinstance(t, rp.CustomTool))
     return functions, offered
 
@@ -132,7 +132,8 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
     params = serving.sampling_params(body, max_tokens, body.logprobs)
     params.grammar = await compiled(
-        serving, answer_grammar(body.text.format.output_schema(), "text.format", tools)
+        serving,
+        answer_grammar(body.text.format.output_schema(), "text.format", tools, bool(body.text.format.strict)),
     )
     reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"resp_{uuid.uuid4().hex}"

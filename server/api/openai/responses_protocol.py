@@ -152,7 +152,11 @@ class FunctionTool(Body):
     name: str = Field(pattern=TOOL_NAME, description="Letters, digits, '_', '-' and '.', at most 64.")
     description: Text | None = None
     parameters: JsonObject | None = Field(None, description="The arguments' JSON schema.")
-    strict: bool | None = Field(None, description="Forced calls always match the schema, strict or not.")
+    strict: bool | None = Field(
+        None,
+        description="Forced calls match the schema; true: its keywords no grammar can enforce (uniqueItems, not, "
+        "if/then/else) are a 400, otherwise ignored.",
+    )
 
 
 class TextInputFormat(Body):
@@ -245,7 +249,11 @@ class TextFormat(Body):
     schema_: JsonObject | None = Field(
         None, alias="schema", description="json_schema: the schema the output will match."
     )
-    strict: bool | None = Field(None, description="Outputs always match the schema, strict or not.")
+    strict: bool | None = Field(
+        None,
+        description="true: the schema's keywords no grammar can enforce (uniqueItems, not, if/then/else) are a 400; "
+        "otherwise they are ignored. Every other keyword is enforced either way.",
+    )
 
     @model_validator(mode="after")
     def _schema_given(self):

@@ -34,7 +34,8 @@ def requested_grammar(body: p.SamplingFields, tools: Tools | None) -> tuple[Gram
             why = "structured_outputs cannot be combined with tools; use response_format"
             raise ApiError(400, why, param="structured_outputs")
         return structured_outputs_spec(so), "structured_outputs"
-    return answer_grammar(answer, "response_format", tools)
+    strict = body.response_format is not None and body.response_format.strict
+    return answer_grammar(answer, "response_format", tools, strict)
 
 
 def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
@@ -45,7 +46,9 @@ def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
                 schema = json.loads(schema)
             except json.JSONDecodeError:
                 return GrammarSpec("json_schema", so.json_)  # the compile says what is wrong with it
-        return GrammarSpec("json_schema", json.dumps(closed_objects(schema)))
+        return GrammarSpec(
+            "json_schema", json.dumps(closed_objects(schema)), lenient=True
+        )  # as vLLM's: no strict
     if so.regex is not None:
         return GrammarSpec("regex", so.regex)
     if so.choice is not None:
