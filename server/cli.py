@@ -181,6 +181,13 @@ SERVER_FLAGS = (
     Flag("--allowed-origins", help="comma-separated CORS origins", env=True),
     Flag("--max-queue", SERVER.max_queue, int, env=True),
     Flag("--max-request-bytes", SERVER.max_request_bytes, int, env=True),
+    Flag(
+        "--responses-store-memory",
+        "256MiB",
+        env=True,
+        help="memory for the Responses API's stored responses (previous_response_id, GET /v1/responses/{id}), "
+        "least recently used dropped first; 0: none kept",
+    ),
     Flag("--shutdown-timeout", SERVER.shutdown_timeout, float, env=True),
     Flag(
         "--read-timeout",

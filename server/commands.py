@@ -106,6 +106,7 @@ def server_config(args, model_path: str | None):
         allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
+        responses_store_memory=parse_size(args.responses_store_memory),
         read_timeout=args.read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         system_prompt=args.system_prompt,

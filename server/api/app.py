@@ -17,6 +17,7 @@ from server.api.errors import add_error_handlers
 from server.api.metrics import Metrics
 from server.api.middleware import RequestGuard
 from server.api.openai import routes as openai
+from server.api.openai.response_store import ResponseStore
 from server.api.openapi import openapi_schema
 from server.api.reasoning import choose_format
 from server.api.routes import api_router, check_api_key, health_router
@@ -41,6 +42,7 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     set_engine(app, engine)
     app.state.draining = False
     app.state.metrics = Metrics(config.served_model_name, lambda: app.state.engine)
+    app.state.responses = ResponseStore(config.responses_store_memory)
     app.include_router(health_router)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
@@ -61,7 +63,7 @@ def create_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=config.allowed_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id"],
         )

@@ -19,6 +19,9 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS origins; empty = no CORS headers at all
     max_queue: int = 256  # waiting requests at which new ones get 429
     max_request_bytes: int = 4 << 20  # larger bodies get 413
+    # the Responses API's stored responses (previous_response_id, GET /v1/responses/{id}), in this process's
+    # memory; 0: none kept
+    responses_store_memory: int = 256 << 20
     # seconds a request's line and headers may take to arrive, then its body (each in full); slower ones get 408
     read_timeout: float = 30.0
     shutdown_timeout: float = 30.0  # seconds running requests get to finish when draining

@@ -90,7 +90,7 @@ def test_text_streamed_and_not(client):
         and u.total_tokens == u.input_tokens + u.output_tokens
     )
     assert (
-        u.input_tokens_details.cached_tokens >= 0 and r.store is False and r.instructions == "You are terse."
+        u.input_tokens_details.cached_tokens >= 0 and r.store is True and r.instructions == "You are terse."
     )
     with client.responses.stream(**kw) as stream:
         events = list(stream)
@@ -206,7 +206,7 @@ def test_tool_loop_call_output_answer(client):
     schema = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.name]["parameters"]
     jsonschema.validate(json.loads(call.arguments), schema)
     print("\ncall ->", call.name, call.arguments)
-    # the client sends the output back, with the call's result: stateless, the whole conversation each time
+    # the client sends the output back, with the call's result: the whole conversation each time
     conversation = [{"role": "user", "content": ASK_WEATHER}, *[o.model_dump() for o in first.output]]
     conversation.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"})
     answer = client.responses.create(
@@ -403,10 +403,45 @@ def test_requests_shaped_as_codex_sends_them(client):
     assert r.status in ("completed", "incomplete") and r.output
 
 
+def test_a_stored_response_is_continued_retrieved_and_deleted(client):
+    kw = dict(model="smollm2", max_output_tokens=12, temperature=0)
+    first = client.responses.create(input="My name is Ada. Say hello.", instructions="Be brief.", **kw)
+    assert first.store and first.previous_response_id is None
+    second = client.responses.create(previous_response_id=first.id, input="What is my name?", **kw)
+    assert second.previous_response_id == first.id
+    # the same as sending the whole conversation: the first turn's input and output, then the new input (the
+    # instructions are not carried, as OpenAI's)
+    history = [{"role": "user", "content": "My name is Ada. Say hello."}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    history += [{"role": "user", "content": "What is my name?"}]
+    whole = client.responses.create(input=history, store=False, **kw)
+    assert whole.output_text == second.output_text and whole.usage.input_tokens == second.usage.input_tokens
+    # streamed, a third turn on the second
+    events = list(client.responses.create(previous_response_id=second.id, input="Thanks.", stream=True, **kw))
+    third = events[-1].response
+    assert third.previous_response_id == second.id and third.usage.input_tokens > second.usage.input_tokens
+    assert third.usage.input_tokens_details.cached_tokens >= 32  # the prefix cache holds the turns before
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # deleted: gone, and so is every conversation that goes back to it
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(previous_response_id=third.id, input="Bye.", **kw)
+    assert e.value.body["param"] == "previous_response_id" and first.id in e.value.body["message"]
+    # store: false keeps nothing
+    unkept = client.responses.create(input="hi", store=False, **kw)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
 def test_what_is_refused_is_a_400_naming_it(client):
     cases = [
-        ({"store": True}, "store"),
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"conversation": "conv_123"}, "conversation"),
+        ({"background": True}, "background"),
         ({"tools": [{"type": "telepathy"}]}, "tools.0"),
         ({"tools": [{"type": "namespace", "name": "n", "tools": [WEB_SEARCH]}]}, "tools.0.namespace.tools.0"),
         (

@@ -1,6 +1,7 @@
-"""/v1/responses, OpenAI's Responses API, stateless: the input items become chat messages rendered through the
-chat template as /v1/chat/completions renders them, and the reply streams as output items (the model's reasoning,
-a message's text, function calls, custom tool calls) in the Responses event sequence.
+"""/v1/responses, OpenAI's Responses API: the input items (after those of the stored response it continues, if
+any) become chat messages rendered through the chat template as /v1/chat/completions renders them, and the reply
+streams as output items (the model's reasoning, a message's text, function calls, custom tool calls) in the
+Responses event sequence; the finished response is stored unless asked not to be (openai/response_store.py).
 
 The model is offered every tool as a function: a namespace tool's functions flattened out as
 `<namespace>.<name>`, a custom tool as a function of one string argument, `input`. Its calls are mapped back to
@@ -19,6 +20,7 @@ from server.api.blocks import Block, Closed, Grew, Opened, ReplyBlocks, Step
 from server.api.errors import ApiError
 from server.api.openai import responses_protocol as rp
 from server.api.openai.protocol import TokenLogprob
+from server.api.openai.response_store import ResponseStore
 from server.api.openai.shape import token_logprob
 from server.api.prompt import chat_prompt, template_kwargs
 from server.api.reasoning import reason, reply_parser
@@ -105,10 +107,12 @@ def ignored_tools_header(body: rp.ResponsesRequest) -> dict[str, str]:
     return {IGNORED_TOOLS_HEADER: ", ".join(ignored)} if ignored else {}
 
 
-async def respond(serving: Serving, body: rp.ResponsesRequest):
-    """A ResponseObject, an SSE stream of strings, or None when the client went away."""
+async def respond(serving: Serving, body: rp.ResponsesRequest, store: ResponseStore):
+    """A ResponseObject, an SSE stream of strings, or None when the client went away. The response is kept in
+    `store` when it finishes, unless the request says store: false."""
     serving.check_model(body.model)
     serving.check_queue()
+    earlier = continued(store, body.previous_response_id)
     if ignored := ignored_tools(body):
         log.warning(
             "%s: built-in tools left out of the prompt (kvserve cannot run): %s", serving.request_id, ignored
@@ -125,9 +129,8 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
     tools = offered_tools(functions, choice, body.parallel_tool_calls)
     effort = body.reasoning.effort if body.reasoning is not None else None
     kwargs = template_kwargs(body.chat_template_kwargs, effort)
-    prompt = await asyncio.to_thread(
-        chat_prompt, serving, chat_messages(body), tools=tools, template_kwargs=kwargs
-    )
+    messages = chat_messages(body.instructions, earlier + body.input)
+    prompt = await asyncio.to_thread(chat_prompt, serving, messages, tools=tools, template_kwargs=kwargs)
     ids = prompt.ids
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
     params = serving.sampling_params(body, max_tokens, body.logprobs)
@@ -140,18 +143,34 @@ async def respond(serving: Serving, body: rp.ResponsesRequest):
     choices = serving.choices(response_id, 0, ids, params, names=ENGINE_NAMES)
     parser = reply_parser(serving.reasoning, prompt.reasoning_start, tools, call_parser(tools))
     blocks = ReplyBlocks(parser)
-    shape = ResponsesShape(serving, body, response_id, int(time.time()), blocks, offered)
+    kept = store if body.store and store.max_bytes > 0 else None
+    shape = ResponsesShape(serving, body, response_id, int(time.time()), blocks, offered, kept)
     return await serving.answer(choices, shape, body.stream)
 
 
-def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
+def continued(store: ResponseStore, response_id: str | None) -> list[rp.InputItem]:
+    """The conversation of the stored response a request continues (none: [])."""
+    if response_id is None:
+        return []
+    try:
+        return store.conversation(response_id)
+    except KeyError as e:
+        missing = e.args[0]
+        why = f"previous_response_id: no stored response {missing[:100]!r}"
+        if missing != response_id:  # an earlier turn of the conversation is gone
+            why += f", which {response_id[:100]!r} continued"
+        why += " (responses are kept in the server's memory, within --responses-store-memory)"
+        raise ApiError(404, why, param="previous_response_id", code="previous_response_not_found") from None
+
+
+def chat_messages(instructions: str | None, items: list[rp.InputItem]) -> list[dict]:
     """The conversation in the chat shape chat_prompt_ids() renders: the instructions as the system message,
     function and custom tool calls as the tool_calls of the assistant message they follow (named as the model
     is offered them), their outputs as tool messages, reasoning items as the reasoning_content of the assistant
     message that follows them."""
     messages: list[dict] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
     call_ids = set()
     reasoning: list[str] = []  # reasoning items waiting for the assistant message they come before
 
@@ -161,7 +180,7 @@ def chat_messages(body: rp.ResponsesRequest) -> list[dict]:
             reasoning.clear()
         return message
 
-    for item in body.input:
+    for item in items:
         last = messages[-1] if messages else {}
         match item:
             case rp.ReasoningItem():
@@ -201,6 +220,7 @@ class ResponsesShape(Shape):
     created: int
     blocks: ReplyBlocks
     offered: dict[str, Offered] = field(default_factory=dict)  # the tools behind the functions, by name
+    store: ResponseStore | None = None  # where the finished response is kept; None: not kept
     item_ids: dict[int, str] = field(default_factory=dict)  # by block
     # the logprobs of tokens whose text the reply parser still holds (a stop string's or a marker's first part):
     # they go with the text they turn out to be, or are dropped when they turn out to be reasoning or a call
@@ -232,6 +252,8 @@ class ResponsesShape(Shape):
             text=body.text,
             metadata=body.metadata or {},
             user=body.user,
+            store=self.store is not None,
+            previous_response_id=body.previous_response_id,
         )
 
     def opening(self, choices: list[Choice]) -> list[Event]:
@@ -443,4 +465,6 @@ class ResponsesShape(Shape):
         else:  # aborted: only a shutdown ends a request that way and still answers
             final.status = "failed"
             final.error = rp.ResponseError(code="server_error", message=SHUT_DOWN)
+        if self.store is not None and final.status != "failed" and not self.store.put(final, self.body.input):
+            log.warning("%s: not stored: larger than --responses-store-memory", self.response_id)
         return final

@@ -1,9 +1,9 @@
-"""The bodies of OpenAI's Responses API (/v1/responses) and its stream events, as kvserve serves it: stateless
-(nothing is stored, so every request carries its whole conversation), text in and out, function and custom tools
-(also grouped in namespaces).
+"""The bodies of OpenAI's Responses API (/v1/responses) and its stream events, as kvserve serves it: text in and
+out, function and custom tools (also grouped in namespaces), a conversation carried whole in each request or
+continued from a response the server keeps (previous_response_id; openai/response_store.py).
 
 Request bodies follow protocol.py's rules: unknown fields are ignored, null means the default, and what kvserve
-cannot do (other input types, stored state) is refused by name. Built-in tools (web search, file search, ...)
+cannot do (other input types, stored conversations and prompts) is refused by name. Built-in tools (web search, file search, ...)
 are the exception: agents such as Codex offer them with every request, so they are left out of the prompt, and
 only a tool_choice that names one is refused.
 """
@@ -34,9 +34,7 @@ from server.api.protocol import (
 )
 
 MAX_TOOLS = 128
-STATELESS = {  # fields that would need a stored response or a background job; any value given is refused
-    "store": "kvserve keeps no responses: send store: false (or leave it out)",
-    "previous_response_id": "kvserve keeps no responses: send the whole conversation as input",
+STATELESS = {  # fields that would need stored state kvserve does not keep, or a background job: refused
     "conversation": "kvserve keeps no conversations: send the whole conversation as input",
     "background": "kvserve does not run responses in the background",
     "prompt": "kvserve keeps no prompt templates: send the instructions and input",
@@ -339,9 +337,17 @@ class ResponsesRequest(Sampling):
         None, description="Accepted; not needed: the prefix cache finds shared prefixes by their tokens."
     )
     client_metadata: JsonObject | None = Field(None, description="Accepted; no effect.")
-    store: bool | None = Field(None, description="Only false: kvserve keeps no responses.")
-    previous_response_id: str | None = Field(None, description="Not supported (nothing is stored).")
-    conversation: Any = Field(None, description="Not supported (nothing is stored).")
+    store: bool = Field(
+        True,
+        description="Keep the response (in the server's memory, within --responses-store-memory) for "
+        "previous_response_id and GET /v1/responses/{id}.",
+    )
+    previous_response_id: str | None = Field(
+        None,
+        description="Continue a stored response: its conversation (inputs and outputs, not its instructions) "
+        "comes before this input.",
+    )
+    conversation: Any = Field(None, description="Not supported (no conversation objects are kept).")
     background: bool | None = Field(None, description="Only false.")
     prompt: Any = Field(None, description="Not supported (no stored prompt templates).")
 
@@ -497,10 +503,16 @@ class ResponseObject(BaseModel):
     text: TextConfig
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
-    store: Literal[False] = False
+    store: bool = False
     background: Literal[False] = False
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     truncation: Literal["disabled"] = "disabled"
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
 
 
 # --- the stream -------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """OpenAI's routes: /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings."""
 
-from fastapi import APIRouter, Depends
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.openai import responses_protocol as rp
 from server.api.openai.chat import chat
 from server.api.openai.completions import completion
 from server.api.openai.embeddings import embed
+from server.api.openai.response_store import ResponseStore
 from server.api.openai.responses import ignored_tools_header, respond
 from server.api.protocol import error_body
 from server.api.routes import (
@@ -20,6 +24,13 @@ from server.api.routes import (
 )
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+def response_store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+Store = Annotated[ResponseStore, Depends(response_store)]
 # OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
 ERROR_SHAPES = {"": error_body}
 
@@ -47,9 +58,34 @@ async def chat_completions(body: p.ChatCompletionRequest, serving: Ready) -> Res
     response_model=rp.ResponseObject,
     responses={**documented_stream(rp.ResponseStreamEvent, named=True), **GENERATION_ERRORS},
 )
-async def responses(body: rp.ResponsesRequest, serving: Ready) -> Response:
-    """OpenAI's Responses API, stateless: nothing is stored, each request carries its whole conversation."""
-    return reply(await respond(serving, body), ignored_tools_header(body))
+async def responses(body: rp.ResponsesRequest, serving: Ready, store: Store) -> Response:
+    """OpenAI's Responses API: the conversation in the request, or continued from a stored response."""
+    return reply(await respond(serving, body, store), ignored_tools_header(body))
+
+
+@router.get(
+    "/v1/responses/{response_id}", response_model=rp.ResponseObject, responses=documented_errors(401, 404)
+)
+async def stored_response(response_id: str, store: Store) -> rp.ResponseObject:
+    """A response the server keeps (store, the default), as it was answered."""
+    return kept(store, response_id).response
+
+
+@router.delete(
+    "/v1/responses/{response_id}", response_model=rp.ResponseDeleted, responses=documented_errors(401, 404)
+)
+async def delete_response(response_id: str, store: Store) -> rp.ResponseDeleted:
+    kept(store, response_id)
+    store.delete(response_id)
+    return rp.ResponseDeleted(id=response_id)
+
+
+def kept(store: ResponseStore, response_id: str):
+    stored = store.get(response_id)
+    if stored is None:
+        why = f"no stored response {response_id[:100]!r} (kept in memory, within --responses-store-memory)"
+        raise ApiError(404, why, "not_found_error", param="response_id", code="response_not_found")
+    return stored
 
 
 @router.post(

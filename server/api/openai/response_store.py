@@ -1,0 +1,69 @@
+"""The responses kvserve keeps, for `previous_response_id` and GET and DELETE /v1/responses/{id}: in this
+process's memory, within --responses-store-memory, each weighed by the length of its JSON; past that the least
+recently used go first. A response refers to the one it continued by id, so a conversation of N turns is kept
+once, not N times over; one whose chain lost a response to eviction can no longer be continued (a 404 says
+which). Nothing outlives the process, and replicas do not share what they keep."""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter
+
+from server.api.openai import responses_protocol as rp
+
+INPUT_ITEM = TypeAdapter(rp.InputItem)
+
+
+@dataclass
+class StoredResponse:
+    response: rp.ResponseObject  # as it was answered
+    input: list[rp.InputItem]  # its own input items, not those of the responses it continued
+    size: int  # bytes, as the store counts them
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response: rp.ResponseObject, input_items: list[rp.InputItem]) -> bool:
+        """Keep a finished response; False when it alone is larger than the whole store."""
+        size = len(response.model_dump_json()) + sum(len(item.model_dump_json()) for item in input_items)
+        if size > self.max_bytes:
+            return False
+        self.delete(response.id)
+        while self.bytes + size > self.max_bytes:
+            _, evicted = self._kept.popitem(last=False)
+            self.bytes -= evicted.size
+        self._kept[response.id] = StoredResponse(response, input_items, size)
+        self.bytes += size
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._kept.get(response_id)
+        if stored is not None:
+            self._kept.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._kept.pop(response_id, None)
+        if stored is not None:
+            self.bytes -= stored.size
+        return stored is not None
+
+    def conversation(self, response_id: str) -> list[rp.InputItem]:
+        """The input items that continue the response: every input and output of its chain, oldest first.
+        KeyError naming the first response of the chain no longer kept."""
+        turns: list[list[rp.InputItem]] = []
+        while response_id is not None:
+            stored = self.get(response_id)
+            if stored is None:
+                raise KeyError(response_id)
+            output = [INPUT_ITEM.validate_python(item.model_dump()) for item in stored.response.output]
+            turns.append(stored.input + output)
+            response_id = stored.response.previous_response_id
+        return [item for turn in reversed(turns) for item in turn]
