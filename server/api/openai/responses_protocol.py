@@ -3,9 +3,9 @@ out, function and custom tools (also grouped in namespaces), a conversation carr
 continued from a response the server keeps (previous_response_id; openai/response_store.py).
 
 Request bodies follow protocol.py's rules: unknown fields are ignored, null means the default, and what kvserve
-cannot do (other input types, stored conversations and prompts) is refused by name. Built-in tools (web search, file search, ...)
-are the exception: agents such as Codex offer them with every request, so they are left out of the prompt, and
-only a tool_choice that names one is refused.
+cannot do (other input types, stored conversations and prompts) is refused by name. Built-in tools (web search,
+file search, ...) are the exception: agents such as Codex offer them with every request, so they are left out of
+the prompt, and only a tool_choice that names one is refused.
 """
 
 from typing import Annotated, Any, Literal

@@ -1,4 +1,5 @@
-"""OpenAI's routes: /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings."""
+"""OpenAI's routes: /v1/completions, /v1/chat/completions, /v1/responses (and its stored responses, GET and
+DELETE /v1/responses/{id}) and /v1/embeddings."""
 
 from typing import Annotated
 
