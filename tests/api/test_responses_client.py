@@ -433,7 +433,9 @@ def test_a_stored_response_is_continued_retrieved_and_deleted(client):
     assert e.value.body["param"] == "previous_response_id" and first.id in e.value.body["message"]
     # a tool loop on stored responses: the call's output goes back by previous_response_id alone
     tools = dict(tools=[WEATHER_TOOL], model="smollm2", temperature=0, max_output_tokens=64)
-    called = client.responses.create(input=ASK_WEATHER, tool_choice="required", **tools)
+    called = client.responses.create(
+        input=ASK_WEATHER, tool_choice="required", parallel_tool_calls=False, **tools
+    )
     (call,) = [item for item in called.output if item.type == "function_call"]
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
     answered = client.responses.create(previous_response_id=called.id, input=[output], **tools)
