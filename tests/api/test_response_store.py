@@ -54,7 +54,7 @@ def test_the_store_holds_its_bytes_dropping_the_least_recently_used():
     size = ResponseStore(1 << 20)
     assert size.put(answered("r0", "x" * 1000), said("y" * 1000))
     one = size.bytes
-    assert 2000 < one < 3000
+    assert 2000 < one < 3000  # about its JSON's bytes
     store = ResponseStore(3 * one + one // 2)  # room for three
     for i in range(3):
         store.put(answered(f"r{i}", "x" * 1000), said("y" * 1000))

@@ -69,7 +69,7 @@ async def responses(body: rp.ResponsesRequest, serving: Ready, store: Store) -> 
 )
 async def stored_response(response_id: str, store: Store) -> rp.ResponseObject:
     """A response the server keeps (store, the default), as it was answered."""
-    return kept(store, response_id).response
+    return kept(store, response_id)
 
 
 @router.delete(
@@ -81,7 +81,7 @@ async def delete_response(response_id: str, store: Store) -> rp.ResponseDeleted:
     return rp.ResponseDeleted(id=response_id)
 
 
-def kept(store: ResponseStore, response_id: str):
+def kept(store: ResponseStore, response_id: str) -> rp.ResponseObject:
     stored = store.get(response_id)
     if stored is None:
         why = f"no stored response {response_id[:100]!r} (kept in memory, within --responses-store-memory)"
