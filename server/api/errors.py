@@ -72,7 +72,8 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 def _bad_request(error: RequestValidationError, content_type: str) -> ApiError:
     # FastAPI says 422 with a list of errors; clients expect 400 with the first one, naming the field.
     first = error.errors()[0]
-    loc = [_printable(part) for part in first["loc"] if part != "body" and not _validator_tag(part)]
+    where = first["loc"][1:] if first["loc"][:1] in (("body",), ("query",), ("path",)) else first["loc"]
+    loc = [_printable(part) for part in where if not _validator_tag(part)]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     if not loc and first["type"] in ("model_attributes_type", "missing"):

@@ -39,6 +39,7 @@ def test_every_route_has_component_schemas_errors_and_streams():
         "/health", "/metrics", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
         "/tokenize", "/detokenize", "/is_sleeping", "/server_info", "/v1/responses", "/v1/messages",
         "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
     }  # fmt: skip
     for path, methods in paths.items():
         for method, op in methods.items():

@@ -423,9 +423,30 @@ def test_a_stored_response_is_continued_retrieved_and_deleted(client):
     assert third.usage.input_tokens_details.cached_tokens >= 32  # the prefix cache holds the turns before
     assert client.responses.retrieve(third.id).output_text == third.output_text
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # its own input items, newest first unless asked otherwise, a page at a time
+    three = client.responses.create(
+        input=[{"role": "user", "content": t} for t in ("One.", "Two.", "Three.")], **kw
+    )
+    listed = client.responses.input_items.list(three.id)
+    assert [item.content[0].text for item in listed.data] == ["Three.", "Two.", "One."]
+    assert len({item.id for item in listed.data}) == 3 and listed.first_id == listed.data[0].id
+    page = client.responses.input_items.list(three.id, order="asc", limit=2)
+    assert [item.content[0].text for item in page.data] == ["One.", "Two."] and page.has_more
+    rest = client.responses.input_items.list(three.id, order="asc", after=page.last_id)
+    assert [item.content[0].text for item in rest.data] == ["Three."] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id).data] == [
+        "What is my name?"
+    ]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(three.id, limit=0)
+    assert e.value.body["param"] == "limit"
     # deleted: gone, and so is every conversation that goes back to it
     client.responses.delete(first.id)
-    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id)):
+    for call in (
+        lambda: client.responses.retrieve(first.id),
+        lambda: client.responses.delete(first.id),
+        lambda: client.responses.input_items.list(first.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     with pytest.raises(openai.NotFoundError) as e:

@@ -57,6 +57,11 @@ class ResponseStore:
         stored = self._touch(response_id)
         return None if stored is None else rp.ResponseObject.model_validate_json(stored.response)
 
+    def input_items(self, response_id: str) -> list[rp.InputItem] | None:
+        """The input items the response was asked with (not those of the responses it continued)."""
+        stored = self._touch(response_id)
+        return None if stored is None else INPUT_ITEMS.validate_json(stored.input)
+
     def delete(self, response_id: str) -> bool:
         stored = self._kept.pop(response_id, None)
         if stored is not None:

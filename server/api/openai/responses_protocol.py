@@ -509,6 +509,26 @@ class ResponseObject(BaseModel):
     truncation: Literal["disabled"] = "disabled"
 
 
+ITEM_ID_PREFIXES = {  # as OpenAI's item ids begin
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+}
+
+
+class InputItemList(BaseModel):
+    """A stored response's input items, each with an id (`<kind>_<the response's>_<its place>`) and a status."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response"] = "response"

@@ -1,9 +1,9 @@
 """OpenAI's routes: /v1/completions, /v1/chat/completions, /v1/responses (and its stored responses, GET and
 DELETE /v1/responses/{id}) and /v1/embeddings."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from server.api.errors import ApiError
@@ -70,6 +70,48 @@ async def responses(body: rp.ResponsesRequest, serving: Ready, store: Store) -> 
 async def stored_response(response_id: str, store: Store) -> rp.ResponseObject:
     """A response the server keeps (store, the default), as it was answered."""
     return kept(store, response_id)
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items",
+    response_model=rp.InputItemList,
+    responses=documented_errors(400, 401, 404),
+)
+async def stored_input_items(
+    response_id: str,
+    store: Store,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> rp.InputItemList:
+    """The input items a stored response was asked with, newest first unless order=asc, `limit` at a time from
+    the one after `after` (an item id)."""
+    items = store.input_items(response_id)
+    if items is None:
+        kept(store, response_id)  # the 404
+    listed = [
+        {
+            "id": f"{rp.ITEM_ID_PREFIXES[item.type]}_{response_id.removeprefix('resp_')}_{i}",
+            **item.model_dump(),
+        }
+        | ({"status": "completed"} if item.type != "reasoning" else {})
+        for i, item in enumerate(items)
+    ]
+    if order == "desc":
+        listed.reverse()
+    if after is not None:
+        ids = [item["id"] for item in listed]
+        if after not in ids:
+            why = f"after: no input item {after[:100]!r} in response {response_id[:100]!r}"
+            raise ApiError(400, why, param="after")
+        listed = listed[ids.index(after) + 1 :]
+    page = listed[:limit]
+    return rp.InputItemList(
+        data=page,
+        first_id=page[0]["id"] if page else None,
+        last_id=page[-1]["id"] if page else None,
+        has_more=len(listed) > limit,
+    )
 
 
 @router.delete(
