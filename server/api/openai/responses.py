@@ -156,9 +156,10 @@ def continued(store: ResponseStore, response_id: str | None) -> list[rp.InputIte
         return store.conversation(response_id)
     except KeyError as e:
         missing = e.args[0]
-        why = f"previous_response_id: no stored response {missing[:100]!r}"
-        if missing != response_id:  # an earlier turn of the conversation is gone
-            why += f", which {response_id[:100]!r} continued"
+        if missing == response_id:
+            why = f"previous_response_id: no stored response {missing[:100]!r}"
+        else:  # an earlier turn of its conversation is gone
+            why = f"previous_response_id: {response_id[:100]!r} continues {missing[:100]!r}, no longer stored"
         why += " (responses are kept in the server's memory, within --responses-store-memory)"
         raise ApiError(404, why, param="previous_response_id", code="previous_response_not_found") from None
 
