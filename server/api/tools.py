@@ -39,9 +39,8 @@ class Function:
     name: str
     description: str | None = None
     parameters: dict = field(default_factory=lambda: dict(NO_PARAMETERS))  # the arguments' JSON schema
-    strict: bool = (
-        False  # the client asked that its calls match the schema whole (keywords no grammar holds: 400)
-    )
+    # the client asked that its calls match the schema whole: keywords no grammar holds are a 400, not ignored
+    strict: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from server.api.routes import (
 )
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
+# OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
+ERROR_SHAPES = {"": error_body}
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -32,8 +34,6 @@ def response_store(request: Request) -> ResponseStore:
 
 
 Store = Annotated[ResponseStore, Depends(response_store)]
-# OpenAI's error shape on every path no other API registers: its routes, the server's own, unknown paths.
-ERROR_SHAPES = {"": error_body}
 
 
 @router.post(
@@ -69,7 +69,10 @@ async def responses(body: rp.ResponsesRequest, serving: Ready, store: Store) -> 
 )
 async def stored_response(response_id: str, store: Store) -> rp.ResponseObject:
     """A response the server keeps (store, the default), as it was answered."""
-    return kept(store, response_id)
+    response = store.get(response_id)
+    if response is None:
+        raise not_stored(response_id)
+    return response
 
 
 @router.get(
@@ -88,15 +91,8 @@ async def stored_input_items(
     the one after `after` (an item id)."""
     items = store.input_items(response_id)
     if items is None:
-        kept(store, response_id)  # the 404
-    listed = [
-        {
-            "id": f"{rp.ITEM_ID_PREFIXES[item.type]}_{response_id.removeprefix('resp_')}_{i}",
-            **item.model_dump(),
-        }
-        | ({"status": "completed"} if item.type != "reasoning" else {})
-        for i, item in enumerate(items)
-    ]
+        raise not_stored(response_id)
+    listed = [listed_item(response_id, place, item) for place, item in enumerate(items)]
     if order == "desc":
         listed.reverse()
     if after is not None:
@@ -118,17 +114,23 @@ async def stored_input_items(
     "/v1/responses/{response_id}", response_model=rp.ResponseDeleted, responses=documented_errors(401, 404)
 )
 async def delete_response(response_id: str, store: Store) -> rp.ResponseDeleted:
-    kept(store, response_id)
-    store.delete(response_id)
+    if not store.delete(response_id):
+        raise not_stored(response_id)
     return rp.ResponseDeleted(id=response_id)
 
 
-def kept(store: ResponseStore, response_id: str) -> rp.ResponseObject:
-    stored = store.get(response_id)
-    if stored is None:
-        why = f"no stored response {response_id[:100]!r} (kept in memory, within --responses-store-memory)"
-        raise ApiError(404, why, "not_found_error", param="response_id", code="response_not_found")
-    return stored
+def listed_item(response_id: str, place: int, item: rp.InputItem) -> dict:
+    """An input item as OpenAI lists it: with an id (from the response's and the item's place) and a status."""
+    listed = {"id": f"{rp.ITEM_ID_PREFIXES[item.type]}_{response_id.removeprefix('resp_')}_{place}"}
+    listed |= item.model_dump()
+    if item.type != "reasoning":
+        listed["status"] = "completed"
+    return listed
+
+
+def not_stored(response_id: str) -> ApiError:
+    why = f"no stored response {response_id[:100]!r} (kept in memory, within --responses-store-memory)"
+    return ApiError(404, why, "not_found_error", param="response_id", code="response_not_found")
 
 
 @router.post(

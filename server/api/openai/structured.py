@@ -46,9 +46,8 @@ def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
                 schema = json.loads(schema)
             except json.JSONDecodeError:
                 return GrammarSpec("json_schema", so.json_)  # the compile says what is wrong with it
-        return GrammarSpec(
-            "json_schema", json.dumps(closed_objects(schema)), lenient=True
-        )  # as vLLM's: no strict
+        # vLLM's structured outputs have no strict: keywords no grammar holds are ignored
+        return GrammarSpec("json_schema", json.dumps(closed_objects(schema)), lenient=True)
     if so.regex is not None:
         return GrammarSpec("regex", so.regex)
     if so.choice is not None:
