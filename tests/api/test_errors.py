@@ -261,11 +261,8 @@ def test_head_is_get_without_the_body_on_every_route(tiny_engine, start_server):
     GET's status and headers and an empty body, the key checked as for GET; elsewhere it gets what GET gets."""
     url, app = start_server(tiny_engine, api_key="sesame")
     client = httpx.Client(base_url=url)
-    examples = {
-        "name": "index.html",
-        "model": "test-model",
-        "response_id": "resp_1",
-    }  # the GET routes' parameters
+    # the path parameters of the GET routes
+    examples = {"name": "index.html", "model": "test-model", "response_id": "resp_1"}
     routers = (routes.health_router, routes.api_router, openai_routes.router, anthropic_routes.router)
     routers += (fleet.public_router, fleet.router, ui.ui_router)
     paths = [
