@@ -4,6 +4,7 @@ response refers to the one it continued by id, so a conversation of N turns is k
 whose chain lost a response to eviction can no longer be continued (a 404 says which). Nothing outlives the
 process, and replicas do not share what they keep."""
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -76,9 +77,8 @@ class ResponseStore:
             stored = self._touch(response_id)
             if stored is None:
                 raise KeyError(response_id)
-            output = rp.ResponseObject.model_validate_json(stored.response).output
-            # each output item read back as the input item it becomes
-            answer = INPUT_ITEMS.validate_python([item.model_dump() for item in output])
+            # each output item read back, from the response's JSON, as the input item it becomes
+            answer = INPUT_ITEMS.validate_python(json.loads(stored.response)["output"])
             turns.append(INPUT_ITEMS.validate_json(stored.input) + answer)
             response_id = stored.previous_id
         return [item for turn in reversed(turns) for item in turn]
