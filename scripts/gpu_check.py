@@ -407,10 +407,8 @@ def teacher_forced(reference, test, ids: list[int]) -> dict:
 
 def build_shape(shape: Shape, path: Path, device: str) -> Path:
     """A random-weight Llama (with experts, Qwen3-MoE; with linear heads, Qwen3.5) of the shape, bfloat16, built on
-    the device (fast there) and saved with a tiny tokenizer (prompts are token ids)."""
+    the device (fast there) and saved with a word per token (word_tokenizer)."""
     import transformers
-
-    from tests.helpers.tiny_models import save_tiny_tokenizer
 
     common = dict(
         hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
@@ -441,8 +439,28 @@ def build_shape(shape: Shape, path: Path, device: str) -> Path:
         for p in model.parameters():
             p.normal_(0, 0.02)
     model.save_pretrained(path)
-    save_tiny_tokenizer(path)
+    word_tokenizer(path, shape.vocab)
     return path
+
+
+def word_tokenizer(path: Path, vocab: int) -> None:
+    """A tokenizer of one word per id for every id of the shape's vocabulary ("w3", "w4", ...; a word it does not
+    know is id 0): a random model's tokens then decode to text, which `kvserve bench` times (a byte-level tokenizer
+    of a few hundred ids decodes most of its tokens to nothing, and leaves its TTFT unmeasured)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def shape_run(
@@ -479,12 +497,15 @@ def shape_run(
         result.update(floor_ms=round(floor_ms, 4), step_over_floor=round(step_ms / floor_ms, 2),
                       bandwidth_utilisation=round(floor_ms / step_ms, 3))  # fmt: skip
 
-    # TTFT of a long prompt, against 2 x params x tokens at the H200's bfloat16 rate
+    if device == "cuda":
+        result.update(decode_anatomy(engine))
+
+    # TTFT of a long prompt, against 2 x (the parameters a token multiplies by) x tokens at the H200's bfloat16 rate
     long = bench_model(engine, plan.ttft_prompt_len, 2, runs=2)
     ttft_s = plan.ttft_prompt_len / long["prefill_tokens_per_s"]
     result.update(ttft_prompt_len=plan.ttft_prompt_len, ttft_s=round(ttft_s, 4))
     if device == "cuda":
-        floor_s = 2 * params * plan.ttft_prompt_len / H200_BF16_FLOPS
+        floor_s = 2 * active_params(model) * plan.ttft_prompt_len / H200_BF16_FLOPS
         result.update(ttft_floor_s=round(floor_s, 5), ttft_over_floor=round(ttft_s / floor_s, 2))
 
     # batches: kvserve's engine against transformers' batched generate, the same prompts and lengths
@@ -505,6 +526,59 @@ def shape_run(
     _transformers_models.clear()
     release(device)
     return result
+
+
+def active_params(model) -> int:
+    """The parameters each token is multiplied by: all but an untied embedding (a row is looked up) and, of each
+    sparse layer's experts, all but the top_k a token goes to."""
+    total = sum(p.numel() for p in model.parameters())
+    if model.embed is not model.lm_head:
+        total -= sum(p.numel() for p in model.embed.parameters())
+    for layer in model.layers:
+        if hasattr(layer.mlp, "experts"):
+            experts = sum(p.numel() for p in layer.mlp.experts.parameters())
+            total -= experts - experts * layer.mlp.top_k // len(layer.mlp.experts)
+    return total
+
+
+def decode_anatomy(engine) -> dict:
+    """Where a batch-1 decode step's time goes on the GPU: its graph replayed alone (CUDA events: the GPU's time,
+    the host's per-step work left out), and the kernels one eager run of the same step launches (how many, their
+    GPU time together, the costliest by name). A failure is reported in the section's result, not raised."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None or 1 not in graphs.graphs:
+        return {}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        graphs._fill([], [], [], [], 1)  # one dummy row, its K/V in the kept-back block
+        with torch.inference_mode():
+            for _ in range(3):
+                graphs.graphs[1].replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                graphs.graphs[1].replay()
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms = start.elapsed_time(end) / 50
+            graphs._forward(1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graphs._forward(1)
+                torch.cuda.synchronize()
+        by_name: dict[str, list] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = by_name.setdefault(event.name[:80], [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us()
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+        return {"decode_graph_ms": round(graph_ms, 4), "eager_kernels": sum(c for c, _ in by_name.values()),
+                "eager_kernel_ms": round(sum(us for _, us in by_name.values()) / 1e3, 4),
+                "top_kernels": [[name, count, round(us, 1)] for name, (count, us) in top]}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 (the section's other figures stand without it)
+        return {"anatomy_error": f"{type(e).__name__}: {e}"}
 
 
 def graph_replay_share(engine) -> float | None:

@@ -26,7 +26,7 @@ WORDS = (
 @dataclass
 class Result:
     ok: bool
-    ttft: float = 0.0
+    ttft: float | None = None  # None: no event carried text (a model whose tokens decode to nothing)
     e2e: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -61,7 +61,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, route: str, body: di
                 if event.get("choices") and _text(event):
                     result.text += _text(event)
                     chunks += 1
-                    if last is None:
+                    if result.ttft is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
@@ -166,7 +166,7 @@ async def bench_http(args) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None]
-    streaming = [r for r in ok if r.output_tokens > 1 and r.e2e > r.ttft]
+    streaming = [r for r in ok if r.ttft is not None and r.output_tokens > 1 and r.e2e > r.ttft]
     prompt_tokens = sum(r.prompt_tokens for r in reported)
     summary = {
         "url": url,
@@ -188,13 +188,15 @@ async def bench_http(args) -> dict:
         "cached_prompt_share": round(sum(r.cached_tokens for r in reported) / prompt_tokens, 3)
         if prompt_tokens
         else None,
-        "ttft_s": _percentiles([r.ttft for r in ok]),
+        "ttft_s": _percentiles([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": _percentiles([t for r in ok for t in r.itl]),
         "e2e_s": _percentiles([r.e2e for r in ok]),
     }
     if args.workload == "turns":  # a later turn's TTFT is what a prefix cache saves
         turns = sorted({r.turn for r in ok})
-        summary["ttft_by_turn_s"] = {t: _percentiles([r.ttft for r in ok if r.turn == t]) for t in turns}
+        summary["ttft_by_turn_s"] = {
+            t: _percentiles([r.ttft for r in ok if r.turn == t and r.ttft is not None]) for t in turns
+        }
         summary["cached_prompt_share_by_turn"] = {
             t: round(sum(r.cached_tokens for r in by) / max(sum(r.prompt_tokens for r in by), 1), 3)
             for t in turns

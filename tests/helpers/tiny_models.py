@@ -228,13 +228,15 @@ def forward_sequence(
     min_query_len: int = 1,
     cpu_kernel: bool = False,
     gpu_attention: str | None = None,
+    device: str = "cpu",
 ):
     """Run one sequence's tokens [num_cached:] through the model with its K/V in `cache`; returns [n, vocab] logits.
     block_table: the first KV group's; each further group g reads and writes the same blocks shifted by g times
     the highest one plus one (a cache for G groups needs G times the table's blocks: cache_blocks). cpu_kernel:
     attention by the C++ kernel rather than PyTorch ops (RMSNorm is the model's own choice); gpu_attention: a GPU's
     instead, run on the CPU: "sdpa" (PyTorch ops through torch's fused SDPA) or "triton" (model/attention_triton.py,
-    under Triton's interpreter where the caller set TRITON_INTERPRET=1)."""
+    under Triton's interpreter where the caller set TRITON_INTERPRET=1); device: where the model and cache are
+    (a GPU's attention on a GPU: the `cuda` tests)."""
     from model.attention import TorchAttention
     from model.attention_cpu import CpuKernelAttention
     from model.deltanet import StepStates
@@ -246,13 +248,13 @@ def forward_sequence(
     elif gpu_attention == "triton":
         from model.attention_triton import TritonAttention
 
-        attention = TritonAttention.for_model(config, cache.block_size, "cpu")
+        attention = TritonAttention.for_model(config, cache.block_size, torch.device(device))
     else:
         attention = TorchAttention(
             cache.block_size,
             config.num_kv_heads if config.uniform_kv else None,
             cache.num_blocks,
-            "cpu",
+            torch.device(device),
             config.kv_group_windows,
             min_query_len,
             sdpa=gpu_attention == "sdpa",
@@ -264,10 +266,10 @@ def forward_sequence(
     positions, meta = attention.build([len(new)], [len(token_ids)], [tables])
     states = StepStates([0], [len(new)], [0], [num_cached])  # a DeltaNet layer's: the cache's slot 0
     original = config.longrope_original_len  # LongRoPE: the long factors once the sequence outgrows it
-    long_rope = torch.full((len(new),), len(token_ids) > original) if original else None
+    long_rope = torch.full((len(new),), len(token_ids) > original, device=device) if original else None
     with torch.inference_mode():
-        hidden = model(torch.tensor(new), positions, meta, cache, long_rope, states)
-        return model.compute_logits(hidden)
+        hidden = model(torch.tensor(new, device=device), positions, meta, cache, long_rope, states)
+        return model.compute_logits(hidden).cpu()
 
 
 def cache_blocks(config, per_group: int) -> int:
@@ -279,11 +281,11 @@ def cache_blocks(config, per_group: int) -> int:
 class CpuPath:
     """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops (gpu_attention:
     a GPU's attention run on the CPU, as forward_sequence says, its grouped experts (model/moe_triton.py) and its
-    DeltaNet decodes all at once)."""
+    DeltaNet decodes all at once); device: where they run (a GPU's ops on a GPU: the `cuda` tests)."""
 
-    def __init__(self, kernels: bool, gpu_attention: str | None = None):
+    def __init__(self, kernels: bool, gpu_attention: str | None = None, device: str = "cpu"):
         assert not (kernels and gpu_attention), "the C++ kernels have their own attention"
-        self.kernels, self.gpu_attention = kernels, gpu_attention
+        self.kernels, self.gpu_attention, self.device = kernels, gpu_attention, device
 
     def load(self, path, dtype=torch.float32, linear=None):
         from model.kernels import cpu_kernels
@@ -296,12 +298,11 @@ class CpuPath:
             from model.moe_triton import grouped_experts  # and a DeltaNet layer's decodes all at once
 
             ops = dataclasses.replace(ops, grouped_experts=grouped_experts, parallel_deltanet=True)
-        return load_model(path, dtype, "cpu", ops)
+        return load_model(path, dtype, self.device, ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
-        return forward_sequence(
-            model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels, self.gpu_attention
-        )
+        return forward_sequence(model, cache, token_ids, num_cached, block_table, min_query_len, self.kernels,
+                                self.gpu_attention, self.device)  # fmt: skip
 
 
 def tokens_together_and_alone(path, kernels: str) -> tuple[dict, dict]:

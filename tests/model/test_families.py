@@ -76,6 +76,28 @@ def test_the_gpus_attention_matches_transformers_on_the_cpu(tiny_model_factory, 
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_gpus_path_on_a_gpu_matches_transformers(tiny_model_factory, arch, attention):
+    """The test above on the device itself, float32 (tl.dot in IEEE precision, no TF32): the kernels compiled
+    there, the cache and the model's ops on the GPU, against transformers on the CPU. What differs from it is the
+    device's arithmetic alone, so a family that fails here and passes above has code the GPU runs otherwise."""
+    path = tiny_family(tiny_model_factory, arch)
+    gpu_path = CpuPath(kernels=False, gpu_attention=attention, device="cuda")
+    model, config = gpu_path.load(path)
+    cache = KVCache(config, cache_blocks(config, 16), 4, torch.float32, "cuda")
+    first = gpu_path.run(model, cache, PROMPT[:START], 0, list(range(16)))
+    rest = gpu_path.run(model, cache, PROMPT, START, list(range(16)))
+    ours = torch.cat((first, rest))
+    with torch.no_grad():
+        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", [arch for arch in ARCHES if FAMILIES[ARCHITECTURES[arch]].moe])
 def test_each_token_takes_the_references_experts(tiny_model_factory, arch):
