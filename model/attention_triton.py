@@ -7,7 +7,7 @@ keys a tile at a time through its block table, and keeps a running softmax (Flas
 are read once per tile of queries, in place, and nothing is padded but the tile's own rows.
 
 Causal masks, sliding windows, Gemma 2's soft-cap and GPT-OSS's sinks are the kernel's; RoPE and the K/V writes
-are PyTorch ops before it. Scores and the softmax are float32 whatever the cache holds. On a CPU the same kernel
+are one kernel before it (model/fused_triton.py). Scores and the softmax are float32 whatever the cache holds. On a CPU the same kernel
 runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it without a GPU.
 """
 
@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from model.attention import TorchAttention, kernel_tables, paged_attention, rotate_and_store
+from model.attention import TorchAttention, kernel_tables, paged_attention
 from model.config import ModelConfig
 from model.device import to_device
+from model.fused_triton import rotate_and_store
 from model.kv_cache import KVCache
 from model.linear_triton import dot_dtype
 
@@ -132,8 +133,7 @@ class TritonAttentionMetadata:
     def attend(
         self, q, k, v, k_cache, v_cache, rope, scale: float, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
-        q, k = rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping, rope)
-        q = q.contiguous()
+        q = rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping, rope)
         T, H, D = q.shape
         KVH = k_cache.shape[0]
         G = H // KVH

@@ -183,10 +183,10 @@ class CpuBackend:
 
 @dataclass
 class CudaBackend:
-    """A CUDA GPU: PyTorch ops; the weights dense in the model's dtype (bfloat16 by default), or, a quantized
-    checkpoint's (GGUF), kept quantized and multiplied by kvserve's Triton GEMM (model/linear_triton.py);
-    attention by the Triton kernel (torch's fused SDPA where it cannot run); decode steps replayed from CUDA
-    graphs. Its steps are not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off
+    """A CUDA GPU: PyTorch ops, the norms and SwiGLU by kvserve's Triton kernels (model/fused_triton.py); the weights
+    dense in the model's dtype (bfloat16 by default), or, a quantized checkpoint's (GGUF), kept quantized and
+    multiplied by kvserve's Triton GEMM (model/linear_triton.py); attention by the Triton kernel, RoPE and the K/V
+    writes one kernel before it (torch's fused SDPA where it cannot run); decode steps replayed from CUDA graphs. Its steps are not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off
     under `auto`."""
 
     device: torch.device
@@ -206,18 +206,22 @@ class CudaBackend:
             from model.linear_triton import TritonQuantLinear
 
             linear = TritonQuantLinear(device, dtype, linear, weights.quantize_to)
-        grouped_experts = None
-        if triton_missing() is None:  # a sparse layer's dense experts as two grouped GEMMs, checked at load
+        grouped_experts = rms_norm = silu_mul = None
+        if (
+            triton_missing() is None
+        ):  # a sparse layer's dense experts as two grouped GEMMs, checked at load; the
+            from model.fused_triton import rms_norm, silu_mul  # norms and SwiGLU one kernel each
             from model.moe_triton import grouped_experts
         # a DeltaNet layer's step of decodes as one (model/deltanet.py's _decodes), not a loop over sequences
-        ops = Ops(linear, parallel_deltanet=True, grouped_experts=grouped_experts)
+        ops = Ops(linear, rms_norm, silu_mul, parallel_deltanet=True, grouped_experts=grouped_experts)
         return cls(device, dtype, ops, weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:
         quantized = (
             describe_weights(model, "kvserve's Triton GEMM") if self.weights is not WeightFormat.DENSE else ""
         )
-        log.info("GEMMs: %sF.linear; norms and activations: PyTorch ops", quantized)
+        fused = "kvserve's Triton kernels" if self.ops.rms_norm is not None else "PyTorch ops"
+        log.info("GEMMs: %sF.linear; norms and SwiGLU: %s", quantized, fused)
 
     def batch_invariant(self, model: torch.nn.Module) -> bool:
         return False  # cuBLAS picks kernels by shape; kvserve does not pin them

@@ -21,7 +21,11 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
     assert backend.dtype == torch.bfloat16 and backend.weights is WeightFormat.DENSE
     linear = backend.ops.linear
     assert type(linear) is PlainLinear and not linear.batch_invariant  # no padding for invariance on a GPU
-    assert backend.ops.rms_norm is None and backend.ops.layer_stack is None  # no CPU kernel
+    # the norms and SwiGLU as Triton kernels (one launch each, not PyTorch's several); no CPU layer loop
+    from model.fused_triton import rms_norm, silu_mul
+
+    assert backend.ops.rms_norm is rms_norm and backend.ops.silu_mul is silu_mul
+    assert backend.ops.layer_stack is None and backend.ops.clamped_swiglu is None
     # sparse layers' dense experts as grouped Triton GEMMs (the test environment has Triton; each is checked at load)
     from model.moe_triton import grouped_experts
 

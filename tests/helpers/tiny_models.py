@@ -280,8 +280,8 @@ def cache_blocks(config, per_group: int) -> int:
 
 class CpuPath:
     """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops (gpu_attention:
-    a GPU's attention run on the CPU, as forward_sequence says, its grouped experts (model/moe_triton.py) and its
-    DeltaNet decodes all at once); device: where they run (a GPU's ops on a GPU: the `cuda` tests)."""
+    a GPU's attention run on the CPU, as forward_sequence says, its Triton norms and SwiGLU (model/fused_triton.py),
+    its grouped experts (model/moe_triton.py) and its DeltaNet decodes all at once); device: where they run (a GPU's ops on a GPU: the `cuda` tests)."""
 
     def __init__(self, kernels: bool, gpu_attention: str | None = None, device: str = "cpu"):
         assert not (kernels and gpu_attention), "the C++ kernels have their own attention"
@@ -294,10 +294,14 @@ class CpuPath:
         from model.transformer import Ops
 
         ops = Ops.with_kernels(linear or PlainLinear(), cpu_kernels() if self.kernels else None)
-        if self.gpu_attention is not None:  # a GPU's ops: sparse layers' experts as grouped Triton GEMMs too,
-            from model.moe_triton import grouped_experts  # and a DeltaNet layer's decodes all at once
+        if (
+            self.gpu_attention is not None
+        ):  # a GPU's ops: its norms and SwiGLU as Triton kernels, sparse layers'
+            from model.fused_triton import rms_norm, silu_mul  # experts as grouped Triton GEMMs too, and a
+            from model.moe_triton import grouped_experts  # DeltaNet layer's decodes all at once
 
-            ops = dataclasses.replace(ops, grouped_experts=grouped_experts, parallel_deltanet=True)
+            ops = dataclasses.replace(ops, rms_norm=rms_norm, silu_mul=silu_mul, grouped_experts=grouped_experts,
+                                      parallel_deltanet=True)  # fmt: skip
         return load_model(path, dtype, self.device, ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):
