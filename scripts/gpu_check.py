@@ -519,6 +519,8 @@ def shape_run(
 
     if device == "cuda":
         result.update(decode_anatomy(engine))
+    for batch in (plan.batches[0], plan.batches[-1]):  # one alone, and the most
+        result.update(host_anatomy(engine, batch, plan.input_len, shape.vocab))
 
     # TTFT of a long prompt, against 2 x (the parameters a token multiplies by) x tokens at the H200's bfloat16 rate
     long = bench_model(engine, plan.ttft_prompt_len, 2, runs=2)
@@ -599,6 +601,43 @@ def decode_anatomy(engine) -> dict:
                 "top_kernels": [[name, count, round(us, 1)] for name, (count, us) in top]}  # fmt: skip
     except Exception as e:  # noqa: BLE001 (the section's other figures stand without it)
         return {"anatomy_error": f"{type(e).__name__}: {e}"}
+
+
+def host_anatomy(engine, batch: int, prompt_len: int, vocab: int, steps: int = 20) -> dict:
+    """Where the host's time goes in decode steps of `batch` sequences: the median step (wall), then the same steps
+    under cProfile, the functions with the most time of their own per step. On a GPU the step waits once for the
+    device (the sampled ids' read), so the GPU's time shows as that read's (`tolist`)."""
+    import cProfile
+    import pstats
+
+    from server.bench.offline import random_prompts
+    from server.engine.request import SamplingParams
+
+    engine.reset(max_num_seqs=max(batch, engine.config.max_num_seqs))
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    waiting = set()
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch + 7)):
+        engine.add_request(f"host-{i}", prompt, params)
+        waiting.add(f"host-{i}")
+    while waiting:  # every prompt in, every sequence decoding
+        waiting -= {out.request_id for out in engine.step()}
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    engine.abort_all()
+    own = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[:10]
+    top = [
+        [f"{Path(file).name}:{line}({name})", round(tt / steps * 1e3, 3)]
+        for (file, line, name), (_, _, tt, *_) in own
+    ]
+    return {f"host_step_ms_b{batch}": round(statistics.median(times) * 1e3, 3), f"host_top_b{batch}": top}
 
 
 def graph_replay_share(engine) -> float | None:

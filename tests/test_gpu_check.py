@@ -42,6 +42,11 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     for figures in ("output_tokens_per_s", "transformers_tokens_per_s", "speedup_over_transformers"):
         assert set(shape[figures]) == {"1", "4"} and all(v > 0 for v in shape[figures].values())
     assert shape["graph_replay_share"] is None  # no CUDA graphs on a CPU
+    # the host's share of decode steps alone and at the largest batch: each step's time and where it goes
+    for batch in (1, 4):
+        top = shape[f"host_top_b{batch}"]
+        assert shape[f"host_step_ms_b{batch}"] > 0 and len(top) == 10
+        assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True) and top[0][1] > 0
     assert shape["weights"] == "dense" and shape["gemm"] in ("OneDnnLinear", "PlainLinear")
     # the same shape's weights quantized at load (on a CPU the C++ kernel's; on a GPU the Triton GEMM's): fewer
     # bytes a step, no second transformers baseline
