@@ -375,19 +375,16 @@ def parity(device: str, plan: Plan, work: Path) -> dict:
     """Every family's tiny model in float32: each token kvserve chooses greedily (several prompts batched) is
     transformers' choice on the same text, or within TIE of it (after such a tie the two may rightly diverge);
     how many answers are identical to transformers' own generate. And kvserve in bfloat16 against float32,
-    teacher-forced on a prompt and float32's answer."""
-    import transformers
-
+    teacher-forced on a prompt and float32's answer (transformers' model as tests/helpers/tiny_models.py's
+    reference_model loads it)."""
     from server.bench.offline import random_prompts
-    from tests.helpers.tiny_models import ARCHES, FAMILY_OVERRIDES, build_tiny_model
+    from tests.helpers.tiny_models import ARCHES, FAMILY_OVERRIDES, build_tiny_model, reference_model
 
     families = plan.parity_families or tuple(ARCHES)
     gaps, identical, agreement = {}, 0, {}
     for arch in families:
         path = build_tiny_model(work / f"tiny-{arch}", arch, **FAMILY_OVERRIDES.get(arch, {}))
-        reference = (
-            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-        )
+        reference = reference_model(path).to(device)
         prompts = random_prompts(4, 20, reference.config.vocab_size, seed=7)
         float32 = engine_for(path, device, "float32", kv_cache_dtype="float32")
         answers = greedy_tokens(float32, prompts, plan.parity_tokens)

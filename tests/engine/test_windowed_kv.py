@@ -15,7 +15,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
 from tests.helpers.engine_runs import served_bits
-from tests.helpers.tiny_models import tiny_family
+from tests.helpers.tiny_models import reference_model, tiny_family
 
 BLOCK = 4
 WINDOWED = [
@@ -47,15 +47,13 @@ def run(engine: Engine, prompts: dict[str, list[int]]) -> tuple[dict[str, dict],
 def test_a_windowed_model_frees_what_leaves_the_window_and_gives_transformers_tokens(
     tiny_model_factory, family, kernels
 ):
-    import transformers
-
     path = tiny_family(tiny_model_factory, family)
     engine = make_engine(path, enable_prefix_caching=False, cpu_kernels=kernels)
     windows = list(engine.model_config.kv_group_windows)
     assert any(w is not None for w in windows)
     ids = prompt(40, 0)  # five windows long, prefilled 12 tokens a step
     result, most = run(engine, {"a": ids})
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = reference_model(path)
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert result["a"]["ids"] == out[0, 40:].tolist()
@@ -126,14 +124,12 @@ def test_bench_offline_reports_what_a_sequences_kv_takes(tiny_model_factory):
 def test_a_windowed_model_on_cuda_gives_transformers_tokens(tiny_model_factory, family):
     """The GPU's path: SDPA over the blocks a sliding group's window reaches (GPT-OSS's sinks by the matmuls), the
     blocks behind the window given back; transformers' greedy tokens on the CPU."""
-    import transformers
-
     path = tiny_family(tiny_model_factory, family)
     engine = make_engine(path, device="cuda", enable_prefix_caching=False)
     assert engine.runner.device.type == "cuda"
     ids = prompt(40, 0)
     result, most = run(engine, {"a": ids})
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = reference_model(path)
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert result["a"]["ids"] == out[0, 40:].tolist()

@@ -132,6 +132,23 @@ TINY_TOKENIZER_CHAT_TEMPLATE = (
 )
 
 
+def reference_model(path, dtype: torch.dtype = torch.float32):
+    """transformers' own model of a checkpoint, as the numerical reference: eager attention (older releases run
+    Gemma 2 through SDPA by default, which drops its soft-cap: transformers 5.17, the H200's) and GPT-OSS's SwiGLU
+    clamp as the config says (5.17 fixes it at 7.0 whatever swiglu_limit is; the tiny model's is 1.0, to reach
+    it)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager"
+    ).eval()
+    limit = getattr(model.config, "swiglu_limit", None)
+    for module in model.modules():
+        if limit is not None and type(module).__name__ == "GptOssExperts":
+            module.limit = limit
+    return model
+
+
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a small random model of the given family (a short name) in HF layout (safetensors), with a
     byte-level tokenizer."""

@@ -17,6 +17,7 @@ from tests.helpers.tiny_models import (
     build_tiny_model,
     cache_blocks,
     forward_sequence,
+    reference_model,
     tiny_config,
 )
 
@@ -109,8 +110,6 @@ def test_the_table_holds_transformers_defaults(arch):
 def test_a_tied_model_saved_by_457_loads_as_transformers_loads_it(tmp_path, arch):
     """Tied, as these classes are by default, so 4.57 wrote no tie_word_embeddings: kvserve once read it as
     untied and refused the checkpoint for its missing lm_head.weight."""
-    import transformers
-
     path = build_tiny_model(tmp_path, arch)
     config_file = path / "config.json"
     written = as_v4_writes(json.loads(config_file.read_text()), config_class(arch))
@@ -122,7 +121,7 @@ def test_a_tied_model_saved_by_457_loads_as_transformers_loads_it(tmp_path, arch
     ours = forward_sequence(
         model, KVCache(config, cache_blocks(config, 64), 4, torch.float32, "cpu"), PROMPT, 0, list(range(16))
     )
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = reference_model(path)
     with torch.no_grad():
         ref = reference(torch.tensor([PROMPT])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-4

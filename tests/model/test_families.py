@@ -15,6 +15,7 @@ from tests.helpers.tiny_models import (
     TINY_NAMES,
     CpuPath,
     cache_blocks,
+    reference_model,
     tiny_family,
     tokens_together_and_alone,
 )
@@ -31,9 +32,7 @@ def test_every_family_has_a_tiny_model():
 
 
 def reference(path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return reference_model(path)
 
 
 def cache_for(config):
