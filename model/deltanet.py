@@ -25,7 +25,8 @@ the vector code's in the last bit, so which elements those are must not depend o
 kernels run, model/csrc/deltanet.cpp does the same between the two projections (each sequence and value head in
 parallel), inside the fused layer loop (model/layer_stack.py) where the GEMMs are quantized. On a GPU, which
 promises no batch invariance, a step's decodes run all at once instead (`_decodes`), and its prompt chunks all
-together in blocks of BLOCK positions, each block's corrections one triangular solve (`_prompts`).
+together in blocks of BLOCK positions, the blocks' corrections solved together and only the state passed from
+block to block (`_prompts`).
 """
 
 import functools
@@ -47,6 +48,9 @@ CHUNK = 8
 # positions a block of a sequence's tokens spans from a chunk's start, where its corrections are solved at once (a
 # GPU's prompts: _prompts); a multiple of CHUNK
 BLOCK = 64
+# blocks (of all the step's prompts together) _prompts solves at once: at Qwen3-Next's 32 value heads of 128 x 128,
+# ~130 MB of states at the blocks' starts and ~35 MB for each [.., L, L] product
+SEQUENCE_BLOCKS = 64
 
 
 def state_width(key_head_dim: int, value_head_dim: int) -> int:
@@ -345,15 +349,19 @@ class GatedDeltaNet(nn.Module):
 
     def _prompts(self, proj, conv_state, recurrent_state, layout: PromptLayout) -> torch.Tensor:
         """The step's prompt chunks together (layout: where each reads and writes), in blocks of BLOCK positions
-        from each sequence's chunk start, every sequence's block b at once. For a block's new tokens t,
+        from each sequence's chunk start. For a block's new tokens t,
             u_t + beta_t sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j = beta_t (v_t - exp(G_t) S^T k_t),
         a unit lower-triangular system over the block's rows (the rows the state holds since the chunk's start,
         and a shorter sequence's padding, are rows of the identity: known corrections, zeros), then every output
         o_t = exp(G_t) S^T q_t + sum_{j<=t} exp(G_t - G_j) (q_t . k_j) u_j, and each sequence's whole chunks
-        folded into its S, G counted from the block's start. The recurrence's arithmetic in other orders (the
-        loop's to float32's rounding), a few dozen kernels a block however many prompts the step holds; the
-        state is left as the loop leaves it (S0 at the last chunk's end, the rows since). -> [Tp, value_dim], in
-        the layout's token order."""
+        folded into its S, G counted from the block's start. U is linear in the block's starting S, so every
+        block's system is solved at once for its two parts (the WY form of the chunked delta rule); only S goes
+        from block to block, a few small products a block, and the outputs are again one batch. The
+        recurrence's arithmetic in other orders (the loop's to float32's rounding), in ~100 kernels and ~8 a
+        block however many prompts the step holds: 388 for a 2,000-token prompt, where solving each block in turn
+        took 2,572 (its 2,000-token prompt took 0.49 s on an H200 for a 1.5B Qwen3.5, 65x its compute floor, the
+        launches' time); the state is left as the loop leaves it (S0 at the last chunk's end, the rows since).
+        -> [Tp, value_dim], in the layout's token order."""
         spec, device = self.spec, proj.device
         dk, dv, Hv, kernel = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads, spec.conv_kernel
         B, Tp = len(layout.slots), len(layout.rows)
@@ -377,48 +385,66 @@ class GatedDeltaNet(nn.Module):
         S0, keys, corrections, log_decays = (
             t.view(B, Hv, *t.shape[1:]) for t in split_state(state.view(B * Hv, -1), dk, dv)
         )
-        S = torch.where(layout.fresh[:, None, None, None], 0.0, S0)  # [B, Hv, dk, dv]
-        # each sequence's rows since its last whole chunk, as its last block leaves them: [B, Hv, CHUNK, ...]
-        K_since, U_since, G_since = keys.transpose(2, 3).clone(), corrections.clone(), log_decays.clone()
-        rows = torch.arange(BLOCK, device=device)
+        L, nb, each = BLOCK, len(layout.blocks), torch.arange(B, device=device)
+        rows = torch.arange(L, device=device)
         causal = rows[:, None] >= rows  # [L, L]: j <= t
         held = (rows[:CHUNK] < layout.held[:, None])[:, None, :]  # [B, 1, CHUNK]: rows the state holds
+        # every block of every sequence: [B, Hv, nb, L, ...]; rows past a sequence's end are padding
+        token = layout.tokens.view(B, nb, L)
+        Q, K, V = (h[token].permute(0, 3, 1, 2, 4) for h in (q, k, v))
+        beta_b, steps = (g[token].permute(0, 3, 1, 2) for g in (beta, log_decay))
+        G = steps.cumsum(-1)  # log decay since each block's start
+        # block 0: the rows the state holds, their keys, corrections and log decays since the chunk's start
+        K[:, :, 0, :CHUNK] = torch.where(held[..., None], keys.transpose(2, 3), K[:, :, 0, :CHUNK])
+        known = torch.where(held[..., None], corrections, 0.0)  # [B, Hv, CHUNK, dv]
+        at = (layout.held[:, None, None] - 1).clamp(min=0).expand(B, Hv, 1)
+        G[:, :, 0] += torch.where(layout.held[:, None, None] > 0, log_decays.gather(-1, at), 0.0)
+        G[:, :, 0, :CHUNK] = torch.where(held, log_decays, G[:, :, 0, :CHUNK])
+        # what each block folds into S: its sequence's whole chunks (none past its end), and the rows' decay
+        firsts = torch.arange(0, nb * L, L, device=device)  # each block's first row
+        whole = (layout.ends[:, None] - firsts).clamp(max=L) // CHUNK * CHUNK  # [B, nb]
+        at = (whole - 1).clamp(min=0)[:, None, :, None].expand(B, Hv, nb, 1)
+        G_end = torch.where(whole[:, None, :, None] > 0, G.gather(-1, at), 0.0)  # [B, Hv, nb, 1]
+        w = torch.where(rows < whole[:, None, :, None], (G_end - G).exp(), 0.0)  # [B, Hv, nb, L]
+        folds = (K * w[..., None]).transpose(-1, -2)  # [B, Hv, nb, dk, L]
+        carried = G_end.exp()[..., None]  # [B, Hv, nb, 1, 1]: what of S a block passes on
+        gained = G.exp()[..., None]  # [B, Hv, nb, L, 1]
+        S = torch.where(layout.fresh[:, None, None, None], 0.0, S0)  # [B, Hv, dk, dv]
+        U = torch.empty_like(V)
         out = torch.empty(Tp + 1, Hv, dv, device=device)  # row Tp: where padding rows' outputs go
-        for block, A in enumerate(layout.blocks):
-            token = layout.tokens[:A, block * BLOCK : (block + 1) * BLOCK]  # [A, L]
-            Q, K, V = (h[token].transpose(1, 2) for h in (q, k, v))  # [A, Hv, L, dk | dv]
-            beta_b, steps = (g[token].transpose(1, 2) for g in (beta, log_decay))  # [A, Hv, L]
-            G = steps.cumsum(-1)  # log decay since the block's start
-            rhs_known = torch.zeros_like(V)
-            # block 0: the rows the state holds, their keys, corrections and log decays since the chunk's start
-            if block == 0:
-                h = held[:A, :, :, None]
-                K[:, :, :CHUNK] = torch.where(h, K_since[:A], K[:, :, :CHUNK])
-                rhs_known[:, :, :CHUNK] = torch.where(h, U_since[:A], 0.0)
-                at = (layout.held[:A, None, None] - 1).clamp(min=0).expand(A, Hv, 1)
-                G = G + torch.where(layout.held[:A, None, None] > 0, log_decays[:A].gather(-1, at), 0.0)
-                G[:, :, :CHUNK] = torch.where(held[:A], G_since[:A], G[:, :, :CHUNK])
-            Sb = S[:A]
-            decay = torch.where(causal, (G[..., :, None] - G[..., None, :]).exp(), 0.0)  # [A, Hv, L, L]
-            strict = ((K @ K.transpose(-1, -2)) * decay).tril(-1)  # j < t
-            rhs = beta_b[..., None] * (V - G.exp()[..., None] * (K @ Sb)) + rhs_known
+        # A block's corrections solve (1 + beta strict) U = beta (V - exp(G) K S) + known, S its state at its
+        # start: U = Wv - Wk S, neither part reading S, so a span of blocks is solved at once, then S goes from
+        # block to block (three small products each), then the span's outputs at once; spans of at most
+        # SEQUENCE_BLOCKS sequence-blocks, which bounds the [.., L, L] and per-block states a step holds
+        span = max(1, SEQUENCE_BLOCKS // B)
+        for first in range(0, nb, span):
+            part = slice(first, min(first + span, nb))
+            Qp, Kp, G_p = Q[:, :, part], K[:, :, part], G[:, :, part]
+            beta_p, gained_p = beta_b[:, :, part, :, None], gained[:, :, part]
+            decay = torch.where(causal, (G_p[..., :, None] - G_p[..., None, :]).exp(), 0.0)  # [.., L, L]
+            strict = ((Kp @ Kp.transpose(-1, -2)) * decay).tril(-1)  # j < t
+            rhs_v = beta_p * V[:, :, part]
+            if first == 0:
+                rhs_v[:, :, 0, :CHUNK] += known
             # the diagonal is taken as ones; a held or padding row (beta 0) is a row of the identity
-            U = torch.linalg.solve_triangular(
-                beta_b[..., None] * strict, rhs, upper=False, unitriangular=True
-            )
-            # [A, Hv, L, dv]
-            outputs = G.exp()[..., None] * (Q @ Sb) + ((Q @ K.transpose(-1, -2)) * decay) @ U
-            out[token.flatten()] = outputs.transpose(1, 2).flatten(0, 1)
-            # each sequence's whole chunks of the block folded into its S; the rows after them kept
-            whole = (layout.ends[:A] - block * BLOCK).clamp(max=BLOCK) // CHUNK * CHUNK  # [A]
-            at = (whole - 1).clamp(min=0)[:, None, None].expand(A, Hv, 1)
-            G_end = torch.where(whole[:, None, None] > 0, G.gather(-1, at), 0.0)  # [A, Hv, 1]
-            w = torch.where(rows < whole[:, None, None], (G_end - G).exp(), 0.0)  # [A, Hv, L]
-            S[:A] = G_end.exp()[..., None] * Sb + (K * w[..., None]).transpose(-1, -2) @ U
-            since = (whole[:, None] + rows[:CHUNK]).clamp(max=BLOCK - 1)[:, None, :].expand(A, Hv, CHUNK)
-            K_since[:A] = K.gather(2, since[..., None].expand(A, Hv, CHUNK, dk))
-            U_since[:A] = U.gather(2, since[..., None].expand(A, Hv, CHUNK, dv))
-            G_since[:A] = G.gather(2, since) - G_end
+            rhs = torch.cat((rhs_v, beta_p * gained_p * Kp), -1)
+            Wv, Wk = torch.linalg.solve_triangular(
+                beta_p * strict, rhs, upper=False, unitriangular=True
+            ).split((dv, dk), -1)
+            starts = []
+            for i, block in enumerate(range(part.start, part.stop)):
+                starts.append(S)
+                U[:, :, block] = Wv[:, :, i] - Wk[:, :, i] @ S
+                S = carried[:, :, block] * S + folds[:, :, block] @ U[:, :, block]
+            U_p = U[:, :, part]
+            outputs = gained_p * (Qp @ torch.stack(starts, 2)) + ((Qp @ Kp.transpose(-1, -2)) * decay) @ U_p
+            out[token[:, part].flatten()] = outputs.permute(0, 2, 3, 1, 4).flatten(0, 2)
+        # each sequence's rows since its last whole chunk, from its last block
+        last = (layout.ends - 1) // L
+        since = (whole[each, last][:, None] + rows[:CHUNK]).clamp(max=L - 1)[:, None, :].expand(B, Hv, CHUNK)
+        K_since, U_since = (X[each, :, last].gather(2, since[..., None].expand(*since.shape, X.shape[-1]))
+                            for X in (K, U))  # fmt: skip
+        G_since = G[each, :, last].gather(2, since) - G_end[each, :, last]
         S0.copy_(S)
         keys.copy_(K_since.transpose(2, 3))
         corrections.copy_(U_since)

@@ -393,19 +393,24 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
 
 
 @pytest.mark.timeout(180)
+# one: a block solved at a time (a step of many long prompts)
+@pytest.mark.parametrize("span", ["all", "one"])
 @pytest.mark.parametrize(
     "forgetting", ["slow", "fast"]
 )  # fast: heads whose decay empties S within a few tokens
-def test_a_gpus_prompts_in_blocks_are_the_loops_arithmetic(tiny_model_factory, forgetting):
+def test_a_gpus_prompts_in_blocks_are_the_loops_arithmetic(tiny_model_factory, forgetting, span, monkeypatch):
     """A GPU's prompt chunks (Ops.parallel_deltanet: the step's prompts together, in blocks of BLOCK positions from
-    their chunks' starts, each block's corrections solved at once) against the loop a token at a time, float32: a
-    prompt prefilled in pieces that start mid-chunk and cross blocks, beside a shorter one and a third in a slot
-    another sequence left its state in, then beside the second's next piece, both across a block's end from
-    different places in their chunks; the logits and the states they leave, to float32's rounding of sums in
-    another order."""
+    their chunks' starts, the blocks' corrections solved at once, all of them or a span at a time) against the loop
+    a token at a time, float32: a prompt prefilled in pieces that start mid-chunk and cross blocks, beside a
+    shorter one and a third in a slot another sequence left its state in, then beside the second's next piece,
+    both across a block's end from different places in their chunks; the logits and the states they leave, to
+    float32's rounding of sums in another order."""
     import dataclasses
 
     from model.deltanet import BLOCK
+
+    if span == "one":
+        monkeypatch.setattr("model.deltanet.SEQUENCE_BLOCKS", 1)
     from model.loader import load_model
     from model.transformer import Ops
 
