@@ -231,11 +231,12 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads))
         self.gated_norm = nn.Parameter(torch.ones(spec.value_head_dim))  # a plain weight: x * w, not 1 + w
         self.out = Linear(spec.value_dim, config.hidden_size, False, ops.linear)
-        self.kernel = (
-            ops.gated_delta_net
-        )  # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
+        # the C++ recurrence (model/csrc/deltanet.cpp), or None: the loop below
+        self.kernel = ops.gated_delta_net
         # a GPU's: a step's decodes as one (_decodes), its prompts in blocks (_prompts), not a token at a time
         self.parallel = ops.parallel_deltanet
+        # _decodes's recurrence in one kernel (model/deltanet_triton.py), or None: PyTorch ops
+        self.decodes_kernel = ops.deltanet_decodes
 
     def forward(self, x, rope, conv_state, recurrent_state, states: StepStates) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; conv_state [slots, conv_kernel - 1, conv_dim] and recurrent_state
@@ -302,8 +303,8 @@ class GatedDeltaNet(nn.Module):
     def _decodes(self, proj, conv_state, recurrent_state, slots, positions) -> torch.Tensor:
         """A step of B decodes all at once: the loop's arithmetic (_convolve, _delta_rule) on [B, ...] tensors, each
         sequence's place in its chunk (position % CHUNK) read on the device, rows it has not reached masked. A
-        step is then the same few dozen kernels however many sequences it holds, where the loop launches that many
-        for each; its sums run in other orders than the loop's, so a token's bits may depend on its batch (a GPU
+        step is then the same few dozen kernels however many sequences it holds (its recurrence one, where a GPU's
+        Triton kernel runs it: model/deltanet_triton.py), where the loop launches that many for each; its sums run in other orders than the loop's, so a token's bits may depend on its batch (a GPU
         promises no batch invariance). slots, positions: [B] int64 on proj's device."""
         spec, B = self.spec, proj.shape[0]
         dk, dv, Hv = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads
@@ -315,6 +316,9 @@ class GatedDeltaNet(nn.Module):
         conv_state[slots] = window[:, 1:]
         q, k, v = self._heads((window * self.conv[:, 0].T).sum(1))  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv]
         beta, log_decay = self._gates(b, a)  # [B, Hv]
+        if self.decodes_kernel is not None:  # the states read and written in place
+            out = self.decodes_kernel(q, k, v, beta, log_decay, recurrent_state, slots, positions)
+            return self._gated_norm(out.to(proj.dtype), z).reshape(B, spec.value_dim)
         state = recurrent_state[slots]  # [B, Hv, state_width], a copy written back below
         S0, keys, corrections, log_decays = (
             t.view(B, Hv, *t.shape[1:]) for t in split_state(state.view(B * Hv, -1), dk, dv)

@@ -48,6 +48,8 @@ class Ops:
     # (a sparse layer's experts) -> the GPU's grouped expert GEMMs (model/moe_triton.py) or None; None = PyTorch's
     # loop over experts
     grouped_experts: Callable | None = None
+    # a step of DeltaNet decodes' recurrence as one kernel (model/deltanet_triton.py); None = PyTorch ops
+    deltanet_decodes: Callable | None = None
 
     @classmethod
     def with_kernels(cls, linear, kernels) -> "Ops":

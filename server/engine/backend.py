@@ -206,14 +206,16 @@ class CudaBackend:
             from model.linear_triton import TritonQuantLinear
 
             linear = TritonQuantLinear(device, dtype, linear, weights.quantize_to)
-        grouped_experts = rms_norm = silu_mul = None
-        if (
-            triton_missing() is None
-        ):  # a sparse layer's dense experts as two grouped GEMMs, checked at load; the
-            from model.fused_triton import rms_norm, silu_mul  # norms and SwiGLU one kernel each
+        grouped_experts = rms_norm = silu_mul = deltanet_decodes = None
+        # where Triton is here: a sparse layer's dense experts as two grouped GEMMs (checked at load), the norms,
+        # SwiGLU and a DeltaNet layer's step of decodes one kernel each
+        if triton_missing() is None:
+            from model.deltanet_triton import deltanet_decodes
+            from model.fused_triton import rms_norm, silu_mul
             from model.moe_triton import grouped_experts
         # a DeltaNet layer's step of decodes as one (model/deltanet.py's _decodes), not a loop over sequences
-        ops = Ops(linear, rms_norm, silu_mul, parallel_deltanet=True, grouped_experts=grouped_experts)
+        ops = Ops(linear, rms_norm, silu_mul, parallel_deltanet=True, grouped_experts=grouped_experts,
+                  deltanet_decodes=deltanet_decodes)  # fmt: skip
         return cls(device, dtype, ops, weights)
 
     def log_gemms(self, model: torch.nn.Module) -> None:

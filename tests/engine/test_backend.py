@@ -30,8 +30,11 @@ def test_a_gpu_backend_runs_pytorch_ops_in_bfloat16_and_never_drafts_under_auto(
     from model.moe_triton import grouped_experts
 
     assert backend.ops.moe is None and backend.ops.grouped_experts is grouped_experts
-    # DeltaNet layers many tokens at once, in PyTorch ops
+    # DeltaNet layers many tokens at once, in PyTorch ops, a step of decodes' recurrence one Triton kernel
+    from model.deltanet_triton import deltanet_decodes
+
     assert backend.ops.parallel_deltanet and backend.ops.gated_delta_net is None
+    assert backend.ops.deltanet_decodes is deltanet_decodes
     assert backend.sampler is TORCH_SAMPLER
     assert backend.kv_cache_dtype("auto") == torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 with bfloat16 activations"):

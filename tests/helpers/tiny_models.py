@@ -311,14 +311,15 @@ class CpuPath:
         from model.transformer import Ops
 
         ops = Ops.with_kernels(linear or PlainLinear(), cpu_kernels() if self.kernels else None)
-        if (
-            self.gpu_attention is not None
-        ):  # a GPU's ops: its norms and SwiGLU as Triton kernels, sparse layers'
-            from model.fused_triton import rms_norm, silu_mul  # experts as grouped Triton GEMMs too, and a
-            from model.moe_triton import grouped_experts  # DeltaNet layer's decodes all at once
+        # a GPU's ops: its norms, SwiGLU and DeltaNet decodes' recurrence as Triton kernels, sparse layers' experts
+        # as grouped Triton GEMMs, a DeltaNet layer's decodes and prompts all at once
+        if self.gpu_attention is not None:
+            from model.deltanet_triton import deltanet_decodes
+            from model.fused_triton import rms_norm, silu_mul
+            from model.moe_triton import grouped_experts
 
             ops = dataclasses.replace(ops, rms_norm=rms_norm, silu_mul=silu_mul, grouped_experts=grouped_experts,
-                                      parallel_deltanet=True)  # fmt: skip
+                                      parallel_deltanet=True, deltanet_decodes=deltanet_decodes)  # fmt: skip
         return load_model(path, dtype, self.device, ops)
 
     def run(self, model, cache, token_ids, num_cached, block_table, min_query_len=1):

@@ -336,8 +336,10 @@ def test_qwen3_nexts_grouped_projections_regroup_as_transformers_splits_them():
 @pytest.mark.timeout(180)
 # tiled: value head h reads key head h % num_key_heads (llama.cpp's GGUF order), else h // group
 @pytest.mark.parametrize("family,tiled", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_next", False)])
+# the recurrence in PyTorch ops, or as a GPU runs it: one Triton kernel (model/deltanet_triton.py, interpreted)
+@pytest.mark.parametrize("recurrence", ["torch", "triton"])
 def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
-    tiny_model_factory, monkeypatch, family, tiled
+    tiny_model_factory, monkeypatch, family, tiled, recurrence, triton_here
 ):
     """A GPU's steps of decodes (Ops.parallel_deltanet: every sequence's token at once, on the device) against the
     loop a sequence at a time, float32: sequences at different places in their chunks, decoding across chunk
@@ -347,13 +349,17 @@ def test_a_step_of_decodes_run_at_once_is_the_loops_arithmetic(
     import dataclasses
 
     from model.deltanet import GatedDeltaNet
+    from model.deltanet_triton import deltanet_decodes
     from model.loader import load_model
     from model.transformer import Ops
 
     path = tiny_family(tiny_model_factory, family)
     ops = dataclasses.replace(Ops.with_kernels(PlainLinear(), cpu_kernels()), gated_delta_net=None)
     looped, config = load_model(path, torch.float32, "cpu", ops)
-    batched, _ = load_model(path, torch.float32, "cpu", dataclasses.replace(ops, parallel_deltanet=True))
+    kernel = deltanet_decodes if recurrence == "triton" else None
+    batched, _ = load_model(
+        path, torch.float32, "cpu", dataclasses.replace(ops, parallel_deltanet=True, deltanet_decodes=kernel)
+    )
     mixers = [layer.attn for model in (looped, batched) for layer in model.layers if layer.linear]
     for mixer in mixers:
         mixer.spec = dataclasses.replace(mixer.spec, tiled_value_heads=tiled)
