@@ -7,8 +7,9 @@ keys a tile at a time through its block table, and keeps a running softmax (Flas
 are read once per tile of queries, in place, and nothing is padded but the tile's own rows.
 
 Causal masks, sliding windows, Gemma 2's soft-cap and GPT-OSS's sinks are the kernel's; RoPE and the K/V writes
-are one kernel before it (model/fused_triton.py). Scores and the softmax are float32 whatever the cache holds. On a CPU the same kernel
-runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it without a GPU.
+are one kernel before it (model/fused_triton.py). Scores and the softmax are float32 whatever the cache holds. On
+a CPU the same kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
+without a GPU.
 """
 
 from collections.abc import Sequence

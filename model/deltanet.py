@@ -304,8 +304,9 @@ class GatedDeltaNet(nn.Module):
         """A step of B decodes all at once: the loop's arithmetic (_convolve, _delta_rule) on [B, ...] tensors, each
         sequence's place in its chunk (position % CHUNK) read on the device, rows it has not reached masked. A
         step is then the same few dozen kernels however many sequences it holds (its recurrence one, where a GPU's
-        Triton kernel runs it: model/deltanet_triton.py), where the loop launches that many for each; its sums run in other orders than the loop's, so a token's bits may depend on its batch (a GPU
-        promises no batch invariance). slots, positions: [B] int64 on proj's device."""
+        Triton kernel runs it: model/deltanet_triton.py), where the loop launches that many for each; its sums
+        run in other orders than the loop's, so a token's bits may depend on its batch (a GPU promises no batch
+        invariance). slots, positions: [B] int64 on proj's device."""
         spec, B = self.spec, proj.shape[0]
         dk, dv, Hv = spec.key_head_dim, spec.value_head_dim, spec.num_value_heads
         qkv, z, b, a = proj.split(self.sizes, dim=-1)

@@ -56,7 +56,8 @@ RoPE with the K/V writes):
 - The predictions' error: the GPU's own time was near them (0.9 ms for the 1B, 0.8 for the default), but the step
   they did not count, the host's scheduling, sampling and output handling between replays, is half of it or more.
 - Qwen3-30B-A3B L6: 1.68 ms a step (5.1x its 0.32 ms floor; 0.6-0.8 ms was predicted, the host's share again
-  uncounted), 39x generate at batch 1; its int4 run 1.86 ms. Qwen3.5: 6.0 ms a step, TTFT 0.49 s (65x its floor): its DeltaNet prompts are slow.
+  uncounted), 39x generate at batch 1; its int4 run 1.86 ms. Qwen3.5: 6.0 ms a step, TTFT 0.49 s (65x its
+  floor): its DeltaNet prompts were ~35 kernels a block then, its decodes' recurrence ~35 a layer.
 - Parity: gemma2's and gpt_oss's float32 greedy tokens were not transformers' (logit gaps 0.06 and 0.43), and 5
   cuda tests failed: that machine's transformers (5.17) runs Gemma 2 through SDPA, without its soft-cap, and fixes
   GPT-OSS's SwiGLU limit at 7.0 whatever the config says (the tiny model's is 1.0). With 5.17 on a CPU the same

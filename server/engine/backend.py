@@ -186,8 +186,9 @@ class CudaBackend:
     """A CUDA GPU: PyTorch ops, the norms and SwiGLU by kvserve's Triton kernels (model/fused_triton.py); the weights
     dense in the model's dtype (bfloat16 by default), or, a quantized checkpoint's (GGUF), kept quantized and
     multiplied by kvserve's Triton GEMM (model/linear_triton.py); attention by the Triton kernel, RoPE and the K/V
-    writes one kernel before it (torch's fused SDPA where it cannot run); decode steps replayed from CUDA graphs. Its steps are not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off
-    under `auto`."""
+    writes one kernel before it (torch's fused SDPA where it cannot run); decode steps replayed from CUDA graphs.
+    Its steps are not batch-invariant (kvserve does not make cuBLAS's GEMMs so), so drafting stays off under
+    `auto`."""
 
     device: torch.device
     dtype: torch.dtype

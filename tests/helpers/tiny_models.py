@@ -297,8 +297,9 @@ def cache_blocks(config, per_group: int) -> int:
 
 class CpuPath:
     """Load and run models with the C++ CPU kernels (attention, RMSNorm, SwiGLU) or with PyTorch ops (gpu_attention:
-    a GPU's attention run on the CPU, as forward_sequence says, its Triton norms and SwiGLU (model/fused_triton.py),
-    its grouped experts (model/moe_triton.py) and its DeltaNet decodes all at once); device: where they run (a GPU's ops on a GPU: the `cuda` tests)."""
+    a GPU's attention run on the CPU, as forward_sequence says, its Triton norms, SwiGLU and DeltaNet recurrence,
+    its grouped experts (model/moe_triton.py) and its DeltaNet decodes and prompts all at once); device: where they
+    run (a GPU's ops on a GPU: the `cuda` tests)."""
 
     def __init__(self, kernels: bool, gpu_attention: str | None = None, device: str = "cpu"):
         assert not (kernels and gpu_attention), "the C++ kernels have their own attention"
