@@ -528,6 +528,7 @@ def shape_run(
     if device == "cuda":
         floor_s = 2 * active_params(model) * plan.ttft_prompt_len / H200_BF16_FLOPS
         result.update(ttft_floor_s=round(floor_s, 5), ttft_over_floor=round(ttft_s / floor_s, 2))
+        result.update(prefill_anatomy(engine, plan.ttft_prompt_len, shape.vocab))
 
     # batches: kvserve's engine against transformers' batched generate, the same prompts and lengths
     throughput, generate = {}, {}
@@ -588,18 +589,53 @@ def decode_anatomy(engine) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 graphs._forward(1)
                 torch.cuda.synchronize()
-        by_name: dict[str, list] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                entry = by_name.setdefault(event.name[:80], [0, 0.0])
-                entry[0] += 1
-                entry[1] += event.time_range.elapsed_us()
-        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
-        return {"decode_graph_ms": round(graph_ms, 4), "eager_kernels": sum(c for c, _ in by_name.values()),
-                "eager_kernel_ms": round(sum(us for _, us in by_name.values()) / 1e3, 4),
-                "top_kernels": [[name, count, round(us, 1)] for name, (count, us) in top]}  # fmt: skip
+        kernels = kernel_table(prof)
+        return {"decode_graph_ms": round(graph_ms, 4), "eager_kernels": kernels["count"],
+                "eager_kernel_ms": kernels["ms"], "top_kernels": kernels["top"]}  # fmt: skip
     except Exception as e:  # noqa: BLE001 (the section's other figures stand without it)
         return {"anatomy_error": f"{type(e).__name__}: {e}"}
+
+
+def prefill_anatomy(engine, prompt_len: int, vocab: int) -> dict:
+    """Where a long prompt's step goes on the GPU: its wall time, and its kernels by name under the profiler (how
+    many, their GPU time together, the costliest), so the TTFT's distance from its compute floor is split between
+    the GEMMs, attention, the rest, and the host. A failure is reported in the section's result, not raised."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        from server.bench.offline import random_prompts
+        from server.engine.request import SamplingParams
+
+        engine.reset()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        engine.add_request("prefill", random_prompts(1, prompt_len, vocab, seed=3)[0], params)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            engine.step()  # the whole prompt: max_num_batched_tokens holds it
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        while engine.has_work():
+            engine.step()
+        kernels = kernel_table(prof)
+        return {"prefill_step_ms": round(wall * 1e3, 3), "prefill_kernels": kernels["count"],
+                "prefill_kernel_ms": kernels["ms"], "prefill_top_kernels": kernels["top"]}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 (the section's other figures stand without it)
+        return {"prefill_anatomy_error": f"{type(e).__name__}: {e}"}
+
+
+def kernel_table(prof) -> dict:
+    """The GPU kernels a torch.profiler run saw: how many, their time together (ms), the 15 costliest by name
+    ([name, count, microseconds])."""
+    by_name: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(event.name[:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"count": sum(c for c, _ in by_name.values()), "ms": round(sum(us for _, us in by_name.values()) / 1e3, 4),
+            "top": [[name, count, round(us, 1)] for name, (count, us) in top]}  # fmt: skip
 
 
 def host_anatomy(engine, batch: int, prompt_len: int, vocab: int, steps: int = 20) -> dict:
