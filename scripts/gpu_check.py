@@ -519,7 +519,7 @@ def shape_run(
     if device == "cuda":
         result.update(decode_anatomy(engine))
     for batch in (plan.batches[0], plan.batches[-1]):  # one alone, and the most
-        result.update(host_anatomy(engine, batch, plan.input_len, shape.vocab))
+        result.update(host_anatomy(engine, batch, plan.input_len))
 
     # TTFT of a long prompt, against 2 x (the parameters a token multiplies by) x tokens at the H200's bfloat16 rate
     long = bench_model(engine, plan.ttft_prompt_len, 2, runs=2)
@@ -638,29 +638,18 @@ def kernel_table(prof) -> dict:
             "top": [[name, count, round(us, 1)] for name, (count, us) in top]}  # fmt: skip
 
 
-def host_anatomy(engine, batch: int, prompt_len: int, vocab: int, steps: int = 20) -> dict:
+def host_anatomy(engine, batch: int, prompt_len: int, steps: int = 20) -> dict:
     """Where the host's time goes in decode steps of `batch` sequences: the median step (wall), then the same steps
     under cProfile, the functions with the most time of their own per step. On a GPU the step waits once for the
     device (the sampled ids' read), so the GPU's time shows as that read's (`tolist`)."""
     import cProfile
     import pstats
 
-    from server.bench.offline import random_prompts
-    from server.engine.request import SamplingParams
+    from server.bench.offline import start_decoding, timed_steps
 
     engine.reset(max_num_seqs=max(batch, engine.config.max_num_seqs))
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
-    waiting = set()
-    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch + 7)):
-        engine.add_request(f"host-{i}", prompt, params)
-        waiting.add(f"host-{i}")
-    while waiting:  # every prompt in, every sequence decoding
-        waiting -= {out.request_id for out in engine.step()}
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    start_decoding(engine, batch, prompt_len, 2 * steps + 8)
+    times = timed_steps(engine, steps)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):

@@ -250,6 +250,30 @@ def block_gemms(layer) -> list[tuple[str, object]]:
     return gemms
 
 
+def start_decoding(engine: Engine, batch_size: int, context_len: int, max_tokens: int) -> list[str]:
+    """batch_size random prompts of context_len tokens added to an emptied engine (greedy, max_tokens each) and
+    stepped until every one decodes; their request ids."""
+    engine.reset()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"step-{i}" for i in range(batch_size)]
+    for rid, prompt in zip(ids, random_prompts(batch_size, context_len, engine.vocab_size), strict=True):
+        engine.add_request(rid, prompt, params)
+    prefilling = set(ids)
+    while prefilling:
+        prefilling -= {out.request_id for out in engine.step()}
+    return ids
+
+
+def timed_steps(engine: Engine, steps: int) -> list[float]:
+    """Each of the engine's next `steps` steps' wall time, in seconds."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int, reps: int) -> dict:
     """Where a decode step's time goes. The engine's own step (median of `steps`, `batch_size` sequences of
     ~context_len tokens each), then its parts replayed alone on the model's own weights and KV cache, in the
@@ -260,19 +284,8 @@ def bench_profile(engine: Engine, batch_size: int, context_len: int, steps: int,
     bytes a token's step reads (`active_weight_mib`; a MoE layer's chosen experts only): at batch 1,
     step_over_read is how far the step is from the memory's floor. The rest is the
     step around the model: scheduling, metadata, embedding rows, RoPE tables, sampling and detokenizing."""
-    engine.reset()
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    ids = [f"step-{i}" for i in range(batch_size)]
-    for rid, prompt in zip(ids, random_prompts(batch_size, context_len, engine.vocab_size), strict=True):
-        engine.add_request(rid, prompt, params)
-    prefilling = set(ids)
-    while prefilling:
-        prefilling -= {out.request_id for out in engine.step()}
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    ids = start_decoding(engine, batch_size, context_len, steps + 8)
+    times = timed_steps(engine, steps)
     for rid in ids:
         engine.abort(rid)
     engine.step()

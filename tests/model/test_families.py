@@ -35,8 +35,8 @@ def reference(path):
     return reference_model(path)
 
 
-def cache_for(config):
-    return KVCache(config, cache_blocks(config, 16), 4, torch.float32, "cpu")
+def cache_for(config, device: str = "cpu"):
+    return KVCache(config, cache_blocks(config, 16), 4, torch.float32, device)
 
 
 @pytest.mark.timeout(120)
@@ -62,15 +62,7 @@ def test_the_gpus_attention_matches_transformers_on_the_cpu(tiny_model_factory, 
     float32 (the kernel under Triton's interpreter): the reference's logits, so that on a GPU only the device's
     arithmetic differs. The prompt goes in two chunks, the second reading the first's K/V from the cache as a GPU
     step would."""
-    path = tiny_family(tiny_model_factory, arch)
-    gpu_path = CpuPath(kernels=False, gpu_attention=attention)
-    model, config = gpu_path.load(path)
-    cache = cache_for(config)
-    first = gpu_path.run(model, cache, PROMPT[:START], 0, list(range(16)))
-    rest = gpu_path.run(model, cache, PROMPT, START, list(range(16)))
-    ours = torch.cat((first, rest))
-    with torch.no_grad():
-        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    ours, ref = gpu_path_logits(tiny_family(tiny_model_factory, arch), attention, "cpu")
     assert (ours - ref).abs().max().item() < 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
@@ -84,17 +76,20 @@ def test_the_gpus_path_on_a_gpu_matches_transformers(tiny_model_factory, arch, a
     """The test above on the device itself, float32 (tl.dot in IEEE precision, no TF32): the kernels compiled
     there, the cache and the model's ops on the GPU, against transformers on the CPU. What differs from it is the
     device's arithmetic alone, so a family that fails here and passes above has code the GPU runs otherwise."""
-    path = tiny_family(tiny_model_factory, arch)
-    gpu_path = CpuPath(kernels=False, gpu_attention=attention, device="cuda")
-    model, config = gpu_path.load(path)
-    cache = KVCache(config, cache_blocks(config, 16), 4, torch.float32, "cuda")
-    first = gpu_path.run(model, cache, PROMPT[:START], 0, list(range(16)))
-    rest = gpu_path.run(model, cache, PROMPT, START, list(range(16)))
-    ours = torch.cat((first, rest))
-    with torch.no_grad():
-        ref = reference(path)(torch.tensor([PROMPT])).logits[0]
+    ours, ref = gpu_path_logits(tiny_family(tiny_model_factory, arch), attention, "cuda")
     assert (ours - ref).abs().max().item() < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def gpu_path_logits(path, attention: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GPU's path's logits on `device`, the prompt in two chunks; transformers' on the CPU)."""
+    gpu_path = CpuPath(kernels=False, gpu_attention=attention, device=device)
+    model, config = gpu_path.load(path)
+    cache = cache_for(config, device)
+    first = gpu_path.run(model, cache, PROMPT[:START], 0, list(range(16)))
+    rest = gpu_path.run(model, cache, PROMPT, START, list(range(16)))
+    with torch.no_grad():
+        return torch.cat((first, rest)), reference(path)(torch.tensor([PROMPT])).logits[0]
 
 
 @pytest.mark.timeout(120)
