@@ -4,7 +4,11 @@
 #   bash scripts/gpu_check.sh wheels   here, with a network: the wheels the GPU machine lacks, into .whl/
 #                                      (.gitignore has it; ~7 MB, which the device tool's `carry` takes along)
 #   bash scripts/gpu_check.sh run      there: the wheels installed beside its own torch, then the check, its
-#                                      JSON lines under $OUT (the device tool brings them back)
+#                                      JSON lines under $OUT (the device tool brings them back); without options
+#                                      in four phases, each in a folder of $OUT and under a time limit of its own,
+#                                      the dense shapes first, so that one slow or failing phase cannot take the
+#                                      minutes of the rest (the device tool's `run` with carry [".whl"] and
+#                                      timeout_s 600; the first H200 runs took 405 s and 289 s so)
 #
 # The GPU machine has torch, transformers, triton and most of kvserve's needs, but no package index
 # (../shared/GPU.md): what it lacks travels as cp312 wheels, at the versions scripts/install.sh resolves here.
@@ -39,7 +43,22 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    exec python3 scripts/gpu_check.py --out "${OUT:-/tmp/gpu_check}" "$@"
+    out=${OUT:-/tmp/gpu_check}
+    if [ $# -gt 0 ]; then
+        exec python3 scripts/gpu_check.py --out "$out" "$@"
+    fi
+    # phase  seconds  sections
+    # (580 s together, inside a device call's 600; the sparse and hybrid shapes last, their floors from a copy of
+    # their own)
+    phases=("dense 190 environment,copy_bandwidth,shape:default,shape:llama-1b"
+            "cuda_tests 130 cuda_tests"
+            "parity 60 parity"
+            "late 200 copy_bandwidth,http,shape:qwen3")
+    for phase in "${phases[@]}"; do
+        read -r name seconds sections <<< "$phase"
+        timeout "$seconds" python3 scripts/gpu_check.py --out "$out/$name" --sections "$sections" \
+            || echo "gpu_check: phase $name ended with $?"
+    done
     ;;
 *)
     echo "usage: bash scripts/gpu_check.sh wheels | run [gpu_check.py's options]" >&2
