@@ -62,7 +62,12 @@ RoPE with the K/V writes):
   cuda tests failed: that machine's transformers (5.17) runs Gemma 2 through SDPA, without its soft-cap, and fixes
   GPT-OSS's SwiGLU limit at 7.0 whatever the config says (the tiny model's is 1.0). With 5.17 on a CPU the same
   tests fail the same way (a 1.04 logit error); the reference is now transformers' eager model with the config's
-  limit (tests/helpers/tiny_models.py's reference_model). Every other family matched."""
+  limit (tests/helpers/tiny_models.py's reference_model). Every other family matched.
+Predicted for async scheduling (engine.py: step N + 1 launched before step N is read back), before any run of it: a
+step takes the longer of the GPU's part (the 1B's graph 0.91 ms and the sampler's few kernels) and the host's
+(~1 ms at batch 1, the same work as before, now beside the GPU's instead of after it), so the 1B's batch-1 step
+~1.0-1.2 ms (1.7-2x its floor; decode_step_ms_in_turn, the same steps read back one by one, stays ~2 ms); at batch
+256 the host's ~4-5 ms a step overlaps a GPU step of about as long: ~40,000 tok/s, ~10x generate."""
 
 import argparse
 import json
@@ -494,8 +499,10 @@ def shape_run(
     path = work / name
     if not (path / "config.json").is_file():
         build_shape(shape, path, device)
+    # async scheduling on, the GPU's default (on a CPU too, so that the small mode runs its figures' code)
     engine = engine_for(path, device, "bfloat16", max_num_seqs=max(plan.batches), kv_cache_memory=plan.kv_cache_memory,
-                        max_num_batched_tokens=max(plan.ttft_prompt_len, 512), quantization=quantization)  # fmt: skip
+                        max_num_batched_tokens=max(plan.ttft_prompt_len, 512), quantization=quantization,
+                        async_scheduling=True)  # fmt: skip
     model = engine.runner.model
     params = sum(p.numel() for p in model.parameters())
     result = {"params": params, "dtype": str(engine.runner.dtype).removeprefix("torch."),
@@ -510,7 +517,12 @@ def shape_run(
     floor_bytes = active_weight_bytes(model) + kv_bytes + shape.state_bytes_per_step
     bandwidth = report.get("copy_bandwidth").get("gb_per_s")
     result.update(decode_step_ms=round(step_ms, 3), decode_tokens_per_s_b1=single["decode_tokens_per_s"],
-                  bytes_read_per_step=floor_bytes)  # fmt: skip
+                  bytes_read_per_step=floor_bytes, async_scheduling=engine.async_scheduling)  # fmt: skip
+    if engine.async_scheduling:  # the same steps, each read back before the next is scheduled
+        engine.reset(async_scheduling=False)
+        in_turn = bench_model(engine, plan.input_len, plan.output_len, runs=3)
+        result["decode_step_ms_in_turn"] = round(1e3 / in_turn["decode_tokens_per_s"], 3)
+        engine.reset(async_scheduling=True)
     if bandwidth:
         floor_ms = floor_bytes / (bandwidth * 1e9) * 1e3
         result.update(floor_ms=round(floor_ms, 4), step_over_floor=round(step_ms / floor_ms, 2),
@@ -540,6 +552,13 @@ def shape_run(
         if quantization == "auto" and (baseline is None or batch <= baseline):
             generate[batch] = transformers_generate(path, device, prompts, plan.output_len)
     result["output_tokens_per_s"] = throughput
+    if engine.async_scheduling:  # the most sequences, each step read back before the next is scheduled
+        batch = plan.batches[-1]
+        engine.reset(max_num_seqs=batch, async_scheduling=False)
+        run = run_requests(engine, random_prompts(batch, plan.input_len, shape.vocab, seed=batch), plan.output_len,
+                           f"b{batch}-in-turn")  # fmt: skip
+        result["output_tokens_per_s_in_turn"] = {batch: round(run["output_tokens"] / run["wall_s"], 1)}
+        engine.reset(async_scheduling=True)
     if generate:
         result.update(transformers_tokens_per_s=generate,
                       speedup_over_transformers={b: round(throughput[b] / generate[b], 2) for b in generate})  # fmt: skip

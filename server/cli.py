@@ -103,6 +103,13 @@ MODEL_FLAGS = (
         env=True,
         help="on a GPU: run decode steps op by op, without CUDA graphs",
     ),
+    Flag(
+        "--async-scheduling",
+        switch=True,
+        env=True,
+        help="schedule and launch each step before reading the previous one back (default: on a GPU only, and "
+        "never with speculative decoding)",
+    ),
     Flag("--block-size", ENGINE.block_size, int, env=True),
     Flag("--enable-prefix-caching", ENGINE.enable_prefix_caching, switch=True, env=True),
     Flag(

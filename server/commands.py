@@ -55,6 +55,7 @@ def engine_config(args, **overrides):
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
+        async_scheduling=args.async_scheduling,
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,

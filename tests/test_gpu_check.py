@@ -42,6 +42,9 @@ def test_gpu_check_small_runs_every_section_on_cpu(tmp_path):
     for figures in ("output_tokens_per_s", "transformers_tokens_per_s", "speedup_over_transformers"):
         assert set(shape[figures]) == {"1", "4"} and all(v > 0 for v in shape[figures].values())
     assert shape["graph_replay_share"] is None  # no CUDA graphs on a CPU
+    # async scheduling, as on a GPU, against the same steps each read back before the next is scheduled
+    assert shape["async_scheduling"] and shape["decode_step_ms_in_turn"] > 0
+    assert set(shape["output_tokens_per_s_in_turn"]) == {"4"}
     # the host's share of decode steps alone and at the largest batch: each step's time and where it goes
     for batch in (1, 4):
         top = shape[f"host_top_b{batch}"]

@@ -79,6 +79,9 @@ class CpuBackend:
     onednn: bool  # the dense GEMMs' weights packed for oneDNN (else F.linear)
     activations_log: str  # what the quantized GEMMs' activations are, for the start log
     device = torch.device("cpu")
+    # async scheduling's default (engine.py): off, since the host's work between steps and the steps themselves
+    # would run on the same cores, and each output would come a step later
+    async_scheduling = False
 
     @classmethod
     def create(cls, config: EngineConfig, model) -> "CpuBackend":
@@ -195,6 +198,7 @@ class CudaBackend:
     ops: Ops
     weights: WeightFormat = WeightFormat.DENSE
     sampler = TORCH_SAMPLER
+    async_scheduling = True  # the host's work between steps runs while the GPU computes the next (engine.py)
 
     @classmethod
     def create(cls, config: EngineConfig, model, device: torch.device) -> "CudaBackend":

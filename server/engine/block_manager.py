@@ -226,7 +226,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.request_hashes.setdefault(request.request_id, [])
-        num_full = request.num_computed_tokens // self.block_size
+        # under async scheduling the computed tokens may end with one drawn by a step still running: not known yet
+        known = request.num_prompt_tokens + len(request.output_token_ids)
+        num_full = min(request.num_computed_tokens, known) // self.block_size
         if len(hashes) >= num_full:
             return
         token_ids = request.all_token_ids

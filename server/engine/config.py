@@ -40,6 +40,8 @@ class EngineConfig:
     batch_invariant: bool | None = None  # pad small GEMMs so a row's numbers never depend on its batch;
     # None = on for 16-bit dtypes on CPU (nearly free there), off for float32
     device: str = "auto"  # auto | cpu | cuda
+    # schedule and launch each step before reading the previous one back (engine.py): None = on a GPU only
+    async_scheduling: bool | None = None
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (server/engine/decode_graphs.py)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto: the CPU tier's (bfloat16), on GPUs the model's | float32 | bfloat16 | float16

@@ -119,14 +119,17 @@ class DecodeGraphs:
         )
 
     def run(
-        self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], state_slots: list[int]
-    ) -> torch.Tensor:
+        self, ids: list[int], seq_lens: list[int], block_tables: list[list[list[int]]], state_slots: list[int],
+        fed_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """[n, hidden] after a decode step of n sequences (each's last token: ids[i] at seq_lens[i] - 1; a
         hybrid's DeltaNet state in state_slots[i], else no slots) from the graph of the smallest bucket that
-        holds n."""
+        holds n. fed_ids: (rows, their ids on the device) where the previous step's draws are the inputs."""
         n = len(ids)
         b = self.bucket(n)
         self._fill(ids, seq_lens, block_tables, state_slots, b)
+        if fed_ids is not None:
+            self.ids.index_copy_(0, *fed_ids)
         if not self.capture_graphs:
             return self._forward(b)[:n]
         self.graphs[b].replay()

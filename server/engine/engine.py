@@ -1,8 +1,14 @@
 """Engine: the synchronous core. add_request / abort / step(); one step flows one way:
 
-scheduler.schedule() -> runner.execute() -> outputs.process() -> scheduler.update()
-which tokens run       what they computed    deltas, and who      advance, append the tokens,
-                                             finished and why     free the finished
+scheduler.schedule() -> runner.launch() -> runner.collect() -> outputs.process() -> scheduler.update()
+which tokens run       queued on the      its draws read      deltas, and who      append the tokens,
+(counted computed)     device             back                finished and why     free the finished
+
+Async scheduling (on a GPU by default): step() schedules and launches step N + 1 before it reads back step N,
+so the host's work between two steps (reading back, detokenizing, scheduling, building the next inputs) runs
+while the device computes, instead of the device waiting for it. N + 1's decodes take the tokens N drew on the
+device; a request N finished is computed once more in N + 1, for nothing. Where a draw depends on which tokens
+came before (penalties, a grammar, reasoning), N is read back before N + 1 is scheduled.
 """
 
 import dataclasses
@@ -17,6 +23,7 @@ from model.tokenizer import Tokenizer
 from server.engine.config import EngineConfig, SpeculativeConfig
 from server.engine.drafting import Drafter, StepCosts
 from server.engine.grammar import GrammarCompiler
+from server.engine.model_runner import LaunchedStep
 from server.engine.output_processor import OutputProcessor
 from server.engine.pooling import select_task
 from server.engine.reasoning import ReasoningState
@@ -58,7 +65,11 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_costs = StepCosts()  # what this host's steps cost by decodes and drafts: kept across resets
         self.drafter = self._drafter()
+        self.async_scheduling = self._async_scheduling()
+        # under async scheduling, the step launched and not read back yet
+        self.in_flight: LaunchedStep | None = None
         log.info("task: %s (%s)", self.task.task, self.task.why)
+        log.info("async scheduling: %s", "on" if self.async_scheduling else "off")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ParamError (shown to the client, naming the parameter) when the request can never be served.
@@ -122,20 +133,39 @@ class Engine:
         self.scheduler.finish_request(request, output.finish_reason)
         if self.drafter is not None:
             self.drafter.forget(request_id)
+        if not self.scheduler.has_unfinished_requests():
+            self.in_flight = None  # nothing of it is wanted (the device finishes it before any later step)
         return output
 
     def abort_all(self) -> list[RequestOutput]:
         return [o for rid in list(self.scheduler.requests) if (o := self.abort(rid)) is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        """Schedule and launch a step, and return the outputs of the step read back: this one's, or under async
+        scheduling the one before (read while this one runs)."""
+        previous, self.in_flight = self.in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is not None and any(
+            c.sample and c.request.next_draw_reads_output for c in previous.scheduled.chunks
+        ):
+            outputs, previous = self._finish(previous), None  # what it drew decides how the next step draws
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        computed = self.runner.execute(scheduled)
+        launched = self.runner.launch(scheduled, previous) if not scheduled.is_empty else None
+        if previous is not None:
+            outputs += self._finish(previous)
+        if launched is not None and self.async_scheduling:
+            self.in_flight = launched
+        elif launched is not None:
+            outputs += self._finish(launched)
+        return outputs
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step back: its outputs, and the scheduler's requests updated by them."""
+        computed = self.runner.collect(launched)
+        scheduled = launched.scheduled
         outputs, finished = self.outputs.process(scheduled, computed)
         kept = {o.request_id: o.new_token_ids for o in outputs}
         if computed.draft_states:  # a hybrid's state back to its last kept token
@@ -143,7 +173,7 @@ class Engine:
         self.scheduler.update(scheduled, kept, finished)
         if self.drafter is not None:
             # what this step cost: the drafter sizes the next ones by it
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - launched.started
             self.drafter.after_step(scheduled.chunks, kept, finished, self.scheduler.running, seconds)
         return outputs
 
@@ -164,6 +194,19 @@ class Engine:
         self.config = dataclasses.replace(self.config, **changes)
         self.scheduler = self._scheduler()
         self.drafter = self._drafter()
+        self.async_scheduling = self._async_scheduling()
+
+    def _async_scheduling(self) -> bool:
+        """config.async_scheduling, where auto (None) is the backend's choice: on a GPU, whose idle time the host's
+        work between steps would be, not on a CPU. Never with drafts: a step's drafts come from the tokens read
+        back just before it."""
+        asked = self.config.async_scheduling
+        on = asked if asked is not None else self.runner.backend.async_scheduling
+        if on and self.drafter is not None:
+            if asked:
+                log.warning("async scheduling: off (speculative decoding drafts from the tokens read back)")
+            return False
+        return on
 
     def _scheduler(self) -> Scheduler:
         cache = self.runner.kv_cache

@@ -2,13 +2,14 @@
 keeps nothing per request. server/engine/setup.py builds it, with what the backend (server/engine/backend.py)
 chose."""
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from model.config import ModelConfig
 from model.deltanet import StepStates
-from model.device import to_device
+from model.device import to_device, to_host
 from model.kv_cache import KVCache
 from model.sampling import SamplingTensors, row_logsumexp, sample
 from model.transformer import Transformer
@@ -37,6 +38,23 @@ class ModelOutput:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
     # a hybrid's decode with drafts: the first of the slots holding its state after each token but the last
     draft_states: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and draws are queued on the device (on a CPU: done already), until collect() reads it."""
+
+    scheduled: SchedulerOutput
+    output: ModelOutput  # what is on the host already: prompt logprobs, pooling, draft state slots; then the draws
+    started: float  # time.perf_counter() at its launch
+    # each drawn row's request and the drafts before it, and each request's first row
+    rows: list[tuple[Request, list[int]]] = field(default_factory=list)
+    first_row: dict[str, int] = field(default_factory=dict)
+    # [rows] int64 on the device: the next step's decodes read theirs here
+    token_ids: torch.Tensor | None = None
+    # the draws' copies on the host: token ids, then with logprobs the chosen's, the top ids and their logprobs
+    host: list[torch.Tensor] = field(default_factory=list)
+    ready: object | None = None  # the device's event recorded after the copies to the host (None on a CPU)
 
 
 class ModelRunner:
@@ -70,14 +88,31 @@ class ModelRunner:
         replayed = self.graphs.replayed if self.graphs is not None else 0
         return replayed, self.decode_steps - replayed
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """The step run and read back at once."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue the step's forward and draws on the device (on a CPU, run them) and their copy to the host.
+        `previous`: the step before, when it has not been read back yet (async scheduling): a decode whose input
+        token that step drew reads it on the device, from previous.token_ids."""
+        started = time.perf_counter()
         ids: list[int] = []
         starts: list[int] = []  # flat index of each chunk's first token
+        # (flat index, the previous step's row) of each input still on the device
+        fed: list[tuple[int, int]] = []
         for c in out.chunks:
             starts.append(len(ids))
-            ids.extend(c.request.token_slice(c.start, c.start + c.num_tokens - len(c.drafts)))
+            end = c.start + c.num_tokens - len(c.drafts)
+            known = c.request.token_slice(c.start, end)
+            if len(known) < end - c.start:  # a decode of the token the previous step drew
+                assert previous is not None and end - c.start == 1, "a chunk past the known tokens"
+                fed.append((len(ids), previous.first_row[c.request.request_id]))
+                known = [0]
+            ids.extend(known)
             ids.extend(c.drafts)
+        fed_ids = self._fed_ids(fed, previous) if fed else None
         seq_lens = [c.start + c.num_tokens for c in out.chunks]
         tables = [c.request.block_tables for c in out.chunks]
         decode = bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks)
@@ -89,20 +124,51 @@ class ModelRunner:
                 [(c.restore_state, c.request.state_slot) for c in out.chunks if c.restore_state is not None]
             )
         if decode and self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-            hidden = self.graphs.run(ids, seq_lens, tables, state_slots)
+            hidden = self.graphs.run(ids, seq_lens, tables, state_slots, fed_ids)
         else:
-            hidden = self._forward(out, ids, starts, seq_lens, tables, state_slots, result)
+            hidden = self._forward(out, ids, starts, seq_lens, tables, state_slots, result, fed_ids)
         if self.hybrid:  # states kept at the block boundaries where chunks ended, for later prefix hits
             self._copy_states(
                 [(c.request.state_slot, c.snapshot_to) for c in out.chunks if c.snapshot_to is not None]
             )
-        return self._outputs(out, starts, hidden, result)
+        return self._launch_outputs(out, starts, hidden, result, started)
+
+    def collect(self, step: "LaunchedStep") -> ModelOutput:
+        """The launched step's output, its draws read back (waiting for the device to finish the step)."""
+        result = step.output
+        if not step.rows:
+            return result
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.host[0].tolist()
+        logprobs = [None] * len(token_ids)
+        if len(step.host) > 1:
+            chosen, top_ids, top_lps = (t.tolist() for t in step.host[1:])
+            logprobs = [
+                TokenLogprob(t, lp, list(zip(ti[: r.params.logprobs], tl[: r.params.logprobs], strict=True)))
+                if r.params.logprobs is not None
+                else None
+                for (r, _), t, lp, ti, tl in zip(step.rows, token_ids, chosen, top_ids, top_lps, strict=True)
+            ]
+        for (r, _), t, lp in zip(step.rows, token_ids, logprobs, strict=True):
+            result.sampled.setdefault(r.request_id, []).append(SampledToken(t, lp))
+        return result
+
+    def _fed_ids(
+        self, fed: list[tuple[int, int]], previous: "LaunchedStep"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(where in the step's input ids, which ids): the inputs the previous step drew, gathered on the device."""
+        where, rows = to_device(torch.tensor(fed, dtype=torch.long).T.contiguous(), self.device)
+        return where, previous.token_ids.index_select(0, rows)
 
     def _forward(self, out: SchedulerOutput, ids: list[int], starts: list[int], seq_lens: list[int],
-                 tables: list, state_slots: list[int], result: ModelOutput) -> torch.Tensor:  # fmt: skip
+                 tables: list, state_slots: list[int], result: ModelOutput,
+                 fed_ids: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
         """The step's hidden states [T, hidden], its forward run op by op."""
         positions, meta = self.attention.build([c.num_tokens for c in out.chunks], seq_lens, tables)
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+        if fed_ids is not None:
+            input_ids.index_copy_(0, *fed_ids)
         long_rope = self._long_rope([(c.num_tokens, c.request.num_prompt_tokens + c.request.params.max_tokens)
                                      for c in out.chunks])  # fmt: skip
         states = None
@@ -112,27 +178,47 @@ class ModelRunner:
                                 [c.start for c in out.chunks], keep_each)  # fmt: skip
         return self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
 
-    def _outputs(
-        self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: ModelOutput
-    ) -> ModelOutput:
-        """What the step gives from its hidden states [T, hidden]: prompt logprobs, pooling, the drawn tokens."""
+    def _launch_outputs(
+        self,
+        out: SchedulerOutput,
+        starts: list[int],
+        hidden: torch.Tensor,
+        result: ModelOutput,
+        started: float,
+    ) -> "LaunchedStep":
+        """What the step gives from its hidden states [T, hidden]: prompt logprobs and pooling read at once (each
+        waits for the device), the draws queued with their copy to the host. A draw after each chunk's last known
+        token, and after each of its drafts: row j of a chunk draws as a plain decode would with the output grown by
+        its first j drafts (penalties, bans, grammar, position)."""
         for c, start in zip(out.chunks, starts, strict=True):
             if c.prompt_logprobs:
                 result.prompt_logprobs[c.request.request_id] = self._prompt_logprobs(hidden, c, start)
             if c.pool and (pooled := self._pooled(hidden[start : start + c.num_tokens], c)) is not None:
                 result.pooled[c.request.request_id] = pooled
+        step = LaunchedStep(out, result, started)
         sampled = [(c, start) for c, start in zip(out.chunks, starts, strict=True) if c.sample]
-        if sampled:
-            # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
-            rows = [
-                start + c.num_tokens - 1 - len(c.drafts) + j
-                for c, start in sampled
-                for j in range(len(c.drafts) + 1)
-            ]
-            result.sampled = self._sample(
-                hidden[to_device(torch.tensor(rows), self.device)], [c for c, _ in sampled]
-            )
-        return result
+        if not sampled:
+            return step
+        # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
+        rows = [
+            start + c.num_tokens - 1 - len(c.drafts) + j
+            for c, start in sampled
+            for j in range(len(c.drafts) + 1)
+        ]
+        chunks = [c for c, _ in sampled]
+        step.rows = [(c.request, c.drafts[:j]) for c in chunks for j in range(len(c.drafts) + 1)]
+        row = 0
+        for c in chunks:
+            step.first_row[c.request.request_id] = row
+            row += len(c.drafts) + 1
+        logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
+        drawn = sample(logits, self._sampling_tensors(step.rows, chunks), self.sampler)
+        step.token_ids = drawn.token_ids.long()
+        wanted = [step.token_ids]
+        if drawn.top_ids is not None:
+            wanted += [drawn.logprobs, drawn.top_ids, drawn.top_logprobs]
+        step.host, step.ready = to_host(wanted)
+        return step
 
     def _draft_state_slots(self, chunks: list[ScheduledChunk], result: ModelOutput) -> list[int]:
         """Each chunk's first slot for its state after each token but the last (-1: a chunk without drafts),
@@ -214,28 +300,6 @@ class ModelRunner:
         flags = [longest > original for n, longest in chunks for _ in range(n)]
         return to_device(torch.tensor(flags), self.device)
 
-    def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
-        """Draw after each row of hidden: one per chunk, plus one per draft. Row j of a chunk draws as a plain
-        decode would with the output grown by its first j drafts (penalties, bans, grammar, position)."""
-        rows = [(c.request, c.drafts[:j]) for c in chunks for j in range(len(c.drafts) + 1)]
-        logits = self.model.compute_logits(hidden)
-        result = sample(logits, self._sampling_tensors(rows, chunks), self.sampler)
-        token_ids = result.token_ids.tolist()  # the one host read per step
-        logprobs = [None] * len(token_ids)
-        if result.top_ids is not None:
-            chosen = result.logprobs.tolist()
-            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-            logprobs = [
-                TokenLogprob(t, lp, list(zip(ti[: r.params.logprobs], tl[: r.params.logprobs], strict=True)))
-                if r.params.logprobs is not None
-                else None
-                for (r, _), t, lp, ti, tl in zip(rows, token_ids, chosen, top_ids, top_lps, strict=True)
-            ]
-        drawn: dict[str, list[SampledToken]] = {}
-        for (r, _), t, lp in zip(rows, token_ids, logprobs, strict=True):
-            drawn.setdefault(r.request_id, []).append(SampledToken(t, lp))
-        return drawn
-
     def _sampling_tensors(
         self, rows: list[tuple[Request, list[int]]], chunks: list[ScheduledChunk]
     ) -> SamplingTensors:
@@ -260,10 +324,11 @@ class ModelRunner:
             presence_penalty=[r.params.presence_penalty for r in reqs],
             frequency_penalty=[r.params.frequency_penalty for r in reqs],
             seeds=[r.params.seed for r in reqs],  # the engine gives unseeded requests a random seed
-            positions=[len(r.output_token_ids) + len(d) for r, d in rows],
+            # the output index of the token drawn: the step's own draw is the last pending one
+            positions=[r.num_output_tokens - 1 + len(d) for r, d in rows],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids + d if d else r.output_token_ids for r, d in rows],
-            suppress_ids=[banned_token_ids(r, len(r.output_token_ids) + len(d)) for r, d in rows],
+            suppress_ids=[banned_token_ids(r, r.num_output_tokens - 1 + len(d)) for r, d in rows],
             logit_bias=[r.params.logit_bias for r in reqs],
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,

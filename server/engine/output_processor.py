@@ -96,6 +96,8 @@ class OutputProcessor:
         finished: dict[str, FinishReason] = {}
         for c in out.chunks:
             request = c.request
+            if request.is_finished:  # under async scheduling: aborted, or finished by the step before
+                continue
             state = self.states[request.request_id]
             scored = model_output.prompt_logprobs.get(request.request_id)
             if scored is not None and state.prompt_logprobs is not None:

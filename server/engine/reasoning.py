@@ -41,6 +41,12 @@ class ReasoningState:
         """Whether this phase decides the next draw's mask."""
         return self.phase is Phase.FORCING or (self.phase is Phase.OPENING and self.grammar is not None)
 
+    @property
+    def steers_draws(self) -> bool:
+        """Whether a token drawn now may change how the next draw is masked: this phase masks, a grammar waits for
+        the answer, or a budget may run out and force the close."""
+        return self.masks or self.grammar is not None or self.spec.budget is not None
+
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """The allowed next tokens into `row` ([ceil(V / 32)] int32), as GrammarState.fill_bitmask."""
         if self.phase is Phase.FORCING:

@@ -26,6 +26,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # tokens drawn for it by scheduled steps whose draws the host has not read yet: the step being scheduled, and
+    # under async scheduling (engine.py) the one still running on the device; they count in num_tokens
+    num_pending_tokens: int = 0
     # prompt + output tokens whose K/V are in the cache; catches up with num_tokens
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
@@ -58,7 +61,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Its output's length once the draws of its scheduled steps are read."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def next_draw_reads_output(self) -> bool:
+        """Whether its next draw depends on which tokens it drew, not only on how many: penalties count them, a
+        grammar masks by them, and so may its reasoning's phase. Its step is read back before the next is
+        scheduled (engine.py)."""
+        p = self.params
+        penalties = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        steered = self.reasoning is not None and self.reasoning.steers_draws
+        return penalties or self.grammar is not None or steered
 
     @property
     def reads_every_position(self) -> bool:

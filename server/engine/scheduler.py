@@ -6,9 +6,12 @@ of which request run and what the step does with them (draw a token after them, 
 their hidden states). A prefill-only request (PoolingParams: embeddings, scores) is scheduled as any prefill is
 (chunked, prefix-cached, under the budget); the output stage finishes it after its last chunk, with no draw.
 
-One step: schedule() -> the runner executes the chunks -> the output stage decides which requests finished
-(server/engine/output_processor.py) -> update() advances the requests, appends the drawn tokens and frees
-the finished requests' blocks. The scheduler never decides why a request finishes; it frees from that decision.
+One step: schedule() (which counts the chunks' tokens as computed and their draws as pending) -> the runner
+executes the chunks -> the output stage decides which requests finished (server/engine/output_processor.py) ->
+update() appends the drawn tokens and frees the finished requests' blocks. The scheduler never decides why a
+request finishes; it frees from that decision. Under async scheduling (engine.py) the next step is scheduled
+before this one's update(): a pending draw is then the next decode's input, and a request whose pending draw is
+its last is not scheduled again.
 """
 
 import time
@@ -191,6 +194,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
+            if self._waits_for_its_end(request):  # it finishes when the step in flight is read back
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             n, keep_state = self._state_boundary(request, request.num_computed_tokens, n)
             drafts = self._fit_drafts(request, n, budget)
@@ -234,9 +239,25 @@ class Scheduler:
             out.chunks.append(self._with_snapshot(chunk(request, n), hit.snapshot, keep_state))
             out.num_batched_tokens += n
 
+        # Each chunk's tokens count as computed from now on, and its draw as pending until update() reads it: under
+        # async scheduling (engine.py) the next step is scheduled while this one still runs.
+        for c in out.chunks:
+            c.request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts)
+            c.request.num_pending_tokens += c.sample
         if out.chunks:
             self.num_steps += 1
         return out
+
+    def _waits_for_its_end(self, request: Request) -> bool:
+        """Whether a running request has nothing left to compute, its end in a step not yet read back (async
+        scheduling): a prefill-only request's whole prompt, or a draw that is its last (its max_tokens-th, or at
+        the context's end)."""
+        if request.num_computed_tokens == request.num_tokens:
+            return True
+        n = request.num_output_tokens
+        return request.num_pending_tokens > 0 and (
+            n >= request.params.max_tokens or request.num_prompt_tokens + n >= self.max_model_len
+        )
 
     def _state_boundary(self, request: Request, start: int, n: int) -> tuple[int, bool]:
         """A hybrid's chunk of n tokens from `start`, cut to end at the first block boundary in it where its state
@@ -247,7 +268,7 @@ class Scheduler:
         if not self.snapshots:
             return n, False
         bs, end = self.config.block_size, start + n
-        if start == request.num_tokens - 1 and request.output_token_ids:  # a decode
+        if start == request.num_tokens - 1 and request.num_output_tokens:  # a decode
             return n, end % bs == 0
         boundaries = (request.num_shared_prefix_tokens, request.num_tokens // bs * bs)
         for boundary in sorted(boundaries):
@@ -300,10 +321,12 @@ class Scheduler:
     def update(
         self, out: SchedulerOutput, token_ids: dict[str, list[int]], finished: dict[str, FinishReason]
     ) -> None:
-        """Advance the scheduled requests by their chunks, append the tokens the output stage kept for them
-        (request id -> tokens: one, or with drafts up to one more than the drafts it confirmed) and finish the
-        requests it ended (request id -> why), freeing their blocks. The K/V of a chunk's rejected drafts stays
-        behind num_computed_tokens, unhashed, to be overwritten; blocks held only for them are freed."""
+        """Append the tokens the output stage kept for the scheduled requests (request id -> tokens: one, or with
+        drafts up to one more than the drafts it confirmed) and finish the requests it ended (request id -> why),
+        freeing their blocks. The K/V of a chunk's rejected drafts stays behind num_computed_tokens, unhashed, to be
+        overwritten; blocks held only for them are freed. Under async scheduling the next step has been scheduled
+        already (its requests' num_computed_tokens are past this step's), and a request may have been preempted
+        or aborted since this one was."""
         for c in out.chunks:
             request = c.request
             if request.is_finished:  # aborted since schedule() (the engine applies aborts between steps)
@@ -311,22 +334,29 @@ class Scheduler:
                     self.block_manager.release_snapshot(c.snapshot_to)
                 continue
             kept = token_ids.get(request.request_id, [])
-            # the chunk's known tokens, then the drafts the kept tokens confirmed (all but the last kept)
-            request.num_computed_tokens = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
             request.output_token_ids.extend(kept)
-            self.block_manager.cache_full_blocks(request)
-            self.block_manager.release_behind_window(request)
+            request.num_pending_tokens -= c.sample
+            self.num_generation_tokens += len(kept)
+            # the chunk's known tokens, then the drafts the kept tokens confirmed (all but the last kept)
+            computed = c.start + c.num_tokens - len(c.drafts) + max(len(kept) - 1, 0)
+            if request.status is RequestStatus.RUNNING:  # not preempted since: it holds its blocks
+                if c.drafts:  # schedule() counted its known tokens as computed, no draft
+                    request.num_computed_tokens = computed
+                    self.block_manager.trim(request, request.num_tokens)
+                self.block_manager.cache_full_blocks(request)
+                self.block_manager.release_behind_window(request)
+                if kept:
+                    assert request.num_computed_tokens == request.num_tokens - 1, (
+                        "sampled a request mid-prefill"
+                    )
             if c.snapshot_to is not None:  # the step copied the state after the chunk there
                 end = c.start + c.num_tokens
-                if request.num_computed_tokens == end:  # (a decode's drafts all kept)
+                if (
+                    computed == end and request.status is RequestStatus.RUNNING
+                ):  # (a decode's drafts all kept)
                     self.block_manager.cache_snapshot(request, c.snapshot_to, end, c.is_decode)
                 else:
                     self.block_manager.release_snapshot(c.snapshot_to)
-            if c.drafts:
-                self.block_manager.trim(request, request.num_tokens)
-            if kept:
-                assert request.num_computed_tokens == request.num_tokens - 1, "sampled a request mid-prefill"
-                self.num_generation_tokens += len(kept)
             reason = finished.get(request.request_id)  # no token kept: its grammar failed on the draw
             if reason is not None:
                 if request.pooling is not None and reason is FinishReason.STOP:

@@ -87,6 +87,12 @@ def test_a_padded_decode_step_gives_each_sequence_the_plain_steps_hidden_states(
         restore(before)
         pair = graphs.run(ids[:2], seq_lens[:2], tables[:2], [0, 1] if hybrid else [])
     torch.testing.assert_close(pair, plain[:2], rtol=1e-5, atol=1e-5)
+    # under async scheduling, rows 0 and 2 take the ids the step before drew, on the device
+    with torch.inference_mode():
+        restore(before)
+        fed = (torch.tensor([0, 2]), torch.tensor([ids[0], ids[2]]))
+        from_device = graphs.run([0, ids[1], 0], seq_lens, tables, [0, 1, 2] if hybrid else [], fed)
+    torch.testing.assert_close(from_device, plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timeout(120)
@@ -141,9 +147,10 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_steps_tokens(tiny
 
     path = str(tiny_family(tiny_model_factory, family))
     results, stats = [], []
-    for eager in (False, True):
+    # graphed and eager under async scheduling (the GPU's default), then graphed with each step read back at once
+    for eager, overlap in ((False, True), (True, True), (False, False)):
         config = EngineConfig(device="cuda", dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=8,
-                              enforce_eager=eager)  # fmt: skip
+                              enforce_eager=eager, async_scheduling=overlap)  # fmt: skip
         engine = Engine(path, config)
         g = torch.Generator().manual_seed(1)
         for i in range(6):  # batches of 6 decodes: bucket 8, two padded rows
@@ -155,6 +162,6 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_steps_tokens(tiny
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         results.append(tokens)
         stats.append(engine.runner.graph_stats())
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert stats[0][0] > 0 and stats[0][0] >= stats[0][1]  # most decode steps replayed
     assert stats[1][0] == 0 and stats[1][1] > 0

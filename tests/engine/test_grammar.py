@@ -72,8 +72,9 @@ def test_the_mask_touches_only_the_constrained_rows():
     assert torch.equal(out[1, [1, 3]], logits[1, [1, 3]])
 
 
-def test_constrained_and_free_rows_share_a_batch(engine_factory):
-    engine = engine_factory()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_and_free_rows_share_a_batch(engine_factory, async_scheduling):
+    engine = engine_factory(async_scheduling=async_scheduling)
     prompts = random_prompts(6, engine.vocab_size, seed=21)
     regex = constrained(engine, GrammarSpec("regex", PATTERN))
     schema = constrained(engine, GrammarSpec("json_schema", json.dumps(SCHEMA)), max_tokens=60)

@@ -112,10 +112,13 @@ def test_vectors_match_transformers_float32(qwen3_dir, pooling, kernels):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pooling", [Pooling.LAST, Pooling.MEAN])
-def test_vector_does_not_depend_on_its_batch(qwen3_dir, pooling):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_vector_does_not_depend_on_its_batch(qwen3_dir, pooling, async_scheduling):
     """Alone, or chunked among other embeddings and generating requests: the same bits (bfloat16 with the
-    kernels, the CPU default, whose rows are batch-invariant)."""
-    engine = engine_for(qwen3_dir, dtype="bfloat16", kv_cache_dtype="bfloat16", max_num_batched_tokens=24)
+    kernels, the CPU default, whose rows are batch-invariant); under async scheduling too, where a request whose
+    last chunk is in flight is not scheduled again."""
+    engine = engine_for(qwen3_dir, dtype="bfloat16", kv_cache_dtype="bfloat16", max_num_batched_tokens=24,
+                        async_scheduling=async_scheduling)  # fmt: skip
     prompts = random_prompts(6, engine.vocab_size, seed=5, low=5, high=50)
     others = random_prompts(4, engine.vocab_size, seed=6, prefix="g")
     together = pooled(engine, prompts, PoolingParams(pooling), generate=others)

@@ -20,7 +20,13 @@ SCHEMA = {
     "required": ["answer"],
     "additionalProperties": False,
 }
-SPECULATIVE = [None, SpeculativeConfig()]
+# steps read back one by one; with n-gram drafts; under async scheduling (each launched before the one before is
+# read: a request whose draws its reasoning steers is read back first)
+MODES = {
+    "plain": {},
+    "speculative": {"speculative": SpeculativeConfig()},
+    "async": {"async_scheduling": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,8 @@ def models(tmp_path_factory):
     }
 
 
-def engine(path, speculative=None) -> Engine:
-    return Engine(str(path), EngineConfig(kv_cache_memory=8 << 20, block_size=4, speculative=speculative))
+def engine(path, **config) -> Engine:
+    return Engine(str(path), EngineConfig(kv_cache_memory=8 << 20, block_size=4, **config))
 
 
 def prompt(e: Engine, **kwargs) -> list[int]:
@@ -67,9 +73,9 @@ def test_the_scripted_model_thinks_then_answers(models):
     assert decode(e, tokens) == "<think>Sum: 4</think>OK<|im_end|>" and reason is FinishReason.STOP
 
 
-@pytest.mark.parametrize("speculative", SPECULATIVE, ids=["plain", "speculative"])
-def test_the_grammar_constrains_the_answer_not_the_reasoning(models, speculative):
-    e = engine(models["think"], speculative)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_grammar_constrains_the_answer_not_the_reasoning(models, mode):
+    e = engine(models["think"], **MODES[mode])
     grammar = e.grammars.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     free = SamplingParams(max_tokens=40, temperature=0, grammar=grammar)
     after = SamplingParams(
@@ -131,11 +137,11 @@ def test_marks_say_where_the_markers_fell(models):
     assert marks == [(0, ids(e, "<think>")[0]), (6, ids(e, "</think>")[0])]
 
 
-@pytest.mark.parametrize("speculative", SPECULATIVE, ids=["plain", "speculative"])
-def test_the_budget_closes_the_reasoning(models, speculative):
+@pytest.mark.parametrize("mode", MODES)
+def test_the_budget_closes_the_reasoning(models, mode):
     """The loop model thinks "abcabc..." until stopped: at its budget the close is forced, and the answer
     follows. Drafts (the loop repeats) never run past the budget."""
-    e = engine(models["loop"], speculative)
+    e = engine(models["loop"], **MODES[mode])
     params = SamplingParams(max_tokens=60, temperature=0, reasoning=think_spec(e, True, budget=10))
     tokens, _, reason = run(e, {"a": prompt(e)}, params)["a"]
     assert decode(e, tokens) == "<think>abcabcabc</think>OK<|im_end|>" and reason is FinishReason.STOP

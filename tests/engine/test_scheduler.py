@@ -372,10 +372,10 @@ def test_random_workloads_finish_cleanly(seed: int):
 
         out = sched.schedule()
         config = sched.config
-        scheduled = [(c.request, c.num_tokens) for c in out.chunks]
-        assert out.num_batched_tokens == sum(n for _, n in scheduled) <= config.max_num_batched_tokens
+        scheduled = [(c.request, c.start, c.num_tokens) for c in out.chunks]
+        assert out.num_batched_tokens == sum(n for _, _, n in scheduled) <= config.max_num_batched_tokens
         assert len(scheduled) <= sched.num_running <= config.max_num_seqs
-        assert len({r.request_id for r, _ in scheduled}) == len(scheduled)
+        assert len({r.request_id for r, _, _ in scheduled}) == len(scheduled)
         # ref counts match the live block tables; a block in two tables is a shared, cached, full block
         holders: dict[int, int] = {}
         for r in sched.running:
@@ -386,9 +386,10 @@ def test_random_workloads_finish_cleanly(seed: int):
         assert all(not r.block_tables for r in sched.waiting)
         # the fake model: write the chunk's K/V, only ever into unshared blocks, then read the whole context back
         written = set()
-        for r, n in scheduled:
-            start = r.num_computed_tokens
-            assert r.num_tokens - start >= n >= 1
+        for r, start, n in scheduled:
+            assert (
+                r.num_computed_tokens == start + n <= r.num_tokens and n >= 1
+            )  # counted as computed at once
             tokens = r.all_token_ids
             for p in range(start, start + n):
                 s = slot(r, p)
@@ -396,9 +397,9 @@ def test_random_workloads_finish_cleanly(seed: int):
                 assert s not in written and bm.ref_counts[block_id] == 1 and bm.block_hashes[block_id] is None
                 written.add(s)
                 kv[s] = (p, tokens[p])
-        for r, n in scheduled:
+        for r, _, _ in scheduled:
             tokens = r.all_token_ids
-            assert all(kv[slot(r, p)] == (p, tokens[p]) for p in range(r.num_computed_tokens + n))
+            assert all(kv[slot(r, p)] == (p, tokens[p]) for p in range(r.num_computed_tokens))
         tokens_out = {c.request.request_id: rng.choice([EOS, 3, 4, 5]) for c in out.chunks if c.sample}
         for rid, t in tokens_out.items():
             sampled[rid].append(t)
