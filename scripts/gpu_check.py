@@ -660,7 +660,8 @@ def kernel_table(prof) -> dict:
 def host_anatomy(engine, batch: int, prompt_len: int, steps: int = 20) -> dict:
     """Where the host's time goes in decode steps of `batch` sequences: the median step (wall), then the same steps
     under cProfile, the functions with the most time of their own per step. On a GPU the step waits once for the
-    device (the sampled ids' read), so the GPU's time shows as that read's (`tolist`)."""
+    device (the event after its draws' copy to the host: the step before's, under async scheduling), so the time
+    the host waits for the GPU shows as that wait's (`synchronize`)."""
     import cProfile
     import pstats
 
