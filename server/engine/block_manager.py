@@ -171,10 +171,12 @@ class BlockManager:
         Returns False, changing nothing, when there are not enough free blocks.
         """
         hit = hit if hit is not None and hit.num_blocks else None
+        num_needed = -(-num_tokens // self.block_size)
+        if hit is None and request.block_tables and all(len(t) >= num_needed for t in request.block_tables):
+            return True  # most decodes: the last block has room
         tables = request.block_tables or [[] for _ in self.windows]
         assert hit is None or not any(tables)
         hit_tables = hit.tables if hit is not None else [[] for _ in self.windows]
-        num_needed = -(-num_tokens // self.block_size)
         num_new = sum(max(0, num_needed - len(t) - len(h)) for t, h in zip(tables, hit_tables, strict=True))
         # a hit on an idle cached block takes it out of the evictable pool that new blocks come from
         num_revived = sum(1 for h in hit_tables for b in h if b != BEHIND_WINDOW and self.ref_counts[b] == 0)
