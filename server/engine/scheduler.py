@@ -351,9 +351,8 @@ class Scheduler:
                     )
             if c.snapshot_to is not None:  # the step copied the state after the chunk there
                 end = c.start + c.num_tokens
-                if (
-                    computed == end and request.status is RequestStatus.RUNNING
-                ):  # (a decode's drafts all kept)
+                # (where a decode had drafts, all of them kept)
+                if computed == end and request.status is RequestStatus.RUNNING:
                     self.block_manager.cache_snapshot(request, c.snapshot_to, end, c.is_decode)
                 else:
                     self.block_manager.release_snapshot(c.snapshot_to)

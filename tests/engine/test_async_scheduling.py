@@ -82,9 +82,8 @@ CACHE = {"llama": 36 << 10, "gemma2": 36 << 10, "qwen3_5": 300 << 10}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "family", ["llama", "gemma2", "qwen3_5"]
-)  # full attention, sliding windows, a hybrid
+# full attention, sliding windows, a hybrid
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_5"])
 def test_async_scheduling_serves_what_steps_in_turn_serve(tiny_model_factory, family):
     path = tiny_family(tiny_model_factory, family)
     prompts = random_prompts(14, 300, seed=4, low=3, high=40)
@@ -108,8 +107,8 @@ def test_async_scheduling_serves_what_steps_in_turn_serve(tiny_model_factory, fa
 
 @pytest.mark.timeout(120)
 def test_a_request_is_not_computed_past_its_last_token(tiny_model_factory):
-    """A request whose draw in flight is its max_tokens-th (or the context's last) is not scheduled again:
-    requests that end by length cost the tokens they cost in turn, in the same steps but the last read back."""
+    """A request whose draw in flight is its max_tokens-th is not scheduled again: requests that end by length
+    cost the tokens they cost in turn, in the same steps but the last read back."""
     path = tiny_family(tiny_model_factory, "llama")
     prompts = random_prompts(8, 300, seed=2, low=3, high=30)
     params = {

@@ -387,9 +387,8 @@ def test_random_workloads_finish_cleanly(seed: int):
         # the fake model: write the chunk's K/V, only ever into unshared blocks, then read the whole context back
         written = set()
         for r, start, n in scheduled:
-            assert (
-                r.num_computed_tokens == start + n <= r.num_tokens and n >= 1
-            )  # counted as computed at once
+            # schedule() counts the chunk computed at once
+            assert r.num_computed_tokens == start + n <= r.num_tokens and n >= 1
             tokens = r.all_token_ids
             for p in range(start, start + n):
                 s = slot(r, p)
