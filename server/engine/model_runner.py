@@ -196,22 +196,20 @@ class ModelRunner:
             if c.pool and (pooled := self._pooled(hidden[start : start + c.num_tokens], c)) is not None:
                 result.pooled[c.request.request_id] = pooled
         step = LaunchedStep(out, result, started)
-        sampled = [(c, start) for c, start in zip(out.chunks, starts, strict=True) if c.sample]
-        if not sampled:
+        chunks, positions = [], []  # the chunks that draw; the flat position of each row's hidden state
+        for c, start in zip(out.chunks, starts, strict=True):
+            if not c.sample:
+                continue
+            chunks.append(c)
+            step.first_row[c.request.request_id] = len(step.rows)
+            # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
+            last_known = start + c.num_tokens - 1 - len(c.drafts)
+            for j in range(len(c.drafts) + 1):
+                step.rows.append((c.request, c.drafts[:j]))
+                positions.append(last_known + j)
+        if not chunks:
             return step
-        # a chunk's last len(drafts) + 1 positions: its last known token, then each draft
-        rows = [
-            start + c.num_tokens - 1 - len(c.drafts) + j
-            for c, start in sampled
-            for j in range(len(c.drafts) + 1)
-        ]
-        chunks = [c for c, _ in sampled]
-        step.rows = [(c.request, c.drafts[:j]) for c in chunks for j in range(len(c.drafts) + 1)]
-        row = 0
-        for c in chunks:
-            step.first_row[c.request.request_id] = row
-            row += len(c.drafts) + 1
-        logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
+        logits = self.model.compute_logits(hidden[to_device(torch.tensor(positions), self.device)])
         drawn = sample(logits, self._sampling_tensors(step.rows, chunks), self.sampler)
         step.token_ids = drawn.token_ids.long()
         wanted = [step.token_ids]
