@@ -59,8 +59,8 @@ TIERS = (
     CpuTier(
         "amx",
         # every CPU with AMX has AVX512-VNNI (Sapphire Rapids on): one instruction a pair of int16 products
-        (*_AVX512, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", *_AVX2),
-        (*_m((*_AVX512, "avx512_bf16", "avx512_vnni", *_AVX2)), "-mamx-tile", "-mamx-int8"),
+        (*_AVX512, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16", *_AVX2),
+        (*_m((*_AVX512, "avx512_bf16", "avx512_vnni", *_AVX2)), "-mamx-tile", "-mamx-int8", "-mamx-bf16"),
         torch.float32,
         torch.bfloat16,
         "avx512",

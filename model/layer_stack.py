@@ -22,17 +22,18 @@ class LayerStack:
         self.ropes = ropes  # the distinct Ropes, in the order of the layers' indices into them
         self.hybrid = hybrid  # some layers are Gated DeltaNet's: the cache's state pools go with each step
 
-    def __call__(self, x, ropes: dict, kv_cache, meta: list, states=None, per_layer=None):
+    def __call__(self, x, ropes: dict, kv_cache, meta: list, states=None, per_layer=None, prompt_runs=None):
         """ropes: the step's (cos, sin) tables of each Rope (model/transformer.py's Transformer.rope); meta: the
         step's attention metadata, one per KV group; states: a hybrid's StepStates (model/deltanet.py);
-        per_layer: Gemma 4's [T, layers, size] per-layer inputs. Returns (the last block's output, the stream it
-        adds to, or None where the block returned the stream whole)."""
+        per_layer: Gemma 4's [T, layers, size] per-layer inputs; prompt_runs: [R, 2] int64 runs of prompt rows,
+        whose GEMMs run on the weights dequantized to bfloat16 (the amx tier's quant_gemm_rows). Returns (the
+        last block's output, the stream it adds to, or None where the block returned the stream whole)."""
         tables = [ropes[rope] for rope in self.ropes]
         pools = (kv_cache.conv, kv_cache.recurrent, states.table) if self.hybrid else (None, None, None)
         return self.stack.forward(
             x, kv_cache.k, kv_cache.v, [m.slot_mapping for m in meta], [m.block_tables for m in meta],
             meta[0].seqs, meta[0].block_size, KERNEL_CHUNK, [cos for cos, _ in tables], [sin for _, sin in tables],
-            *pools, per_layer,
+            *pools, per_layer, prompt_runs,
         )  # fmt: skip
 
 

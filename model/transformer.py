@@ -383,6 +383,9 @@ class Transformer(nn.Module):
         long_rope: torch.Tensor | None = None,  # [T] bool: LongRoPE's long factors for this token's sequence
         # the sequences' state slots, for Gated DeltaNet layers
         states: StepStates | DecodeStates | None = None,
+        # [R, 2] int64 runs of rows that are prompt tokens, whose GEMMs run on the weights dequantized to
+        # bfloat16 (the layer stack's, on the amx tier: server/engine/backend.py's prompt_gemms)
+        prompt_runs: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, hidden], final norm applied
         x = self.embed.rows(input_ids, self.norm.weight.dtype)
         if self.config.embedding_scale != 1.0:  # in the compute dtype, as the reference rounds it
@@ -392,7 +395,7 @@ class Transformer(nn.Module):
         ropes = {rope: self.rope(rope, positions, x.dtype, long_rope) for rope in self.inv_freqs}
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
         if self.layer_stack is not None:
-            x, residual = self.layer_stack(x, ropes, kv_cache, meta, states, per_layer)
+            x, residual = self.layer_stack(x, ropes, kv_cache, meta, states, per_layer, prompt_runs)
         else:
             residual = None
             for i, layer in enumerate(self.layers):

@@ -63,6 +63,7 @@ def engine_config(args, **overrides):
         cpu_kernels=args.cpu_kernels,
         cpu_tier=args.cpu_tier,
         gemm_activations=args.gemm_activations,
+        prefill_gemms=args.prefill_gemms,
         speculative=speculative_config(args.speculative_config),
         task=args.task,
         pooling=args.pooling,

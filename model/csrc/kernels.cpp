@@ -23,6 +23,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of x + residual also returned; without a weight, unit (CPU)");
   m.def("quant_gemm", &quant_gemm, "x W^T on quantized weights (quant_gemm.cpp), x bfloat16 or float32 (CPU)",
         py::arg("x"), py::arg("gemm"), py::arg("float_out"), no_gil());
+  m.def("quant_gemm_dequantized", &quant_gemm_dequantized,
+        "x W^T, the quantized weights dequantized to bfloat16 on AMX's tiles (quant_gemm_amx.cpp)", py::arg("x"),
+        py::arg("gemm"), no_gil());
+  m.def("quant_gemm_rows", &quant_gemm_rows,
+        "x W^T, the rows in prompt_runs ([R, 2] int64) dequantized to bfloat16 on AMX's tiles, the others exact",
+        py::arg("x"), py::arg("gemm"), py::arg("prompt_runs"), no_gil());
+#if defined(__AMX_BF16__)
+  m.attr("gemm_dequantized") = true;
+#else
+  m.attr("gemm_dequantized") = false;
+#endif
   // what the quantized GEMMs multiply the exact weights by, for each activation dtype (quant_gemm.cpp)
 #if defined(__AVX512BF16__) && !defined(__AMX_INT8__)
   m.attr("gemm_bfloat16_as") = "bfloat16";

@@ -26,6 +26,11 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residua
 struct QuantGemm;
 at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out);
 at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);
+// A prompt's rows on AMX's bfloat16 tiles, the weights dequantized to bfloat16 a step at a time (the amx tier
+// only: kernels.gemm_dequantized)
+at::Tensor quant_gemm_dequantized(at::Tensor x, const QuantGemm& gemm);
+// The rows in prompt_runs ([R, 2] int64 runs [start, end)) as quant_gemm_dequantized, the others as quant_gemm
+at::Tensor quant_gemm_rows(at::Tensor x, const QuantGemm& gemm, const at::Tensor& prompt_runs);
 at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group);
 at::Tensor uniform_noise(at::Tensor seeds, at::Tensor positions, int64_t vocab_size);
 at::Tensor argmax_rows(at::Tensor x);

@@ -60,6 +60,12 @@ at::Tensor cache_view(const at::Tensor& pool, const Layer& layer) {
 
 }  // namespace
 
+// A GEMM of the step's rows: the prompt's on the dequantized weights where the step names them (prompt_runs:
+// quant_gemm_rows), else every row on the exact ones
+static at::Tensor step_gemm(const QuantGemm& gemm, const at::Tensor& x, const std::optional<at::Tensor>& prompt_runs) {
+  return prompt_runs ? quant_gemm_rows(x, gemm, *prompt_runs) : gemm(x);
+}
+
 at::Tensor GatedActivation::operator()(const at::Tensor& h) const {
   if (gelu) return gelu_mul(h);
   return limit > 0 ? clamped_swiglu(h, alpha, limit) : silu_mul(h);
@@ -73,9 +79,9 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
                                  const at::Tensor& v_cache, const std::vector<at::Tensor>& slots,
                                  const std::vector<at::Tensor>& block_tables, const at::Tensor& seqs,
                                  int64_t block_size, int64_t chunk, const at::Tensor& cos,
-                                 const at::Tensor& sin) const {
+                                 const at::Tensor& sin, const std::optional<at::Tensor>& prompt_runs) const {
   const int64_t T = h.size(0), H = num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
-  const auto projected = (*layer.qkv)(h);
+  const auto projected = step_gemm(*layer.qkv, h, prompt_runs);
   at::Tensor q, k, v, gate;
   if (layer.output_gate) {  // [q | gate] per head, then k, v
     const auto q_gate = projected.narrow(1, 0, 2 * H * D).view({T, H, 2 * D});
@@ -122,7 +128,8 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
 // (model/kv_cache.py), states: the step's sequences as they see them (model/deltanet.py's StepStates.table), where
 // there are any; per_layer: Gemma 4's per-layer inputs [T, layers, size], where the model has them. Returns the
 // last block's output and the residual stream it adds to (the final norm adds them; undefined where the block
-// returned the stream whole: Gemma 4's), as the Python loop does.
+// returned the stream whole: Gemma 4's), as the Python loop does. prompt_runs: [R, 2] int64 runs of rows that are
+// prompt tokens, whose GEMMs run on the dequantized weights (quant_gemm_rows), where the engine asks for that.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                                at::Tensor seqs, int64_t block_size, int64_t chunk,
@@ -130,8 +137,10 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
                                                std::optional<at::Tensor> conv_state,
                                                std::optional<at::Tensor> recurrent_state,
                                                std::optional<at::Tensor> states,
-                                               std::optional<at::Tensor> per_layer) const {
+                                               std::optional<at::Tensor> per_layer,
+                                               std::optional<at::Tensor> prompt_runs) const {
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
+  const auto gemm = [&](const QuantGemm& g, const at::Tensor& in) { return step_gemm(g, in, prompt_runs); };
   TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
   TORCH_CHECK(slots.size() == block_tables.size(), "one slot mapping per KV group's block tables");
   const int64_t T = x.size(0), H = num_heads;
@@ -169,33 +178,34 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     at::Tensor out;
     if (layer.deltanet) {
       const DeltaNetMixer& mixer = *layer.deltanet;
-      const auto mixed = gated_delta_net(mixer.in_proj(h), mixer.conv, mixer.A_log, mixer.dt_bias, mixer.gated_norm,
+      const auto mixed = gated_delta_net(gemm(mixer.in_proj, h), mixer.conv, mixer.A_log, mixer.dt_bias, mixer.gated_norm,
                                          (*conv_state)[mixer.state], (*recurrent_state)[mixer.state], *states,
                                          mixer.num_key_heads, mixer.key_head_dim, mixer.value_head_dim, eps,
                                          mixer.tiled_value_heads);
-      out = mixer.out(mixed);
+      out = gemm(mixer.out, mixed);
     } else {
-      out = layer.o->operator()(attention(layer, h, k_cache, v_cache, slots, block_tables, seqs, block_size, chunk,
-                                          cos[layer.rope], sin[layer.rope]).view({T, H * layer.head_dim}));
+      out = gemm(*layer.o, attention(layer, h, k_cache, v_cache, slots, block_tables, seqs, block_size, chunk,
+                                     cos[layer.rope], sin[layer.rope], prompt_runs)
+                               .view({T, H * layer.head_dim}));
     }
     if (layer.post_attn_norm) out = norm(out, *layer.post_attn_norm, eps);
     auto normed = rms_norm(out, residual, layer.norm2, eps);
     residual = normed[1];
     if (layer.moe && layer.up) {  // Gemma 4 26B-A4B: the dense MLP and the experts side by side
-      const auto dense = norm((*layer.down)(activation((*layer.up)(normed[0]))), *layer.dense_norm, eps);
+      const auto dense = norm(gemm(*layer.down, activation(gemm(*layer.up, normed[0]))), *layer.dense_norm, eps);
       const auto experts = (*layer.moe)(norm(residual, *layer.moe_in_norm, eps), residual);
       x = dense.add(norm(experts, *layer.moe_norm, eps));
     } else if (layer.moe) {
       x = (*layer.moe)(normed[0]);
     } else {
-      x = (*layer.down)(activation((*layer.up)(normed[0])));
+      x = gemm(*layer.down, activation(gemm(*layer.up, normed[0])));
     }
     if (layer.post_mlp_norm) x = norm(x, *layer.post_mlp_norm, eps);
     if (layer.layer_scalar) {  // Gemma 4: the stream whole, its per-layer input gated in, scaled
       x = x.add(residual);
       if (layer.per_layer_gate) {
-        const auto gated = at::gelu((*layer.per_layer_gate)(x), "tanh").mul(per_layer->select(1, i));
-        x = x.add(norm((*layer.per_layer_projection)(gated), *layer.per_layer_norm, eps));
+        const auto gated = at::gelu(gemm(*layer.per_layer_gate, x), "tanh").mul(per_layer->select(1, i));
+        x = x.add(norm(gemm(*layer.per_layer_projection, gated), *layer.per_layer_norm, eps));
       }
       x = x.mul(*layer.layer_scalar);
       residual = at::Tensor();

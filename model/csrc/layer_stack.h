@@ -106,11 +106,12 @@ struct LayerStack {
                                      at::Tensor seqs, int64_t block_size, int64_t chunk,
                                      std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                                      std::optional<at::Tensor> conv_state, std::optional<at::Tensor> recurrent_state,
-                                     std::optional<at::Tensor> states, std::optional<at::Tensor> per_layer) const;
+                                     std::optional<at::Tensor> states, std::optional<at::Tensor> per_layer,
+                                     std::optional<at::Tensor> prompt_runs) const;
 
  private:
   at::Tensor attention(const Layer& layer, const at::Tensor& h, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const std::vector<at::Tensor>& slots, const std::vector<at::Tensor>& block_tables,
                        const at::Tensor& seqs, int64_t block_size, int64_t chunk, const at::Tensor& cos,
-                       const at::Tensor& sin) const;
+                       const at::Tensor& sin, const std::optional<at::Tensor>& prompt_runs) const;
 };

@@ -106,21 +106,23 @@ Packed packed_of(const QuantSegment& s, int64_t K, const float* bias) {
 
 }  // namespace
 
-// x [M, K] bfloat16 or float32 -> [M, N] of x's dtype (float32 with float_out): each segment's GEMM into its
-// columns
-at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
+// x [M, K] bfloat16 or float32, checked; the bias as float32 (undefined without one)
+static at::Tensor checked_bias(const at::Tensor& x, const QuantGemm& gemm) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be [M, K] bfloat16 or float32");
-  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
-  TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
+  TORCH_CHECK(x.size(1) % GROUP == 0, "K must be a multiple of 32");
   at::Tensor b;
   if (gemm.bias) {
     b = gemm.bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias mismatch");
+    TORCH_CHECK(b.numel() == gemm.n, "bias mismatch");
   }
-  // float32 out for the logits, else x's own dtype
-  const bool out_f32 = float_out || x.scalar_type() == at::kFloat;
-  auto out = at::empty({M, N}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  return b;
+}
+
+// x W^T (+ b) into out ([M, N] contiguous, float32 or bfloat16): each segment's GEMM into its columns
+static void exact_into(at::Tensor x, const QuantGemm& gemm, const at::Tensor& b, const at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
+  const bool out_f32 = out.scalar_type() == at::kFloat;
 #if defined(__AVX512BF16__) && !defined(__AMX_INT8__)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #else  // widened: with AMX, int16 on its tiles beats bfloat16 pairs on vectors (~2.5x at 512 rows)
@@ -168,6 +170,95 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
     n0 += s.n;
   }
   TORCH_CHECK(n0 == N, "segments narrower than the output");
+}
+
+// x [M, K] bfloat16 or float32 -> [M, N] of x's dtype (float32 with float_out)
+at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
+  const auto b = checked_bias(x, gemm);
+  // float32 out for the logits, else x's own dtype
+  const bool out_f32 = float_out || x.scalar_type() == at::kFloat;
+  auto out = at::empty({x.size(0), gemm.n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
+  exact_into(x, gemm, b, out);
+  return out;
+}
+
+// x [M, K] -> out [M, N]: x rounded to bfloat16 and the weights dequantized to bfloat16 (w = d q + m in float32,
+// then rounded), multiplied on AMX's tiles with float32 sums. Not the exact weights of quant_gemm: the engine
+// gives it a prompt's rows only, every prompt row always (quant_gemm_rows), so that a token's bits still depend
+// on nothing but its own inputs and whether it is a prompt's.
+static void dequantized_into(const at::Tensor& x, const QuantGemm& gemm, const at::Tensor& b, const at::Tensor& out) {
+#if defined(__AMX_BF16__)
+  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
+  // A's tiles read 32 rows at a time: x itself where it has whole blocks of bfloat16 rows, else a copy with
+  // zero rows past M
+  const int64_t padded = (M + 31) / 32 * 32;
+  at::Tensor xb = x;
+  if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || padded != M) {
+    xb = at::empty({padded, K}, x.options().dtype(at::kBFloat16));
+    const at::Tensor xc = x.contiguous();
+    auto* dst = reinterpret_cast<uint16_t*>(xb.data_ptr());
+    // rows rounded to nearest even by VCVTNE2PS2BF16 (torch's copy_ took ~4% of a prefill), zeros past M
+    at::parallel_for(0, padded, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        uint16_t* row = dst + r * K;
+        if (r >= M) {
+          std::memset(row, 0, K * sizeof(uint16_t));
+        } else if (xc.scalar_type() == at::kBFloat16) {
+          std::memcpy(row, reinterpret_cast<const uint16_t*>(xc.data_ptr()) + r * K, K * sizeof(uint16_t));
+        } else {
+          const float* src = xc.data_ptr<float>() + r * K;
+          for (int64_t k = 0; k < K; k += 32) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+            _mm512_storeu_si512(row + k, reinterpret_cast<__m512i>(pair));
+          }
+        }
+      }
+    });
+  }
+  const bool out_f32 = out.scalar_type() == at::kFloat;
+  int64_t n0 = 0;
+  for (const QuantSegment& s : gemm.segments) {
+    TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
+    const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
+    const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
+                   out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
+    gemm_amx_bf16(w, reinterpret_cast<const c10::BFloat16*>(xb.data_ptr()), M, o);
+    n0 += s.n;
+  }
+  TORCH_CHECK(n0 == N, "segments narrower than the output");
+#else
+  (void)x, (void)gemm, (void)b, (void)out;
+  TORCH_CHECK(false, "the dequantized GEMM runs on AMX's bfloat16 tiles: the amx tier only");
+#endif
+}
+
+// x [M, K] bfloat16 or float32 -> [M, N] of x's dtype, on the dequantized weights (dequantized_into)
+at::Tensor quant_gemm_dequantized(at::Tensor x, const QuantGemm& gemm) {
+  const auto b = checked_bias(x, gemm);
+  auto out = at::empty({x.size(0), gemm.n}, x.options());
+  dequantized_into(x, gemm, b, out);
+  return out;
+}
+
+// x [M, K] -> [M, N] of x's dtype: the rows in prompt_runs ([R, 2] int64, each a run [start, end) of prompt
+// rows, in order) on the dequantized weights, the others on the exact ones, each part straight into its rows
+at::Tensor quant_gemm_rows(at::Tensor x, const QuantGemm& gemm, const at::Tensor& prompt_runs) {
+  const auto b = checked_bias(x, gemm);
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, gemm.n}, x.options());
+  TORCH_CHECK(prompt_runs.scalar_type() == at::kLong && prompt_runs.dim() == 2 && prompt_runs.size(1) == 2,
+              "prompt_runs must be [R, 2] int64");
+  const auto runs = prompt_runs.contiguous();
+  const int64_t* r = runs.data_ptr<int64_t>();
+  int64_t done = 0;  // rows computed so far
+  for (int64_t i = 0; i <= runs.size(0); ++i) {
+    const int64_t start = i < runs.size(0) ? r[2 * i] : M, end = i < runs.size(0) ? r[2 * i + 1] : M;
+    TORCH_CHECK(done <= start && start <= end && end <= M, "prompt_runs must be ordered runs of x's rows");
+    if (start > done) exact_into(x.narrow(0, done, start - done), gemm, b, out.narrow(0, done, start - done));
+    if (end > start) dequantized_into(x.narrow(0, start, end - start), gemm, b, out.narrow(0, start, end - start));
+    done = end;
+  }
   return out;
 }
 

@@ -416,3 +416,7 @@ inline int amx_activation_limit(int bits, bool has_min) {
 void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float* xsum, int64_t M,
               const Output& out);
 #endif
+#if defined(__AMX_BF16__)
+// x [blocks of 32 rows, K] bfloat16, zero rows past M: the weights dequantized to bfloat16 (quant_gemm_amx.cpp)
+void gemm_amx_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out);
+#endif

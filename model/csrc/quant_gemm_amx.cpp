@@ -47,6 +47,8 @@ struct alignas(64) TileConfig {
 // the second no memory at all, so it may drop or delay the stores they read (seen: a configuration half
 // written, then #UD at the first tile load). These two say what they read.
 inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
+#define TILE_LOAD_T1(tmm, base, stride) \
+  asm volatile("tileloaddt1 (%0,%1,1), %%tmm" #tmm : : "r"(base), "r"(static_cast<long>(stride)) : "memory")
 #define TILE_LOAD(tmm, base, stride) \
   asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm : : "r"(base), "r"(static_cast<long>(stride)) : "memory")
 
@@ -257,7 +259,190 @@ struct AmxKernel {
   }
 };
 
+// A prompt's rows on bfloat16 tiles (gemm_amx_bf16): the weights dequantized, w = d q (+ m) in float32 and
+// rounded to bfloat16, a step's tiles at a time, then multiplied as oneDNN multiplies dense bfloat16 weights,
+// summed in float32 inside the C tiles across the whole of K. No per-group scaling on vectors (what bounds the
+// integer tiles above: docs/performance-history.md); the unpacking's vector work is paid once per step for all
+// of its rows. A row's bits depend only on its own x and the weights: every C row is its A row times B, over
+// the same K steps in the same order, whatever the rows beside it.
+//
+// A: x in bfloat16, rows of K, padded with zero rows to whole blocks of 32 (read as tiles of 16 rows straight
+// from it). B: per tile of 16 outputs and 32 of K, 16 rows of 64 bytes, row r lane j the outputs j's weights
+// k = 2r, 2r + 1 (AMX's pair layout), unpacked for all of K (K / 2 vectors a tile: 36 KiB a step at K = 576).
+// C: four tiles, two blocks of 16 rows times two tiles of 16 outputs (a 2 x 2 pattern, as oneDNN's).
+#if defined(__AMX_BF16__)
+
+enum Bf16Tile { C00, C01, C10, C11, A0, A1, B0, B1 };
+
+template <int BITS, int G, bool MIN>
+struct AmxBf16Kernel {
+  using Quads = AmxKernel<BITS, G, MIN>;
+  static constexpr int QUADS = G / 4;
+
+  static constexpr int UNPACKED = G / 2;  // B's rows of a group: a pair of k each
+
+  const Packed& w;
+  const c10::BFloat16* x;  // [blocks of 32 rows, K]
+
+  struct ThreadScope {
+    ThreadScope() {
+      TileConfig config;
+      for (int t = C00; t <= B1; ++t) config.rows[t] = TILE, config.colsb[t] = 64;
+      load_tile_config(config);
+    }
+    ~ThreadScope() { _tile_release(); }
+    ThreadScope(const ThreadScope&) = delete;
+  };
+
+  // Byte i of each lane as float32: q unsigned with a minimum, else signed (8-bit q, the formats' levels)
+  template <int I>
+  static __m512 byte_of(__m512i v) {
+    if constexpr (MIN) return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * I), _mm512_set1_epi32(255)));
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * I), 24));
+  }
+
+  // Two k's 16 weights as one B row: lane j (w0[j], w1[j]) in bfloat16, rounded to nearest even
+  static __m512i pair(__m512 w0, __m512 w1) {
+    const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0));  // w0's 16, then w1's
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, halves);
+  }
+
+  // One B row from 32 int16 q already in its order (lane j's two k at words 2j, 2j + 1): d q + m, where d2 and
+  // m2 hold each lane's d and m twice (lanes 0 .. 7 in [0], 8 .. 15 in [1])
+  static __m512i pair_row(__m512i q, const __m512 (&d2)[2], const __m512 (&m2)[2]) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d2[1], m2[1]), _mm512_fmadd_ps(lo, d2[0], m2[0])));
+  }
+
+  // w = d q + m in float32 (one rounding, as an FMA), then bfloat16: a group's B rows. The 4- and 8-bit layouts
+  // hold a lane's k in pairs already (4-bit chunk c: lane j's word 2j + i has q[4c + i] in its low nibble and
+  // q[4c + 2 + i] in its high one; 8-bit chunk c: byte 2j + i is q[2c + i]); the 5- and 6-bit ones by quads.
+  void unpack(int64_t t, __m512i* out) const {
+    const uint8_t* wt = w.tile(t);
+    const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+    const __m512i levels = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels))));
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      vfloat dv, mv;
+      w.group_scales(t, g, 0, dv, mv);
+      const __m512 d = bitcast<__m512>(dv), m = bitcast<__m512>(mv);
+      const uint8_t* wg = wt + g * Quads::GROUP_BYTES;
+      __m512i* o = out + g * UNPACKED;
+      if constexpr (BITS == 4 || BITS == 8) {
+        const __m512 d2[2] = {_mm512_permutexvar_ps(lanes_lo, d), _mm512_permutexvar_ps(lanes_hi, d)};
+        const __m512 m2[2] = {_mm512_permutexvar_ps(lanes_lo, m), _mm512_permutexvar_ps(lanes_hi, m)};
+        for (int c = 0; c < G / (BITS == 4 ? 4 : 2); ++c) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 32));
+          if constexpr (BITS == 8) {
+            o[c] = pair_row(_mm512_cvtepi8_epi16(bytes), d2, m2);
+          } else {
+            const __m512i v = _mm512_cvtepu8_epi16(bytes), nibble = _mm512_set1_epi16(15);
+            __m512i q0 = _mm512_and_si512(v, nibble), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            if constexpr (!MIN) {  // q indexes the format's levels
+              q0 = _mm512_permutexvar_epi16(q0, levels);
+              q1 = _mm512_permutexvar_epi16(q1, levels);
+            }
+            o[2 * c] = pair_row(q0, d2, m2);
+            o[2 * c + 1] = pair_row(q1, d2, m2);
+          }
+        }
+      } else {
+        for (int c = 0; c < QUADS; ++c) {
+          const __m512i q = Quads::quads(wg, c, w.levels);
+          o[2 * c] = pair(_mm512_fmadd_ps(byte_of<0>(q), d, m), _mm512_fmadd_ps(byte_of<1>(q), d, m));
+          o[2 * c + 1] = pair(_mm512_fmadd_ps(byte_of<2>(q), d, m), _mm512_fmadd_ps(byte_of<3>(q), d, m));
+        }
+      }
+    }
+  }
+
+  // The GEMM: steps of two tiles in parallel; in each, the tiles unpacked once, then every block of 32 rows
+  void run(int64_t M, const Output& out) const {
+    const int64_t tiles = w.tiles(), steps = (tiles + 1) / 2, per_tile = w.groups() * UNPACKED;
+    at::parallel_for(0, steps, 1, [&](int64_t s0, int64_t s1) {
+      const ThreadScope scope;
+      std::vector<__m512i> unpacked(2 * per_tile);
+      alignas(64) float y[2 * TILE * 2 * TILE];
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t t = 2 * s, n0 = t * TILE;
+        const bool two = t + 1 < tiles;
+        unpack(t, unpacked.data());
+        if (two) unpack(t + 1, unpacked.data() + per_tile);
+        const int64_t n = std::min<int64_t>((two ? 2 : 1) * TILE, w.N - n0);
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * TILE) {
+          const int rows = static_cast<int>(std::min<int64_t>(2 * TILE, M - m0));
+          if (rows > TILE)
+            two ? block<true, true>(m0, unpacked.data(), y) : block<true, false>(m0, unpacked.data(), y);
+          else
+            two ? block<false, true>(m0, unpacked.data(), y) : block<false, false>(m0, unpacked.data(), y);
+          store(out, m0, rows, n0, n, two ? 2 * TILE : TILE, y);
+        }
+      }
+    });
+  }
+
+  // C = A B over all of K for rows m0 .. m0 + 31 (or 15) and one tile's outputs (or two) into y [32][width]
+  template <bool TWO_BLOCKS, bool TWO_TILES>
+  void block(int64_t m0, const __m512i* unpacked, float* y) const {
+    static_assert(C00 == 0 && C01 == 1 && C10 == 2 && C11 == 3 && A0 == 4 && A1 == 5 && B0 == 6 && B1 == 7);
+    const int64_t K = w.K, a_stride = K * 2, per_tile = w.groups() * UNPACKED;
+    const auto* a = reinterpret_cast<const uint8_t*>(x + m0 * K);
+    const __m512i* b = unpacked;
+    _tile_zero(0);
+    if constexpr (TWO_TILES) _tile_zero(1);
+    if constexpr (TWO_BLOCKS) _tile_zero(2);
+    if constexpr (TWO_BLOCKS && TWO_TILES) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32, b += TILE) {  // 32 of K a product: 16 rows of pairs
+      TILE_LOAD(4, a + 2 * k, a_stride);
+      TILE_LOAD_T1(6, b, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (TWO_TILES) {
+        TILE_LOAD_T1(7, b + per_tile, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if constexpr (TWO_BLOCKS) {
+        TILE_LOAD(5, a + TILE * a_stride + 2 * k, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (TWO_TILES) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    const int width = TWO_TILES ? 2 * TILE : TILE;
+    const long stride = width * sizeof(float);
+    _tile_stored(0, y, stride);
+    if constexpr (TWO_TILES) _tile_stored(1, y + TILE, stride);
+    if constexpr (TWO_BLOCKS) _tile_stored(2, y + TILE * width, stride);
+    if constexpr (TWO_BLOCKS && TWO_TILES) _tile_stored(3, y + TILE * width + TILE, stride);
+  }
+
+  // y's rows (+ bias) into the output, columns n0 .. n0 + n - 1; bfloat16 by VCVTNEPS2BF16 (nearest even)
+  void store(const Output& out, int64_t m0, int rows, int64_t n0, int64_t n, int width, const float* y) const {
+    for (int r = 0; r < rows; ++r)
+      for (int64_t l = 0; l < n; l += TILE) {
+        const __mmask16 lanes = n - l >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (n - l)) - 1);
+        __m512 v = _mm512_load_ps(y + r * width + l);
+        if (w.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, w.bias + n0 + l));
+        const int64_t at = (m0 + r) * out.ld + n0 + l;
+        if (out.f32)
+          _mm512_mask_storeu_ps(out.f32 + at, lanes, v);
+        else
+          _mm256_mask_storeu_epi16(out.bf16 + at, lanes, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      }
+  }
+};
+
+#endif  // __AMX_BF16__
+
 }  // namespace
+
+#if defined(__AMX_BF16__)
+void gemm_amx_bf16(const Packed& w, const c10::BFloat16* x, int64_t M, const Output& out) {
+  require_tiles();
+  dispatch(w, [&](auto bits, auto g, auto min) { AmxBf16Kernel<bits(), g(), min()>{w, x}.run(M, out); });
+}
+#endif
 
 void gemm_amx(const Packed& w, const int16_t* xq, const float* step, const float* xsum, int64_t M,
               const Output& out) {

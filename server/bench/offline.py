@@ -415,7 +415,9 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
     """The model's GEMMs at `rows` rows (a decode step's batch, or a prefill chunk's tokens): each block GEMM
     shape (the first layer's) and the LM head as the engine runs them, and torch's oneDNN bfloat16 GEMM on the
     same weights dequantized, packed once (what the CPU gives without quantization: on AMX, oneDNN's tiles);
-    alternated, medians of `reps`. block_gemms_ms is a whole step's: each shape times the layers."""
+    alternated, medians of `reps`. block_gemms_ms is a whole step's: each shape times the layers. Where the run
+    computes a prompt's rows apart (the amx tier's prompt GEMMs: ModelRunner.prompt_gemms), those too
+    (kvserve_prompt: the weights dequantized to bfloat16 a step at a time, on AMX's tiles)."""
     from model.linear import OneDnnLinear
 
     model = engine.runner.model
@@ -431,6 +433,9 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
         for name, linear in linears.items():
             x = torch.randn(rows, linear.in_features, generator=g).to(engine.runner.dtype)
             runs = {"kvserve": lambda linear=linear, x=x: linear(x)}
+            if engine.runner.prompt_gemms and linear is not model.lm_head:
+                prompt = linear.method.kernels.quant_gemm_dequantized
+                runs["kvserve_prompt"] = lambda linear=linear, x=x, prompt=prompt: prompt(x, linear.gemm)
             if compare and getattr(linear, "bits", None):  # quantized: its exact weights, dense in bfloat16
                 dense = linear.rows(torch.arange(linear.out_features), torch.float32).to(torch.bfloat16)
                 packed = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
@@ -447,7 +452,7 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
     ms = {name: {k: 1e3 * statistics.median(ts[1:]) for k, ts in by.items()} for name, by in times.items()}
     layers = len(model.layers)
     result = {"rows": rows, "dtype": str(engine.runner.dtype).removeprefix("torch.")}
-    for k in ("kvserve", "onednn_bf16"):
+    for k in ("kvserve", "kvserve_prompt", "onednn_bf16"):
         if all(k in by for name, by in ms.items() if name != "lm_head"):
             result[f"{k}_block_gemms_ms"] = round(
                 layers * sum(by[k] for n, by in ms.items() if n != "lm_head"), 3
@@ -458,6 +463,10 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
         result["block_gemms_speedup"] = round(
             result["onednn_bf16_block_gemms_ms"] / result["kvserve_block_gemms_ms"], 2
         )
+        if "kvserve_prompt_block_gemms_ms" in result:
+            result["prompt_block_gemms_speedup"] = round(
+                result["onednn_bf16_block_gemms_ms"] / result["kvserve_prompt_block_gemms_ms"], 2
+            )
     result["us_per_call"] = {
         f"{name} {linears[name].out_features}x{linears[name].in_features}": {
             k: round(1e3 * v, 1) for k, v in by.items()

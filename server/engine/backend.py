@@ -130,6 +130,31 @@ class CpuBackend:
         )
         return gemms_invariant and (self.kernels is not None or self.pad_gemms)
 
+    def prompt_gemms(self, model: torch.nn.Module, config: EngineConfig) -> bool:
+        """--prefill-gemms: auto runs a prompt's tokens' GEMMs on the weights dequantized to bfloat16, on AMX's
+        tiles (kernels.gemm_dequantized: the amx tier), where the layer stack runs the blocks (the one path that
+        splits a step's rows by what they are), unless --dtype float32 was asked for (a prompt's activations are
+        rounded to bfloat16 there); exact keeps decoding's kernels. Logged with why."""
+        if config.prefill_gemms not in ("auto", "exact"):
+            raise ValueError(f"unknown --prefill-gemms {config.prefill_gemms!r}: use auto or exact")
+        why_not = None
+        if config.prefill_gemms == "exact":
+            why_not = "--prefill-gemms exact"
+        elif self.kernels is None or not self.kernels.gemm_dequantized:
+            why_not = f"the {self.tier.name} tier has no AMX bfloat16 tiles"
+        elif getattr(model, "layer_stack", None) is None:
+            why_not = "the blocks do not run as the C++ layer stack (dense or partly quantized weights)"
+        elif config.dtype == "float32":
+            why_not = "--dtype float32"
+        if why_not is not None:
+            log.info("prefill GEMMs: the exact kernels, as decoding's (%s)", why_not)
+            return False
+        log.info(
+            "prefill GEMMs: a prompt's tokens on the weights dequantized to bfloat16, on AMX's tiles; generated "
+            "ones on the exact kernels (--prefill-gemms exact: those for all)"
+        )
+        return True
+
     def kv_cache_dtype(self, name: str) -> torch.dtype:
         return select_kv_cache_dtype(name, self.dtype, self.tier)
 
@@ -232,6 +257,9 @@ class CudaBackend:
 
     def batch_invariant(self, model: torch.nn.Module) -> bool:
         return False  # cuBLAS picks kernels by shape; kvserve does not pin them
+
+    def prompt_gemms(self, model: torch.nn.Module, config: EngineConfig) -> bool:
+        return False  # a CPU tier's (AMX's tiles)
 
     def kv_cache_dtype(self, name: str) -> torch.dtype:
         return select_kv_cache_dtype(name, self.dtype, None)

@@ -33,13 +33,14 @@ ROOT_HASH = 0  # parent hash of a request's first block
 BEHIND_WINDOW = -1
 
 
-def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Identity of a full block: its tokens plus, through the parent, every token before it.
+def block_hash(parent_hash: int, token_ids: Sequence[int], generated: bool = False) -> int:
+    """Identity of a full block: its tokens plus, through the parent, every token before it; and, where a
+    prompt's tokens are computed apart (BlockManager.outputs_apart), whether it holds generated ones.
 
     Python's hash of a tuple of ints is stable within a process (ints are not salted), which is all a
     cache that lives and dies with the process needs.
     """
-    return hash((parent_hash, tuple(token_ids)))
+    return hash((parent_hash, tuple(token_ids), True) if generated else (parent_hash, tuple(token_ids)))
 
 
 def first_block_read(window: int | None, position: int, block_size: int) -> int:
@@ -78,15 +79,19 @@ class BlockManager:
         num_state_slots: int = 0,
         num_snapshots: int = 0,
         windows: Sequence[int | None] = (None,),
+        outputs_apart: bool = False,
     ):
         """num_state_slots: a hybrid model's per-sequence state slots (model/kv_cache.py), one per running
         request, taken with its first blocks and given back with them; 0: the model has none. num_snapshots:
         the slots after those that hold state snapshots for the prefix cache. windows: each KV group's (None:
-        full attention)."""
+        full attention). outputs_apart: a prompt's tokens are computed with other GEMMs than generated ones
+        (ModelRunner.prompt_gemms), so a block holding generated tokens is no prompt's hit: its K/V have other
+        bits than the same tokens prefilled."""
         assert num_blocks > 0 and block_size > 0 and windows
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.outputs_apart = outputs_apart
         self.windows = list(windows)
         self.sliding = [g for g, w in enumerate(self.windows) if w is not None]
         self.ref_counts = [0] * num_blocks
@@ -140,7 +145,7 @@ class BlockManager:
         last_missing: dict[int, list[int]] = {g: [] for g in self.sliding}
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
-            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs], self._generated(request, i))
             if any((g, parent) not in self.hash_to_block for g in full):
                 break
             hashes.append(parent)
@@ -236,7 +241,8 @@ class BlockManager:
         token_ids = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_full):
-            h = block_hash(hashes[-1] if hashes else ROOT_HASH, token_ids[i * bs : (i + 1) * bs])
+            parent = hashes[-1] if hashes else ROOT_HASH
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], self._generated(request, i))
             for g, table in enumerate(request.block_tables):
                 block_id = table[i]
                 # When another block already holds these tokens (both computed at once), that one stays the
@@ -246,6 +252,10 @@ class BlockManager:
                     self.block_hashes[block_id] = (g, h)
                     self.hash_to_block[g, h] = block_id
             hashes.append(h)
+
+    def _generated(self, request: Request, i: int) -> bool:
+        """Whether block i of the request holds generated tokens that its hash must tell apart (outputs_apart)."""
+        return self.outputs_apart and (i + 1) * self.block_size > request.num_prompt_tokens
 
     def release_behind_window(self, request: Request) -> None:
         """Give back the blocks of the request's sliding-window groups that no query from its computed tokens on

@@ -213,7 +213,7 @@ class Engine:
         windows = self.model_config.kv_group_windows
         return Scheduler(
             self.config, self.runner.num_blocks, self.max_model_len, cache.num_state_slots,
-            cache.num_snapshot_slots, windows,
+            cache.num_snapshot_slots, windows, outputs_apart=self.runner.prompt_gemms,
         )  # fmt: skip
 
     def _drafter(self) -> Drafter | None:

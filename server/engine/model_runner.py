@@ -67,6 +67,9 @@ class ModelRunner:
         backend,  # where the ops run (server/engine/backend.py): its device, dtype and sampler kernels
         batch_invariant: bool = False,  # whether a token's logits never depend on what shares its step
         graphs=None,  # decode steps replayed from CUDA graphs (server/engine/decode_graphs.py), or None
+        # a prompt's tokens run their GEMMs on the weights dequantized to bfloat16 (the amx tier's tiles), generated
+        # ones on the exact weights: each token's bits still depend only on itself (backend.prompt_gemms)
+        prompt_gemms: bool = False,
     ):
         self.model, self.model_config, self.kv_cache = model, model_config, kv_cache
         self.attention, self.backend = attention, backend
@@ -76,6 +79,7 @@ class ModelRunner:
         self.longrope_original_len = model_config.longrope_original_len  # None unless a layer uses LongRoPE
         self.hybrid = bool(model_config.linear_layers)  # Gated DeltaNet layers: a state slot per sequence
         self.graphs = graphs
+        self.prompt_gemms = prompt_gemms
         self.decode_steps = 0  # steps of single-token chunks only, replayed from graphs or not
 
     @property
@@ -176,7 +180,23 @@ class ModelRunner:
             keep_each = self._draft_state_slots(out.chunks, result)
             states = StepStates(starts, [c.num_tokens for c in out.chunks], state_slots,
                                 [c.start for c in out.chunks], keep_each)  # fmt: skip
-        return self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
+        prompt_runs = self._prompt_runs(out.chunks, starts) if self.prompt_gemms else None
+        return self.model(input_ids, positions, meta, self.kv_cache, long_rope, states, prompt_runs)
+
+    @staticmethod
+    def _prompt_runs(chunks: list[ScheduledChunk], starts: list[int]) -> torch.Tensor | None:
+        """[R, 2] int64 runs [start, end) of the step's rows that are prompt tokens (a preempted request's
+        generated tokens, recomputed, are not), adjacent ones merged; None where there are none."""
+        runs: list[list[int]] = []
+        for c, s in zip(chunks, starts, strict=True):
+            n = min(c.num_tokens, c.request.num_prompt_tokens - c.start)
+            if n <= 0:
+                continue
+            if runs and runs[-1][1] == s:
+                runs[-1][1] = s + n
+            else:
+                runs.append([s, s + n])
+        return torch.tensor(runs, dtype=torch.long) if runs else None
 
     def _launch_outputs(
         self,
@@ -252,7 +272,8 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk: int) -> torch.Tensor:
         """[n, vocab] float32 logits at every position of one sequence, fed `chunk` tokens at a time through
-        the cache's first blocks, each KV group its own (the caller makes sure no request holds them)."""
+        the cache's first blocks, each KV group its own (the caller makes sure no request holds them). Every
+        token is a prompt's: with prompt_gemms, the GEMMs a prompt runs (what bench-quality then measures)."""
         n = -(-len(token_ids) // self.kv_cache.block_size)
         num_groups = len(self.model_config.kv_groups)
         if n * num_groups > self.num_blocks:
@@ -266,7 +287,8 @@ class ModelRunner:
             # a DeltaNet layer's state in slot 0, which no request holds now
             states = StepStates([0], [len(ids)], [0], [start]) if self.hybrid else None
             input_ids = to_device(torch.tensor(ids), self.device)
-            hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states)
+            prompt_runs = torch.tensor([[0, len(ids)]]) if self.prompt_gemms else None
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, long_rope, states, prompt_runs)
             logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)
 

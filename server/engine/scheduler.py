@@ -89,8 +89,9 @@ class Scheduler:
         num_state_slots: int = 0,
         num_snapshots: int = 0,
         windows: tuple[int | None, ...] = (None,),
+        outputs_apart: bool = False,
     ):
-        """windows: each KV group's (model/config.py's kv_groups)."""
+        """windows: each KV group's (model/config.py's kv_groups); outputs_apart: the block manager's."""
         assert config.max_num_batched_tokens > 0 and config.max_num_seqs > 0
         self.config = config
         self.max_model_len = max_model_len
@@ -101,6 +102,7 @@ class Scheduler:
             num_state_slots,
             num_snapshots,
             windows,
+            outputs_apart,
         )
         # a hybrid with prefix caching: its chunks end at the block boundaries where its state is worth keeping
         self.snapshots = num_snapshots > 0 and config.enable_prefix_caching

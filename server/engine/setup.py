@@ -46,7 +46,10 @@ def build_runner(model, config: EngineConfig) -> ModelRunner:
     attention = backend.attention(model_config, config.block_size, layout.num_blocks)
     backend.ready(model)
     graphs = backend.decode_graphs(model, kv_cache, attention, config)
-    return ModelRunner(model, model_config, kv_cache, attention, backend, batch_invariant, graphs)
+    prompt_gemms = backend.prompt_gemms(model, config)
+    return ModelRunner(
+        model, model_config, kv_cache, attention, backend, batch_invariant, graphs, prompt_gemms
+    )
 
 
 def max_step_drafts(config: EngineConfig, batch_invariant: bool) -> int:

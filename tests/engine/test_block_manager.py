@@ -318,3 +318,27 @@ def test_the_blocks_one_request_holds_at_most():
     assert blocks_for([None] + [512] * 5, 16, 8192, 2048) == 512 + 5 * 161
     assert blocks_for([None, 8], 4, 40, 8) == 10 + 5
     assert blocks_for([None, 8], 4, 12, 8) == 3 + 3  # a short one holds all its blocks either way
+
+
+@pytest.mark.timeout(30)
+def test_blocks_of_generated_tokens_are_no_prompts_hit_where_prompts_are_computed_apart():
+    """With outputs_apart (the amx tier's prompt GEMMs: a prompt's tokens and generated ones have K/V of other
+    bits), a request's blocks that hold generated tokens are cached apart: another request whose prompt holds the
+    same tokens computes them, and only the blocks of prompt tokens are its hit; the request itself, recomputed
+    after a preemption, hits them all. Without it, the same tokens are the same block either way."""
+    for apart in (True, False):
+        bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, outputs_apart=apart)
+        a = make_request("a", list(range(6)))
+        admit(bm, a)
+        # blocks 0 (prompt), 1 (2 prompt tokens, 2 generated), 2 (generated)
+        a.output_token_ids.extend([50, 51, 52, 53, 54, 55])
+        assert bm.allocate(a, a.num_tokens)
+        compute(bm, a)
+        bm.free(a)
+        b = make_request("b", list(range(6)) + [50, 51, 52, 53, 54, 55, 56])
+        assert admit(bm, b) == (4 if apart else 12)
+        bm.free(b)
+        resumed = bm.find_cached_prefix(a)  # a's own tokens, as a preempted request recomputes them
+        # its 12 tokens but the last block: one token is left to compute
+        assert resumed.num_blocks * bm.block_size == 8
+        bm.check_invariants()

@@ -116,6 +116,64 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind):
                 assert torch.equal(together, vectors.logits(x)), rows
 
 
+def bfloat16_weights(qt: QuantizedTensor) -> torch.Tensor:
+    """[N, K] float64: each weight d q + m rounded once to float32 (an FMA), then to bfloat16."""
+    N, K = qt.shape
+    d, m = qt.scales()
+    q = qt.q.long()
+    if qt.level_table:
+        q = torch.tensor(qt.level_table)[q]
+    w = q.view(N, K // qt.group, qt.group).double() * d.double()[..., None]
+    if m is not None:
+        w = w + m.double()[..., None]
+    return w.view(N, K).float().bfloat16().double()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    "amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles"
+)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dequantized_gemm_is_x_times_the_bfloat16_weights(kind, dtype):
+    """A prompt's rows on the amx tier (quant_gemm_dequantized): x and the weights rounded to bfloat16, the
+    products summed in float32, the bias added; each row's bits the same at any row count (blocks of 32 rows on
+    the tiles, the last one padded)."""
+    N, K = 100, 512  # N not a multiple of the tiles' 16 outputs
+    if kind in GGUF_TYPES:
+        qt, _ = gguf_weight(kind, N, K)
+    else:
+        qt = from_gguf_blocks(kind, torch.from_numpy(random_blocks(kind, N, K)), (N, K))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    kernels = load("amx")
+    layer = layer_for(qt, bias, kernels=kernels)
+    assert kernels.gemm_dequantized
+    w = bfloat16_weights(qt)
+    for rows in (1, 17, 40, 100):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        xb = x.bfloat16().double()
+        with torch.inference_mode():
+            out = kernels.quant_gemm_dequantized(x, layer.gemm)
+            alone = torch.cat([kernels.quant_gemm_dequantized(row, layer.gemm) for row in x.split(1)])
+        assert out.dtype == dtype and out.shape == (rows, N)
+        assert torch.equal(out, alone), rows
+        sums = xb @ w.T
+        allowed = 1e-5 * (xb.abs() @ w.abs().T)  # float32 sums of exact products
+        if dtype == torch.bfloat16:  # and the output rounded once
+            allowed = allowed + (sums + bias.double()).abs() * 2**-8
+        assert ((out.double() - bias.double() - sums).abs() <= allowed + 1e-6).all(), rows
+
+
+@pytest.mark.timeout(60)
+def test_the_dequantized_gemm_is_refused_without_amx(tier_kernels):
+    qt, _ = gguf_weight("Q4_1", 32, 64)
+    layer = layer_for(qt, kernels=tier_kernels)
+    if tier_kernels.gemm_dequantized:
+        return  # the amx tier: the test above
+    with pytest.raises(RuntimeError, match="amx tier only"):
+        tier_kernels.quant_gemm_dequantized(torch.randn(4, 64), layer.gemm)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bias_is_added_in_float32(tier_kernels, dtype):

@@ -15,7 +15,7 @@ from weights.gguf_source import GGUFSource
 
 
 def engine_for(gguf, **config) -> Engine:
-    return Engine(GGUFSource(gguf), EngineConfig(kv_cache_memory=8 << 20, block_size=4, **config))
+    return Engine(GGUFSource(gguf), EngineConfig(**{"kv_cache_memory": 8 << 20, "block_size": 4, **config}))
 
 
 @pytest.mark.timeout(180)
@@ -70,6 +70,83 @@ def test_quantized_requests_are_batch_invariant(tmp_path, byte_vocab, tier, dtyp
     together = run(prompts)
     alone = {rid: run({rid: ids})[rid] for rid, ids in prompts.items()}
     assert together == alone
+    assert engine.stats().kv_cache_usage == 0
+
+
+def greedy(engine: Engine, prompts: dict, max_tokens: int = 16) -> dict:
+    """Each request's greedy tokens and their logprobs (the bits of its logits, not only their argmax)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    tokens = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += [(t.token_id, t.logprob) for t in out.logprobs]
+    return tokens
+
+
+@pytest.mark.timeout(60)
+def test_a_steps_prompt_rows_are_its_prompt_tokens_in_runs():
+    """The rows the amx tier's prompt GEMMs take (ModelRunner._prompt_runs): a decode's and its drafts' none, a
+    prompt chunk's all, a preempted request's recomputed chunk only its prompt part; adjacent runs merged."""
+    from server.engine.model_runner import ModelRunner
+    from server.engine.request_state import Request
+    from server.engine.scheduler import ScheduledChunk
+
+    def request(prompt_len: int, generated: int) -> Request:
+        r = Request("r", list(range(prompt_len)), SamplingParams())
+        r.output_token_ids.extend(range(generated))
+        return r
+
+    decode = ScheduledChunk(request(5, 3), 7, 3, True, False, drafts=[1, 2])  # its last token and two drafts
+    prompt = ScheduledChunk(request(20, 0), 8, 12, True, False)  # the prompt's last 12 tokens
+    recomputed = ScheduledChunk(request(6, 4), 0, 10, True, False)  # 6 prompt tokens, then 4 generated
+    other = ScheduledChunk(request(9, 0), 0, 4, False, False)  # a prompt's first 4 of 9
+    chunks = [decode, prompt, recomputed, other]
+    starts = [0, 3, 15, 25]
+    runs = ModelRunner._prompt_runs(chunks, starts)
+    assert runs.tolist() == [[3, 21], [25, 29]]
+    assert ModelRunner._prompt_runs([decode], [0]) is None
+
+
+amx_only = pytest.mark.skipif(
+    "amx" not in [t.name for t in cpu_tier.runnable()], reason="AMX: Xeons that have its tiles"
+)
+
+
+@pytest.mark.timeout(300)
+@amx_only
+def test_amx_prompt_gemms_keep_every_tokens_bits_its_own(tmp_path, byte_vocab):
+    """On the amx tier a prompt's tokens run their GEMMs on the weights dequantized to bfloat16 (--prefill-gemms
+    auto), generated ones on the exact kernels. Each token's output still depends on nothing else: requests
+    batched and chunked as they come give what each gives alone; preempted and recomputed, what it gives
+    unpreempted; and a prompt that repeats another request's prompt and output gives what it gives on a fresh
+    engine (the blocks of generated tokens are no prompt's hit). The prompt's scores are close to the exact
+    kernels' and not the same bits (the prompt GEMMs did run)."""
+    from model.kv_cache import KVCache
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    gguf = tmp_path / "tiny.gguf"
+    engine = engine_for(gguf, max_num_batched_tokens=24, cpu_tier="amx")
+    exact = engine_for(gguf, max_num_batched_tokens=24, cpu_tier="amx", prefill_gemms="exact")
+    assert engine.runner.prompt_gemms and not exact.runner.prompt_gemms
+    ids = list(range(3, 60))
+    scores, reference = engine.score(ids), exact.score(ids)
+    assert not torch.equal(scores, reference)
+    assert (scores - reference).abs().max() < 0.05 * reference.abs().max()
+
+    prompts = {f"p{i}": list(range(5 + i, 40 + 3 * i)) for i in range(6)}
+    together = greedy(engine, prompts)
+    alone = {rid: greedy(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
+    assert together == alone
+
+    per_block = KVCache.bytes_per_block(engine.model_config, 4, engine.runner.kv_cache.k.dtype)
+    tight = engine_for(gguf, max_num_batched_tokens=24, cpu_tier="amx", kv_cache_memory=30 * per_block)
+    assert greedy(tight, prompts) == together
+    assert tight.stats().num_preemptions > 0
+
+    follow_up = {"again": prompts["p0"] + [t for t, _ in together["p0"]] + [7, 8, 9]}
+    assert greedy(engine, follow_up) == greedy(engine_for(gguf, cpu_tier="amx"), follow_up)
     assert engine.stats().kv_cache_usage == 0
 
 
