@@ -104,7 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_alpha") = 1.0,
            py::arg("swiglu_limit") = 0.0, py::arg("gelu") = false, py::arg("router_scale") = py::none(),
            py::arg("expert_scale") = py::none(), py::arg("eps") = 1e-6)
-      .def("__call__", &MoeFfn::operator(), py::arg("x"), py::arg("router_input") = py::none(), no_gil());
+      .def("__call__", &MoeFfn::operator(), py::arg("x"), py::arg("router_input") = py::none(),
+           py::arg("prompt_runs") = py::none(), no_gil());
   py::class_<DeltaNetMixer>(m, "DeltaNetMixer", py::module_local(), "a Gated DeltaNet token mixer's weights")
       .def(py::init([](QuantGemm in_proj, QuantGemm out, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias,
                        at::Tensor gated_norm, int64_t num_key_heads, int64_t key_head_dim, int64_t value_head_dim,

@@ -193,10 +193,10 @@ std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at
     residual = normed[1];
     if (layer.moe && layer.up) {  // Gemma 4 26B-A4B: the dense MLP and the experts side by side
       const auto dense = norm(gemm(*layer.down, activation(gemm(*layer.up, normed[0]))), *layer.dense_norm, eps);
-      const auto experts = (*layer.moe)(norm(residual, *layer.moe_in_norm, eps), residual);
+      const auto experts = (*layer.moe)(norm(residual, *layer.moe_in_norm, eps), residual, prompt_runs);
       x = dense.add(norm(experts, *layer.moe_norm, eps));
     } else if (layer.moe) {
-      x = (*layer.moe)(normed[0]);
+      x = (*layer.moe)(normed[0], std::nullopt, prompt_runs);
     } else {
       x = gemm(*layer.down, activation(gemm(*layer.up, normed[0])));
     }

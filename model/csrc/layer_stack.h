@@ -48,8 +48,11 @@ struct MoeFfn {
   // input's dtype), and each chosen expert's weight is times expert_scale [experts] float32
   std::optional<at::Tensor> router_scale, expert_scale;
   double eps = 1e-6;
-  // x [T, hidden] -> [T, hidden]; router_input: what the router reads where not x (Gemma 4's residual stream)
-  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& router_input = std::nullopt) const;
+  // x [T, hidden] -> [T, hidden]; router_input: what the router reads where not x (Gemma 4's residual stream);
+  // prompt_runs: x's rows that are prompt tokens, whose experts' GEMMs run on the dequantized weights
+  // (quant_gemm_rows), where the step names them
+  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& router_input = std::nullopt,
+                        const std::optional<at::Tensor>& prompt_runs = std::nullopt) const;
 };
 
 // A Gated DeltaNet token mixer (deltanet.cpp, model/deltanet.py): its input projection [q k v | z | b | a], the

@@ -45,10 +45,27 @@ at::Tensor scores(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return out;
 }
 
+// The runs of prompt rows among an expert's tokens (ascending rows of the step), as quant_gemm_rows takes them:
+// [R, 2] int64 of positions in `rows`, from the step's prompt flags
+at::Tensor expert_runs(const std::vector<int64_t>& rows, const std::vector<char>& prompt) {
+  std::vector<int64_t> runs;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!prompt[rows[i]]) continue;
+    if (!runs.empty() && runs.back() == static_cast<int64_t>(i))
+      runs.back() = static_cast<int64_t>(i) + 1;
+    else
+      runs.insert(runs.end(), {static_cast<int64_t>(i), static_cast<int64_t>(i) + 1});
+  }
+  auto out = at::empty({static_cast<int64_t>(runs.size() / 2), 2}, at::kLong);
+  std::copy(runs.begin(), runs.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
 }  // namespace
 
 // x [T, hidden] (float32 or bfloat16) -> [T, hidden] in x's dtype
-at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Tensor>& router_input) const {
+at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Tensor>& router_input,
+                              const std::optional<at::Tensor>& prompt_runs) const {
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), E = router.size(0), k = top_k, hidden = x.size(1);
   TORCH_CHECK(x.dim() == 2 && static_cast<int64_t>(up.size()) == E && static_cast<int64_t>(down.size()) == E &&
@@ -108,6 +125,21 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
   std::vector<int64_t> order = active;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return tokens[a].size() > tokens[b].size(); });
+  // each row's part: a prompt token's or not (prompt_runs), for its experts' GEMMs
+  std::vector<char> prompt(prompt_runs ? T : 0, 0);
+  if (prompt_runs) {
+    TORCH_CHECK(prompt_runs->scalar_type() == at::kLong && prompt_runs->dim() == 2 && prompt_runs->size(1) == 2,
+                "prompt_runs must be [R, 2] int64");
+    const auto runs = prompt_runs->contiguous();
+    const int64_t* r = runs.data_ptr<int64_t>();
+    for (int64_t i = 0; i < runs.size(0); ++i) {
+      TORCH_CHECK(0 <= r[2 * i] && r[2 * i] <= r[2 * i + 1] && r[2 * i + 1] <= T, "prompt_runs outside x's rows");
+      std::fill(prompt.begin() + r[2 * i], prompt.begin() + r[2 * i + 1], 1);
+    }
+  }
+  const auto gemm = [&](const QuantGemm& g, const at::Tensor& in, const std::optional<at::Tensor>& runs) {
+    return runs ? quant_gemm_rows(in, g, *runs) : g(in);
+  };
   std::vector<at::Tensor> ys(E);
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -115,7 +147,9 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
       const int64_t e = order[i];
       auto rows = at::empty({static_cast<int64_t>(tokens[e].size())}, x.options().dtype(at::kLong));
       std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
-      ys[e] = down[e](activation(up[e](x.index_select(0, rows)))).to(at::kFloat).contiguous();
+      std::optional<at::Tensor> runs;
+      if (prompt_runs) runs = expert_runs(tokens[e], prompt);
+      ys[e] = gemm(down[e], activation(gemm(up[e], x.index_select(0, rows), runs)), runs).to(at::kFloat).contiguous();
     }
   });
   auto out = at::zeros({T, hidden}, x.options().dtype(at::kFloat));
@@ -132,7 +166,8 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
     // the gate reads x: the router's float32 input where that is x itself (Qwen2-MoE's plain router)
     const bool routed_is_x = !router_input && !router_scale;
     const at::Tensor gate = scores(routed_is_x ? routed : x.to(at::kFloat).contiguous(), *shared_gate);  // [T, 1]
-    const at::Tensor y = (*shared_down)(activation((*shared_up)(x))).to(at::kFloat).contiguous();
+    const at::Tensor y =
+        gemm(*shared_down, activation(gemm(*shared_up, x, prompt_runs)), prompt_runs).to(at::kFloat).contiguous();
     const float *gp = gate.data_ptr<float>(), *yp = y.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       const float g = 1.0f / (1.0f + std::exp(-gp[t]));

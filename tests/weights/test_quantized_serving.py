@@ -10,7 +10,7 @@ from model.kernels import cpu_kernels
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import SamplingParams
-from tests.helpers.gguf_writers import write_tiny_gguf
+from tests.helpers.gguf_writers import tiny_hf_model, write_llama_cpp_gguf, write_tiny_gguf
 from weights.gguf_source import GGUFSource
 
 
@@ -116,7 +116,8 @@ amx_only = pytest.mark.skipif(
 
 @pytest.mark.timeout(300)
 @amx_only
-def test_amx_prompt_gemms_keep_every_tokens_bits_its_own(tmp_path, byte_vocab):
+@pytest.mark.parametrize("family", ["llama", "qwen2moe"])  # dense; experts routed and shared
+def test_amx_prompt_gemms_keep_every_tokens_bits_its_own(tmp_path, byte_vocab, family):
     """On the amx tier a prompt's tokens run their GEMMs on the weights dequantized to bfloat16 (--prefill-gemms
     auto), generated ones on the exact kernels. Each token's output still depends on nothing else: requests
     batched and chunked as they come give what each gives alone; preempted and recomputed, what it gives
@@ -124,10 +125,18 @@ def test_amx_prompt_gemms_keep_every_tokens_bits_its_own(tmp_path, byte_vocab):
     engine (the blocks of generated tokens are no prompt's hit). The prompt's scores are close to the exact
     kernels' and not the same bits (the prompt GEMMs did run)."""
     from model.kv_cache import KVCache
+    from model.moe import MoE
 
-    write_tiny_gguf(tmp_path / "tiny.gguf", byte_vocab, qtype=GGMLQuantizationType.Q4_1)
     gguf = tmp_path / "tiny.gguf"
+    if family == "llama":
+        write_tiny_gguf(gguf, byte_vocab, qtype=GGMLQuantizationType.Q4_1)
+    else:
+        tiny_hf_model(family, len(byte_vocab["tokens"])).save_pretrained(tmp_path / "hf")
+        write_llama_cpp_gguf(tmp_path / "hf", gguf, byte_vocab, GGMLQuantizationType.Q8_0)
     engine = engine_for(gguf, max_num_batched_tokens=24, cpu_tier="amx")
+    model = engine.runner.model
+    assert model.layer_stack is not None
+    assert any(isinstance(m, MoE) for m in model.modules()) == (family != "llama")
     exact = engine_for(gguf, max_num_batched_tokens=24, cpu_tier="amx", prefill_gemms="exact")
     assert engine.runner.prompt_gemms and not exact.runner.prompt_gemms
     ids = list(range(3, 60))
