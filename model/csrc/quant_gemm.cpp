@@ -119,10 +119,25 @@ static at::Tensor checked_bias(const at::Tensor& x, const QuantGemm& gemm) {
   return b;
 }
 
+// gemm_into(w, o) for each of gemm's segments: its weights (with its part of the bias b) and the columns of out
+// ([M, N] contiguous, float32 or bfloat16) it writes
+template <typename F>
+static void each_segment(const QuantGemm& gemm, int64_t K, const at::Tensor& b, const at::Tensor& out, F&& gemm_into) {
+  const bool out_f32 = out.scalar_type() == at::kFloat;
+  int64_t n0 = 0;
+  for (const QuantSegment& s : gemm.segments) {
+    TORCH_CHECK(n0 + s.n <= gemm.n, "segments wider than the output");
+    gemm_into(packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr),
+              Output{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
+                     out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, gemm.n});
+    n0 += s.n;
+  }
+  TORCH_CHECK(n0 == gemm.n, "segments narrower than the output");
+}
+
 // x W^T (+ b) into out ([M, N] contiguous, float32 or bfloat16): each segment's GEMM into its columns
 static void exact_into(at::Tensor x, const QuantGemm& gemm, const at::Tensor& b, const at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
-  const bool out_f32 = out.scalar_type() == at::kFloat;
+  const int64_t M = x.size(0), K = x.size(1);
 #if defined(__AVX512BF16__) && !defined(__AMX_INT8__)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #else  // widened: with AMX, int16 on its tiles beats bfloat16 pairs on vectors (~2.5x at 512 rows)
@@ -142,34 +157,19 @@ static void exact_into(at::Tensor x, const QuantGemm& gemm, const at::Tensor& b,
     x8 = bf16 ? round_activations(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, K)
               : round_activations(x.data_ptr<float>(), M, K);
 #endif
-  int64_t n0 = 0;
-  for (const QuantSegment& s : gemm.segments) {
-    TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
-    const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
-    const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
-                   out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
+  each_segment(gemm, K, b, out, [&](const Packed& w, const Output& o) {
 #if defined(INT8_ACTIVATIONS)
-    if (int8) {
-      gemm_i8(w, x8, M, o);
-      n0 += s.n;
-      continue;
-    }
+    if (int8) return gemm_i8(w, x8, M, o);
 #endif
 #if defined(__AVX512BF16__)
-    if (bf16) {
-      gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
-      n0 += s.n;
-      continue;
-    }
+    if (bf16) return gemm_bf16(w, reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, o);
 #endif
 #if defined(__AVX2__)
     gemm_i16(w, x.data_ptr<float>(), M, o);
 #else
     gemm_f32(w, x.data_ptr<float>(), M, o);
 #endif
-    n0 += s.n;
-  }
-  TORCH_CHECK(n0 == N, "segments narrower than the output");
+  });
 }
 
 // x [M, K] bfloat16 or float32 -> [M, N] of x's dtype (float32 with float_out)
@@ -188,7 +188,7 @@ at::Tensor quant_gemm(at::Tensor x, const QuantGemm& gemm, bool float_out) {
 // on nothing but its own inputs and whether it is a prompt's.
 static void dequantized_into(const at::Tensor& x, const QuantGemm& gemm, const at::Tensor& b, const at::Tensor& out) {
 #if defined(__AMX_BF16__)
-  const int64_t M = x.size(0), K = x.size(1), N = gemm.n;
+  const int64_t M = x.size(0), K = x.size(1);
   // A's tiles read 32 rows at a time: x itself where it has whole blocks of bfloat16 rows, else a copy with
   // zero rows past M
   const int64_t padded = (M + 31) / 32 * 32;
@@ -215,17 +215,9 @@ static void dequantized_into(const at::Tensor& x, const QuantGemm& gemm, const a
       }
     });
   }
-  const bool out_f32 = out.scalar_type() == at::kFloat;
-  int64_t n0 = 0;
-  for (const QuantSegment& s : gemm.segments) {
-    TORCH_CHECK(n0 + s.n <= N, "segments wider than the output");
-    const Packed w = packed_of(s, K, b.defined() ? b.data_ptr<float>() + n0 : nullptr);
-    const Output o{out_f32 ? out.data_ptr<float>() + n0 : nullptr,
-                   out_f32 ? nullptr : reinterpret_cast<c10::BFloat16*>(out.data_ptr()) + n0, N};
+  each_segment(gemm, K, b, out, [&](const Packed& w, const Output& o) {
     gemm_amx_bf16(w, reinterpret_cast<const c10::BFloat16*>(xb.data_ptr()), M, o);
-    n0 += s.n;
-  }
-  TORCH_CHECK(n0 == N, "segments narrower than the output");
+  });
 #else
   (void)x, (void)gemm, (void)b, (void)out;
   TORCH_CHECK(false, "the dequantized GEMM runs on AMX's bfloat16 tiles: the amx tier only");
