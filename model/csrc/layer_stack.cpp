@@ -60,9 +60,7 @@ at::Tensor cache_view(const at::Tensor& pool, const Layer& layer) {
 
 }  // namespace
 
-// A GEMM of the step's rows: the prompt's on the dequantized weights where the step names them (prompt_runs:
-// quant_gemm_rows), else every row on the exact ones
-static at::Tensor step_gemm(const QuantGemm& gemm, const at::Tensor& x, const std::optional<at::Tensor>& prompt_runs) {
+at::Tensor step_gemm(const QuantGemm& gemm, const at::Tensor& x, const std::optional<at::Tensor>& prompt_runs) {
   return prompt_runs ? quant_gemm_rows(x, gemm, *prompt_runs) : gemm(x);
 }
 

@@ -24,6 +24,10 @@ struct QuantGemm {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// A GEMM of a step's rows: the prompt's on the dequantized weights where the step names them (prompt_runs [R, 2]
+// int64: quant_gemm_rows), else every row on the exact ones
+at::Tensor step_gemm(const QuantGemm& gemm, const at::Tensor& x, const std::optional<at::Tensor>& prompt_runs);
+
 // A gated MLP's activation on its fused [gate, up] output: GeGLU (gelu_tanh), SwiGLU, or GPT-OSS's clamped SwiGLU
 // where limit > 0
 struct GatedActivation {

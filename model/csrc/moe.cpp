@@ -137,9 +137,6 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
       std::fill(prompt.begin() + r[2 * i], prompt.begin() + r[2 * i + 1], 1);
     }
   }
-  const auto gemm = [&](const QuantGemm& g, const at::Tensor& in, const std::optional<at::Tensor>& runs) {
-    return runs ? quant_gemm_rows(in, g, *runs) : g(in);
-  };
   std::vector<at::Tensor> ys(E);
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -149,7 +146,8 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
       std::copy(tokens[e].begin(), tokens[e].end(), rows.data_ptr<int64_t>());
       std::optional<at::Tensor> runs;
       if (prompt_runs) runs = expert_runs(tokens[e], prompt);
-      ys[e] = gemm(down[e], activation(gemm(up[e], x.index_select(0, rows), runs)), runs).to(at::kFloat).contiguous();
+      const auto h = activation(step_gemm(up[e], x.index_select(0, rows), runs));
+      ys[e] = step_gemm(down[e], h, runs).to(at::kFloat).contiguous();
     }
   });
   auto out = at::zeros({T, hidden}, x.options().dtype(at::kFloat));
@@ -167,7 +165,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
     const bool routed_is_x = !router_input && !router_scale;
     const at::Tensor gate = scores(routed_is_x ? routed : x.to(at::kFloat).contiguous(), *shared_gate);  // [T, 1]
     const at::Tensor y =
-        gemm(*shared_down, activation(gemm(*shared_up, x, prompt_runs)), prompt_runs).to(at::kFloat).contiguous();
+        step_gemm(*shared_down, activation(step_gemm(*shared_up, x, prompt_runs)), prompt_runs).to(at::kFloat).contiguous();
     const float *gp = gate.data_ptr<float>(), *yp = y.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       const float g = 1.0f / (1.0f + std::exp(-gp[t]));

@@ -57,8 +57,8 @@ class EngineConfig:
     # bfloat16 with AVX512-BF16, int16 per 32 with AVX2 and AMX; closer to float32, slower at many rows)
     gemm_activations: str = "auto"
     # a prompt's tokens' GEMMs on CPU: auto (on AMX's tiles, the quantized weights dequantized to bfloat16 a step at a
-    # time: ~2.5x the exact kernel's rate at hundreds of rows; where the tier has them, bfloat16 models on the layer
-    # stack) | exact (the integer kernels that generated tokens run). Either way a token's bits depend on it alone.
+    # time: ~2x the exact kernel's rate at hundreds of rows; where the tier has them and the blocks run as the C++
+    # layer stack, unless --dtype float32 is asked for) | exact (the integer kernels that generated tokens run). Either way a token's bits depend on it alone.
     prefill_gemms: str = "auto"
     # None = no speculative decoding; "auto" (the CLI's default) = n-gram drafts with SpeculativeConfig's defaults
     # where the run's steps are batch-invariant (ModelRunner.batch_invariant), so the output cannot change
