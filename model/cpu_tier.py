@@ -165,6 +165,18 @@ def runnable(flags: frozenset[str] | None = None) -> list[CpuTier]:
     return [t for t in TIERS if t.runs_on(flags)]
 
 
+def emulated(flags: frozenset[str] | None = None) -> list[CpuTier]:
+    """The tiers whose tiles this CPU lacks but whose other instructions it has: their modules load here, and
+    their tile kernels run on a software model of the tiles (model/csrc/amx.h), for the tests."""
+    flags = cpu_flags() if flags is None else flags
+    have = runnable(flags)
+    return [
+        t
+        for t in TIERS
+        if t.tiles and t not in have and {f for f in t.needs if not f.startswith("amx_")} <= flags
+    ]
+
+
 def select(name: str = "auto") -> tuple[CpuTier, str]:
     """The tier to run as and why, for the log: `auto` is the best the CPU and torch's dispatch allow."""
     flags, capability = cpu_flags(), torch_capability()

@@ -3,9 +3,9 @@ loop), one build per CPU tier (model/cpu_tier.py).
 
 They are compiled at install time, never when a server starts: scripts/install.sh runs
 `python -m model.kernels build`, which builds the tier a server here runs as (`--tiers auto`: what `make serve`
-waits for), every tier this CPU can run (`runnable`: what the tests run, `make test`) or every tier of the
-platform (`all`: images that run on other hosts) into the install's own folder, one sub-folder per tier and hash
-of the sources, flags and torch version. A start loads the module of its tier from there, or fails
+waits for), every tier this CPU can run (`runnable`), those and the tiers whose tile kernels the tests run
+emulated here (`test`: `make test`) or every tier of the platform (`all`: images that run on other hosts) into
+the install's own folder, one sub-folder per tier and hash of the sources, flags and torch version. A start loads the module of its tier from there, or fails
 with the command that builds it: a missing or stale build is never rebuilt behind the user's back, and no
 start waits on another process's compiler. Where a build failed at install (no C++ compiler) the failure is
 recorded and kvserve runs PyTorch ops instead, with a warning (`--cpu-kernels off` asks for that outright).
@@ -36,7 +36,7 @@ SOURCES = Path(__file__).parent / "csrc"
 # quantized GEMM's templates, the longest, are one unit; the rest, the other.
 UNITS = (
     ("quant_gemm_i16.cpp", "quant_gemm_i8.cpp"),
-    ("kernels.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp",
+    ("kernels.cpp", "paged_attention.cpp", "paged_attention_amx.cpp", "rms_norm.cpp", "activation.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp",
      "quant_gemm_amx.cpp", "quant_gemm_f32.cpp", "quant_pack.cpp", "layer_stack.cpp", "moe.cpp", "noise.cpp", "argmax.cpp", "deltanet.cpp"),
 )  # fmt: skip
 FAILED = "FAILED"  # a build folder holding this file records why the build failed
@@ -192,10 +192,13 @@ def cpu_kernels(tier: str = "auto"):
 
 
 def named_tiers(spec: str) -> list[CpuTier]:
-    """The tiers --tiers names: runnable, auto (the one `kvserve serve` runs as here: KVSERVE_CPU_TIER is its
+    """The tiers --tiers names: runnable, test (runnable, and the tiers whose tile kernels run emulated here),
+    auto (the one `kvserve serve` runs as here: KVSERVE_CPU_TIER is its
     --cpu-tier), all, or names, comma-separated."""
     if spec == "runnable":
         return cpu_tier.runnable()
+    if spec == "test":
+        return cpu_tier.runnable() + cpu_tier.emulated()
     if spec == "auto":
         return [cpu_tier.select(os.environ.get("KVSERVE_CPU_TIER") or "auto")[0]]
     if spec == "all":
@@ -214,7 +217,8 @@ def main() -> int:
     parser.add_argument(
         "--tiers",
         default=os.environ.get("KVSERVE_KERNEL_TIERS", "runnable"),
-        help="runnable (the tiers this CPU runs), auto (the one `kvserve serve` runs as here), all (every tier "
+        help="runnable (the tiers this CPU runs), test (those, and the tiers whose tile kernels the tests run "
+        "on a software model of the tiles here), auto (the one `kvserve serve` runs as here), all (every tier "
         "of this platform), or names, comma-separated",
     )
     args = parser.parse_args()

@@ -16,8 +16,9 @@
 #   TORCH_INDEX_URL      where torch comes from elsewhere, e.g. https://download.pytorch.org/whl/cpu
 #                        or https://download.pytorch.org/whl/cu128 (default: the configured index)
 #   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: auto (the default: the one tier a server here runs
-#                        as), runnable (the default with --test: every tier this CPU runs, as the kernel tests
-#                        run each), all (every tier of the platform, for an image that runs elsewhere), or
+#                        as), runnable (every tier this CPU runs), test (the default with --test: those, as
+#                        the kernel tests run each, and the amx tier where only its tiles are missing, whose
+#                        tile kernels the tests run on a software model of them), all (every tier of the platform, for an image that runs elsewhere), or
 #                        names (avx2,generic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +75,7 @@ else
     # so `make serve` waits for that one alone; the tests run every tier this CPU can (--test), and
     # KVSERVE_KERNEL_TIERS=all builds every tier of the platform (images that run on other hosts).
     # Without a C++ compiler this warns and kvserve runs PyTorch ops instead.
-    tiers="${KVSERVE_KERNEL_TIERS:-$([ -n "$extras" ] && echo runnable || echo auto)}"
+    tiers="${KVSERVE_KERNEL_TIERS:-$([ -n "$extras" ] && echo test || echo auto)}"
     if [ -z "$stamp" ] || { [ "$installed" != "$wanted" ] && [ "$installed" != "$wanted[test]" ]; }; then
         # The kernels need only torch and ninja: they compile (CPU) while pip fetches and unpacks the rest
         # (network, disk), a minute or more off a first `make serve`. A build that failed beside pip (a package

@@ -156,9 +156,10 @@ MODEL_FLAGS = (
         ENGINE.prefill_gemms,
         choices=("auto", "exact"),
         env=True,
-        help="a prompt's GEMMs on CPU: auto, on the amx tier the quantized weights dequantized to bfloat16 a step "
-        "at a time on AMX's tiles (~2x the exact kernels' rate at hundreds of tokens; generated tokens keep the exact "
-        "kernels, so a token's output still never depends on its batch); exact, the kernels decoding runs",
+        help="a prompt's GEMMs and attention on CPU: auto, on the amx tier the quantized weights dequantized to "
+        "bfloat16 a step at a time on AMX's tiles (~2x the exact kernels' rate at hundreds of tokens), its attention "
+        "on bfloat16 tiles too; generated tokens keep the exact kernels, so a token's output still never depends on "
+        "its batch; exact, the kernels decoding runs",
     ),
     Flag(
         "--speculative-config",

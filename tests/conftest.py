@@ -145,7 +145,10 @@ def pytest_terminal_summary(terminalreporter):
     """Which CPU tier this run computed as (CI's log says it), and which others the tier tests covered."""
     tier, why = cpu_tier.select()
     runnable = ", ".join(t.name for t in cpu_tier.runnable())
-    terminalreporter.write_line(f"kvserve CPU tier: {tier.name} ({why}); kernel tests ran on: {runnable}")
+    emulated = "".join(f", {t.name} (its tiles emulated)" for t in cpu_tier.emulated())
+    terminalreporter.write_line(
+        f"kvserve CPU tier: {tier.name} ({why}); kernel tests ran on: {runnable}{emulated}"
+    )
 
 
 @pytest.fixture(params=[t.name for t in cpu_tier.runnable()])

@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
         py::arg("chunk"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("slots") = py::none(), py::arg("cos") = py::none(),
-        py::arg("sin") = py::none(), py::arg("sinks") = py::none(), no_gil());
+        py::arg("sin") = py::none(), py::arg("sinks") = py::none(), py::arg("prompt_runs") = py::none(),
+        py::arg("emulate_tiles") = false, no_gil());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of x = [gate, up] (CPU)");
   m.def("clamped_swiglu", &clamped_swiglu, "GPT-OSS's clamped SwiGLU of x = [gate, up] (CPU)", py::arg("x"),
         py::arg("alpha"), py::arg("limit"));

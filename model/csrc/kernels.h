@@ -18,7 +18,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               int64_t chunk,
                               std::optional<at::Tensor> k, std::optional<at::Tensor> v,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
-                              std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks);
+                              std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks,
+                              std::optional<at::Tensor> prompt_runs = std::nullopt, bool emulate_tiles = false);
 at::Tensor silu_mul(at::Tensor x);
 at::Tensor clamped_swiglu(at::Tensor x, double alpha, double limit);
 std::vector<at::Tensor> rms_norm(at::Tensor x, std::optional<at::Tensor> residual,

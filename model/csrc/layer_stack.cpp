@@ -114,7 +114,7 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
   if (k.defined()) new_k = k, new_v = v, new_slots = slots[layer.kv_group];
   auto attended = paged_attention(q, cache_view(k_cache, layer), cache_view(v_cache, layer),
                                   block_tables[layer.kv_group], seqs, block_size, layer.scale, layer.window, softcap,
-                                  chunk, new_k, new_v, new_slots, rope_cos, rope_sin, layer.sinks);
+                                  chunk, new_k, new_v, new_slots, rope_cos, rope_sin, layer.sinks, prompt_runs);
   if (gate.defined()) attended = attended.mul(at::sigmoid(gate));
   return attended;
 }
@@ -127,7 +127,8 @@ at::Tensor LayerStack::attention(const Layer& layer, const at::Tensor& h, const 
 // there are any; per_layer: Gemma 4's per-layer inputs [T, layers, size], where the model has them. Returns the
 // last block's output and the residual stream it adds to (the final norm adds them; undefined where the block
 // returned the stream whole: Gemma 4's), as the Python loop does. prompt_runs: [R, 2] int64 runs of rows that are
-// prompt tokens, whose GEMMs run on the dequantized weights (quant_gemm_rows), where the engine asks for that.
+// prompt tokens, whose GEMMs run on the dequantized weights (quant_gemm_rows) and attention on bfloat16 tiles
+// (paged_attention_amx.cpp), where the engine asks for that.
 std::vector<at::Tensor> LayerStack::forward(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache,
                                                std::vector<at::Tensor> slots, std::vector<at::Tensor> block_tables,
                                                at::Tensor seqs, int64_t block_size, int64_t chunk,

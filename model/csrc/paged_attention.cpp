@@ -6,18 +6,17 @@
 // float32. So a token's output has the same bits whether it is decoded alone, beside 63 others, or recomputed
 // inside a prompt chunk after a preemption (model/attention.py's PyTorch path needs padding to get that).
 
-#include "vec.h"
+#include "paged_attention.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace {
-
-constexpr int KT = VL;  // keys per tile
 
 // One level of sum_each's tree: a and b each hold 2H partial sums per group of lanes; the result holds H, a's
 // groups first, each lane the sum of a lane and the lane H further on. lane(H, high, i) is the source lane (of
@@ -52,14 +51,6 @@ inline vfloat sum_each(vfloat* part) { return reduce<VL / 2>(part); }
 struct Work {
   int64_t seq, head, first_query;
 };
-
-// RoPE in Hugging Face's half-split layout, as model/attention.py's apply_rope: out = x cos + roll(x, D/2) sin,
-// with cos = (cos, cos) and sin = (-sin, sin) as the model builds them; in float32
-template <typename T>
-inline void rotate(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]) * to_float(cos[d]) + to_float(x[(d + half) % D]) * to_float(sin[d]);
-}
 
 // The step's new keys (rotated when cos is given) and values, written into the caches at their slots.
 template <typename T, typename C>
@@ -176,30 +167,10 @@ void attend(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache
   prefetch_tile(v_head, lo);
   prefetch_tile(v_head, lo + KT);
 
-  // softmax of each query over its keys [a, b), whole tiles at a time: the rest of a tile is masked
+  // softmax of each query over its keys
   for (int64_t v = 0; v < nq; ++v) {
     const int64_t pos = pos0 + v / G;
-    const int64_t a = first_key(pos), b = pos + 1;
-    const int64_t a0 = a / KT * KT, b0 = (b + KT - 1) / KT * KT;
-    float* s = &S[v * L - lo];  // indexed by key position
-    vfloat* tiles = &score_tiles[(v * L + a0 - lo) / KT];
-    const int64_t n_tiles = (b0 - a0) / KT;
-    if (softcap > 0)  // Gemma 2: softcap * tanh(score / softcap), before the mask
-      for (int64_t j = a0; j < b0; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-    for (int64_t j = a0; j < a; ++j) s[j] = -INFINITY;
-    for (int64_t j = b; j < b0; ++j) s[j] = -INFINITY;
-    vfloat vmax = tiles[0];
-    for (int64_t t = 1; t < n_tiles; ++t) vmax = vmax > tiles[t] ? vmax : tiles[t];
-    float m = vmax[0];
-    for (int l = 1; l < KT; ++l) m = std::max(m, vmax[l]);
-    const float sink = sinks ? sinks[head * G + v % G] : -INFINITY;
-    m = std::max(m, sink);  // a sink far above every score must not overflow exp(sink - m)
-    for (int64_t t = 0; t < n_tiles; ++t) tiles[t] = vexp(tiles[t] - m);
-    for (int64_t j = a0; j < a; ++j) s[j] = 0.0f;
-    for (int64_t j = b; j < b0; ++j) s[j] = 0.0f;
-    vfloat sum = {};
-    for (int64_t t = 0; t < n_tiles; ++t) sum += tiles[t];
-    total[v] = hsum(sum) + (sinks ? std::exp(sink - m) : 0.0f);  // the sink joins the denominator only
+    total[v] = softmax(&S[v * L - lo], first_key(pos), pos + 1, softcap, sinks ? &sinks[head * G + v % G] : nullptr);
   }
 
   // weighted sum of the values, keys in ascending order
@@ -251,7 +222,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               int64_t chunk,
                               std::optional<at::Tensor> k, std::optional<at::Tensor> v,
                               std::optional<at::Tensor> slots, std::optional<at::Tensor> cos,
-                              std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks) {
+                              std::optional<at::Tensor> sin, std::optional<at::Tensor> sinks,
+                              std::optional<at::Tensor> prompt_runs, bool emulate_tiles) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], heads contiguous");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.stride(2) == 1 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.strides() == k_cache.strides(),
@@ -292,6 +264,23 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     TORCH_CHECK(sinks_c.scalar_type() == at::kFloat && sinks_c.numel() == H, "sinks must be [H] float32");
   }
   const float* sinks_p = sinks ? sinks_c.data_ptr<float>() : nullptr;
+  // the prompt's queries (prompt_runs: [R, 2] int64 runs [start, end) of q's rows), on AMX's tiles where the
+  // caches are bfloat16 and a head's values fill whole tiles, else on vectors as the others
+  std::vector<char> on_tiles(T_, 0);
+  if (prompt_runs) {
+#if !defined(__AMX_BF16__)
+    TORCH_CHECK(false, "a prompt's queries on AMX's tiles: the amx tier only");
+#endif
+    TORCH_CHECK(prompt_runs->scalar_type() == at::kLong && prompt_runs->dim() == 2 && prompt_runs->size(1) == 2,
+                "prompt_runs must be [R, 2] int64");
+    const auto runs = prompt_runs->contiguous();
+    const int64_t* r = runs.data_ptr<int64_t>();
+    const bool fit = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() != at::kHalf && tiles_fit(D);
+    for (int64_t i = 0; i < runs.size(0); ++i) {
+      TORCH_CHECK(0 <= r[2 * i] && r[2 * i] <= r[2 * i + 1] && r[2 * i + 1] <= T_, "prompt_runs outside q's rows");
+      std::fill(on_tiles.begin() + r[2 * i], on_tiles.begin() + r[2 * i + 1], fit);
+    }
+  }
   auto out = at::empty({T_, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
@@ -318,6 +307,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               : D == 64        ? attend<T, C, 64>
               : D == 128       ? attend<T, C, 128>
                                : attend<T, C, 0>;
+    auto tiles = [&](auto... args) {  // on_tiles holds only where the types fit
+#if defined(__AMX_BF16__)
+      if constexpr (std::is_same_v<C, c10::BFloat16> && !std::is_same_v<T, c10::Half>) return attend_tiles<T>(args...);
+#endif
+      TORCH_CHECK(false, "no tiles for these types");
+    };
     const T* qp = q.data_ptr<T>();
     const C* kp = k_cache.data_ptr<C>();
     const C* vp = v_cache.data_ptr<C>();
@@ -337,9 +332,18 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         for (int64_t w = w0; w < n_work; w += n_threads) {
           const Work& it = work[w];
           const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
-          fn(qp, q.stride(0), kp, vp, head_stride, slot_stride, tp + it.seq * N, block_size, it.head, G, D, token0 + it.first_query,
-             std::min(chunk, q_len - it.first_query), seq_len - q_len + it.first_query, window,
-             static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp, sinks_p);
+          const int64_t first = token0 + it.first_query, last = token0 + std::min(it.first_query + chunk, q_len);
+          for (int64_t t0 = first, t1; t0 < last; t0 = t1) {  // the unit's runs of prompt rows and of others
+            for (t1 = t0 + 1; t1 < last && on_tiles[t1] == on_tiles[t0];) ++t1;
+            const int64_t pos = seq_len - q_len + (t0 - token0);
+            if (on_tiles[t0])
+              tiles(emulate_tiles, qp, q.stride(0), kp, vp, head_stride, slot_stride, tp + it.seq * N, block_size,
+                    it.head, G, D, t0, t1 - t0, pos, window, static_cast<float>(scale), static_cast<float>(softcap),
+                    op, H, cp, sp, sinks_p);
+            else
+              fn(qp, q.stride(0), kp, vp, head_stride, slot_stride, tp + it.seq * N, block_size, it.head, G, D, t0,
+                 t1 - t0, pos, window, static_cast<float>(scale), static_cast<float>(softcap), op, H, cp, sp, sinks_p);
+          }
         }
     });
   };

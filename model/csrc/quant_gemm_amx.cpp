@@ -29,24 +29,14 @@
 
 #if defined(__AMX_INT8__)
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 namespace {
 
 static_assert(VL == TILE, "one 16-lane vector per tile");
 
-// LDTILECFG's 64 bytes, palette 1: per tile register its rows and bytes a row
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// GCC 12's own LDTILECFG and TILELOADD intrinsics tell the compiler that the first reads 8 of its 64 bytes and
-// the second no memory at all, so it may drop or delay the stores they read (seen: a configuration half
-// written, then #UD at the first tile load). These two say what they read.
-inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
+// GCC 12's own TILELOADD intrinsic tells the compiler that it reads no memory at all, so it may drop or delay
+// the stores it reads. These two say what they read.
 #define TILE_LOAD_T1(tmm, base, stride) \
   asm volatile("tileloaddt1 (%0,%1,1), %%tmm" #tmm : : "r"(base), "r"(static_cast<long>(stride)) : "memory")
 #define TILE_LOAD(tmm, base, stride) \
@@ -56,18 +46,6 @@ inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg
 // tiles while this one's sums are scaled on vectors; A and B. One product a group: C0, C1 (the parities), A (a
 // row's [xh | xl]), B; two: C0H, C0L, C1H, C1L, AH, AL, B.
 enum Tile { C0H, C0L, C1H, C1L, AH, AL, B };
-
-// Linux hands out the tile state (8 KiB per thread) only to a process that asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); model/cpu_tier.py asks before choosing this tier, and this asks
-// again for a module loaded without it. Once per process, for all its threads.
-void require_tiles() {
-  static const bool granted = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  TORCH_CHECK(granted, "the kernel refused this process AMX's tile state: run another CPU tier");
-}
-
 
 inline __m512i widen_words(const uint8_t* p) {  // 16 words -> the low halves of 16 dwords
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

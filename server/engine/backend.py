@@ -132,7 +132,7 @@ class CpuBackend:
 
     def prompt_gemms(self, model: torch.nn.Module, config: EngineConfig) -> bool:
         """--prefill-gemms: auto runs a prompt's tokens' GEMMs on the weights dequantized to bfloat16, on AMX's
-        tiles (kernels.gemm_dequantized: the amx tier), where the layer stack runs the blocks (the one path that
+        tiles (kernels.gemm_dequantized: the amx tier), and their attention on bfloat16 tiles, where the layer stack runs the blocks (the one path that
         splits a step's rows by what they are), unless --dtype float32 was asked for (a prompt's activations are
         rounded to bfloat16 there); exact keeps decoding's kernels. Logged with why."""
         if config.prefill_gemms not in ("auto", "exact"):
@@ -150,8 +150,8 @@ class CpuBackend:
             log.info("prefill GEMMs: the exact kernels, as decoding's (%s)", why_not)
             return False
         log.info(
-            "prefill GEMMs: a prompt's tokens on the weights dequantized to bfloat16, on AMX's tiles; generated "
-            "ones on the exact kernels (--prefill-gemms exact: those for all)"
+            "prefill GEMMs: a prompt's tokens on the weights dequantized to bfloat16, on AMX's tiles, and their "
+            "attention on bfloat16 tiles; generated ones on the exact kernels (--prefill-gemms exact: those for all)"
         )
         return True
 

@@ -63,6 +63,23 @@ def test_a_xeon_with_amx_runs_on_tiles_where_linux_grants_them(cpu):
 
 
 @pytest.mark.timeout(10)
+def test_the_tests_run_the_tile_kernels_emulated_where_only_the_tiles_are_missing(cpu):
+    """make test builds the amx tier's module where the CPU runs all of it but its tiles (a Zen 4, or a Xeon
+    whose tile state Linux refused), and the tile kernels' tests run it on the software model of the tiles."""
+    cpu(ZEN4)
+    assert [t.name for t in cpu_tier.emulated()] == ["amx"]
+    assert [t.name for t in kernels.named_tiers("test")] == ["avx512bf16", "avx512", "avx2", "generic", "amx"]
+    cpu(SAPPHIRE_RAPIDS, tiles_granted=False)
+    assert [t.name for t in cpu_tier.emulated()] == ["amx"]
+    cpu(SAPPHIRE_RAPIDS)  # the real instructions: nothing emulated
+    assert cpu_tier.emulated() == [] and kernels.named_tiers("test") == cpu_tier.runnable()
+    cpu(ZEN4 - {"avx512_bf16"})  # the tier's own vector code would not run
+    assert cpu_tier.emulated() == []
+    cpu(AVX2_ONLY)
+    assert cpu_tier.emulated() == [] and [t.name for t in kernels.named_tiers("test")] == ["avx2", "generic"]
+
+
+@pytest.mark.timeout(10)
 def test_the_grant_is_asked_of_linux_once(monkeypatch):
     """The real request (arch_prctl), made at most once per process; its answer matches the CPU's flags where
     Linux has AMX at all (a CPU without it is always refused)."""
