@@ -245,6 +245,10 @@ def test_bench_gemms_times_each_gemm_against_onednn_on_the_same_weights(tiny_lla
     for r in rows:
         calls = r["us_per_call"]
         assert list(calls) == ["qkv 128x64", "o 64x64", "gate_up 256x64", "down 64x128", "lm_head 300x64"]
+        # a prompt of `rows` tokens attending to itself, every layer, beside the GEMMs; on AMX's tiles too where
+        # the run computes a prompt's rows apart
+        assert r["kvserve_attention_ms"] > 0
+        assert ("kvserve_prompt_attention_ms" in r) == ("kvserve_prompt_block_gemms_ms" in r)
         assert all(t["kvserve"] > 0 for t in calls.values())
         # a step's block GEMMs: each shape once per layer (the tiny llama has 2)
         block = sum(t["kvserve"] for name, t in calls.items() if not name.startswith("lm_head")) * 2 / 1e3

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from model.attention_cpu import KERNEL_CHUNK
 from model.deltanet import StepStates
 from server.engine.engine import Engine
 from server.engine.request import GrammarSpec, SamplingParams
@@ -449,7 +450,19 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
                     start = time.perf_counter()
                     run()
                     times[name][k].append(time.perf_counter() - start)
+        kernel = getattr(engine.runner.attention, "kernel", None)  # the C++ paged attention, where it runs
+        if kernel is not None:
+            times["attention"] = {
+                k: [] for k in ("kvserve", "kvserve_prompt")[: 1 + engine.runner.prompt_gemms]
+            }
+            runs = prompt_attention(engine, kernel, rows, g)
+            for _ in range(reps + 1):
+                for k in times["attention"]:
+                    start = time.perf_counter()
+                    runs[k]()
+                    times["attention"][k].append(time.perf_counter() - start)
     ms = {name: {k: 1e3 * statistics.median(ts[1:]) for k, ts in by.items()} for name, by in times.items()}
+    attention = ms.pop("attention", {})
     layers = len(model.layers)
     result = {"rows": rows, "dtype": str(engine.runner.dtype).removeprefix("torch.")}
     for k in ("kvserve", "kvserve_prompt", "onednn_bf16"):
@@ -467,6 +480,8 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
             result["prompt_block_gemms_speedup"] = round(
                 result["onednn_bf16_block_gemms_ms"] / result["kvserve_prompt_block_gemms_ms"], 2
             )
+    for k, t in attention.items():  # a prompt of `rows` tokens attending to itself, every layer
+        result[f"{k}_attention_ms"] = round(layers * t, 3)
     result["us_per_call"] = {
         f"{name} {linears[name].out_features}x{linears[name].in_features}": {
             k: round(1e3 * v, 1) for k, v in by.items()
@@ -474,6 +489,39 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
         for name, by in ms.items()
     }
     return result
+
+
+def prompt_attention(engine: Engine, kernel, rows: int, g: torch.Generator) -> dict:
+    """One layer's attention of a prompt of `rows` tokens over its own keys (the first layer's heads, the
+    engine's cache dtype and block size), as the step runs it: on vectors (kvserve) and, where the run computes a
+    prompt's rows apart, on AMX's tiles (kvserve_prompt)."""
+    config, cache = engine.runner.model_config, engine.runner.kv_cache
+    H, KVH, D, bs = config.num_heads, config.num_kv_heads, config.head_dim, cache.block_size
+    blocks = (rows + bs - 1) // bs
+    q = torch.randn(rows, H, D, generator=g).to(engine.runner.dtype)
+    k_cache, v_cache = (torch.randn(KVH, blocks * bs, D, generator=g).to(cache.k.dtype) for _ in range(2))
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    seqs = torch.tensor([[0, rows, rows]], dtype=torch.int32)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        table,
+        seqs,
+        bs,
+        D**-0.5,
+        0,
+        0.0,
+        KERNEL_CHUNK,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    runs = torch.tensor([[0, rows]])
+    return {"kvserve": lambda: kernel(*args), "kvserve_prompt": lambda: kernel(*args, runs)}
 
 
 # ~3,000 tokens of varied English, in server/data (shipped as the server package's data)
