@@ -31,6 +31,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 # ... and up to its name, when that comes first
 CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+# ... and a name cut short inside its string
+PARTIAL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)\\?$')
 MAX_HEAD_CHARS = 512  # a head not parsed by then is read as a whole call at its end tag
 
 
@@ -223,8 +225,10 @@ class ToolCallParser:
     soon as its opening is written, then its arguments as they are generated. Text that may be the start of a
     call, and whitespace next to calls, is held back until it is clear. A block that is not a valid call of a
     declared function stays content, as written. A reply that ends inside a call (max_tokens) keeps what it
-    wrote of the call: its partial arguments once its name is out (as OpenAI's API returns them), nothing of a
-    call whose opening was cut short, nor of a tag cut short; the model's markup never becomes content.
+    wrote of the call: its partial arguments once its name is out (as OpenAI's API returns them), a call with
+    no arguments where its name was cut short but can begin only one declared function (a forced call cut at
+    its first tokens is still that call), nothing of another opening cut short, nor of a tag cut short; the
+    model's markup never becomes content.
     """
 
     names: set[str]
@@ -313,7 +317,12 @@ class ToolCallParser:
             calls.append(CallDelta(self.num_calls, self.new_id(), call["name"], arguments))
             self._end_call()
         elif end < 0 and self._cut_short(body):  # the reply ended while the call's opening was written
-            self._state = "text"
+            name = self._only_name(body)
+            if name is not None:  # the one declared function it can be: a call of it, its arguments not begun
+                calls.append(CallDelta(self.num_calls, self.new_id(), name, ""))
+                self._state = "done"  # the reply ends here: a call cut short, as one cut in its arguments
+            else:
+                self._state = "text"
         else:  # not a call: the text stays as the model wrote it
             content.append(self._gap + CALL_START + body + (CALL_END if end >= 0 else ""))
             self._state = "text"
@@ -332,6 +341,23 @@ class ToolCallParser:
             return json.loads(named.group(1)) in self.names
         except json.JSONDecodeError:
             return False
+
+    def _only_name(self, body: str) -> str | None:
+        """The declared function a call's opening cut short names, where only one can be meant: its name
+        written out, or the part of it written so far (none yet: "") beginning one declared name and no other."""
+        if named := CALL_NAME.match(body):
+            return json.loads(named.group(1))  # a declared one: _cut_short said so
+        if partial := PARTIAL_NAME.match(body):
+            try:
+                prefix = json.loads(f'"{partial.group(1)}"')
+            except json.JSONDecodeError:
+                return None
+        elif '{"name":"'.startswith("".join(body.split())):
+            prefix = ""
+        else:
+            return None
+        candidates = [n for n in self.names if n.startswith(prefix)]
+        return candidates[0] if len(candidates) == 1 else None
 
     def _arguments(self, content: list[str], calls: list[CallDelta], final: bool) -> bool:
         skipped = n = 0  # whitespace before the value; characters read

@@ -207,8 +207,10 @@ CUT_IN_A_CALL = pieces("Checking.\n" + CALL + '\n<tool_call>\n{"name": "get_wea'
 def test_responses_cut_inside_a_calls_opening_show_no_markup():
     client = responses_client(ScriptedEngine(CUT_IN_A_CALL, finish="length"), TOOLS)
     body = client.responses.create(model="m", input="hi")
-    assert [item.type for item in body.output] == ["message", "function_call"]
+    # the second call, cut inside its name, is the one declared function it can be, its arguments not begun
+    assert [item.type for item in body.output] == ["message", "function_call", "function_call"]
     assert body.output_text == "Checking." and body.output[1].arguments == '{"city": "Paris"}'
+    assert body.output[2].name == "get_weather" and body.output[2].arguments == ""
     with client.responses.stream(model="m", input="hi") as stream:
         events = list(stream)
     assert "<" not in "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -258,11 +260,16 @@ def test_messages_cut_inside_a_calls_opening_show_no_markup():
     client = messages_client(ScriptedEngine(CUT_IN_A_CALL, finish="length"), TOOLS)
     kw = dict(model="m", max_tokens=100, messages=[{"role": "user", "content": "hi"}])
     body = client.messages.create(**kw)
-    assert [b.type for b in body.content] == ["text", "tool_use"] and body.content[0].text == "Checking."
-    assert body.content[1].input == {"city": "Paris"}
+    # the second call, cut inside its name: a tool_use of the one tool it can be, its input not begun
+    assert [b.type for b in body.content] == ["text", "tool_use", "tool_use"]
+    assert body.content[0].text == "Checking." and body.content[1].input == {"city": "Paris"}
+    assert body.content[2].name == "get_weather" and body.content[2].input == {}
     with client.messages.stream(**kw) as s:
         final = s.get_final_message()
-    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[0].text == "Checking."
+    assert [b.type for b in final.content] == ["text", "tool_use", "tool_use"] and final.content[
+        0
+    ].text == "Checking."
+    assert final.content[2].input == {}
 
 
 @pytest.mark.parametrize(

@@ -97,14 +97,15 @@ def test_a_call_cut_short_keeps_its_partial_arguments():
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_call_or_tag_cut_short_by_max_tokens_is_never_content(step):
     """Where max_tokens ends a reply inside a call's opening or its tag, what was written of it goes: the model's
-    markup is not the reply's text. A call whose name is out keeps its partial arguments."""
+    markup is not the reply's text. A call whose name is out keeps its partial arguments, and one whose name is
+    cut short is a call of the one declared function that name can begin (its arguments not begun)."""
     whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     for cut_at in range(1, whole.index("{", 20)):  # every cut before its arguments begin
         for before, text in (("", ""), ("Let me check.\n", "Let me check."), (whole + "\n", "")):
             content, calls, _ = parse(before + whole[:cut_at], step, cut=True)
             assert content == text, (before, whole[:cut_at], content)
-            # once its opening is written out the call is there, its arguments empty
-            named = whole[:cut_at].rstrip().endswith('"arguments":')
+            # once its name's first letter is out (of get_weather and add, only one) the call is there
+            named = cut_at > whole.index("get_weather")
             assert len(calls) == before.count("<tool_call>") + named, (before, whole[:cut_at], calls)
     # where the model itself ended the reply, a partial tag is its text
     content, calls, _ = parse("Use x <tool_c", step)
@@ -112,6 +113,21 @@ def test_a_call_or_tag_cut_short_by_max_tokens_is_never_content(step):
     # a cut-short block naming no declared function stays as written
     rm = '<tool_call>\n{"name": "rm_rf", "argu'
     assert parse(rm, step, cut=True)[:2] == (rm, [])
+
+
+def test_a_call_cut_before_its_name_is_the_only_function_it_can_be():
+    """tool_choice naming a function (or one function offered), max_tokens ending the reply before its name:
+    the reply is that function's call with its arguments not begun, finish_reason length, not an empty message."""
+    for cut in ("<tool_call>", "<tool_call>\n", '<tool_call>\n{"', '<tool_call>\n{"name": "get_'):
+        for names, expected in (({"get_weather"}, ["get_weather"]), ({"get_weather", "get_time"}, [])):
+            parser = ToolCallParser(names, new_id=lambda: "call_0")
+            content, deltas = parser.feed(cut, final=True, cut=True)
+            assert content == "" and [d.name for d in deltas] == expected, (cut, names)
+            assert all(d.arguments == "" for d in deltas)
+    parser = ToolCallParser({"get_weather", "get_time"}, new_id=lambda: "call_0")
+    assert [d.name for d in parser.feed('<tool_call>\n{"name": "get_t', final=True, cut=True)[1]] == [
+        "get_time"
+    ]
 
 
 def test_one_call_when_not_parallel():
