@@ -67,7 +67,13 @@ def test_completion_logprobs_and_echo(tiny_engine, start_server, sse_events):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 4
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
-    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    # the two most likely, and the token itself wherever it ranks (OpenAI's: up to logprobs + 1)
+    assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+    assert all(
+        t[tok] == x
+        for tok, x, t in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True)
+    )
+    assert any(len(t) == 3 for t in lp["top_logprobs"][1:n_prompt])  # a prompt token the model did not expect
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     # the stream carries the same, in pieces
     chunks = sse_events(stream(url, "/v1/completions", body).content)

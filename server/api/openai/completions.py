@@ -75,7 +75,13 @@ class CompletionShape(OpenAIShape):
             token = tokenizer.token_text(token_id)
             out.tokens.append(token)
             out.token_logprobs.append(entry.logprob if entry else None)
-            out.top_logprobs.append({tokenizer.token_text(t): lp for t, lp in entry.top} if entry else None)
+            top = None
+            if (
+                entry
+            ):  # the most likely, and the token itself wherever it ranks (OpenAI's: up to logprobs + 1)
+                top = {tokenizer.token_text(t): lp for t, lp in entry.top}
+                top.setdefault(token, entry.logprob)
+            out.top_logprobs.append(top)
             out.text_offset.append(c.text_offset)
             c.text_offset += len(token)
 
