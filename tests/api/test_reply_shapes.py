@@ -235,6 +235,10 @@ def test_messages_text_stream_accumulates_to_the_body():
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text == "Hello, world." and final.model_dump() == body.model_dump()
+    # message_start's input usage is the final one's: it waits for the first output, when the cache is looked up
+    with client.messages.stream(model="m", max_tokens=100, messages=[{"role": "user", "content": "hi"}]) as s:
+        start = next(e for e in s if e.type == "message_start").message.usage
+    assert (start.input_tokens, start.cache_read_input_tokens) == (u.input_tokens, u.cache_read_input_tokens)
 
 
 def test_messages_tool_use_blocks_stream_their_input_json():

@@ -180,16 +180,22 @@ class MessagesShape(Shape):
     blocks: ReplyBlocks
     thinking: bool = False  # the request enabled thinking: its blocks are shown
     index: dict[int, int] = field(default_factory=dict)  # reply block -> its index in the message
+    started: bool = False  # message_start went out
     end = ""
     closes_with_answer = False  # message_delta carries the stop reason and usage only
 
     def opening(self, choices: list[Choice]) -> list[Event]:
-        return [named(mp.MessageStartEvent(message=self.empty(choices).message))]
+        return []  # message_start goes with the first output, when the prefix cache's share of the input is known
 
     def events(self, c: Choice, out) -> list[Event]:
+        start = []
+        if not self.started:  # its usage as message_delta's will say: input_tokens apart from the cache's
+            self.started = True
+            message = self.empty([c]).message.model_copy(update={"usage": self._usage([c])})
+            start = [named(mp.MessageStartEvent(message=message))]
         steps = self.blocks.feed(out)
         c.num_reasoning_tokens = self.blocks.num_reasoning_tokens
-        return [named(e) for step in steps for e in self._events(step)]
+        return start + [named(e) for step in steps for e in self._events(step)]
 
     def _events(self, step: Step) -> list:
         block = step.block
@@ -259,7 +265,7 @@ class MessagesShape(Shape):
         return [named(mp.error_body(error))]
 
     def empty(self, choices: list[Choice]) -> Reply:
-        # before any output the cache is not yet looked up: the whole prompt counts as input until message_delta
+        # before any output the cache is not yet looked up: the whole prompt counts as input
         first = mp.MessageUsage(input_tokens=len(choices[0].prompt_ids), output_tokens=0)
         return Reply(mp.MessageResponse(id=self.message_id, model=self.serving.model_name, usage=first))
 
