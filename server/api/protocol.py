@@ -32,8 +32,10 @@ TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 class Body(BaseModel):
     # strict: a value of the wrong JSON type is refused, as OpenAI's and Anthropic's APIs refuse it, rather than
-    # read as something the client did not write ("max_tokens": true is not 1, "stream": "false" is not false)
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # read as something the client did not write ("max_tokens": true is not 1, "stream": "false" is not false).
+    # NaN and infinities (Python's JSON reads them) are refused as what they are, before any range check
+    # ("temperature": NaN is not "less than 0")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

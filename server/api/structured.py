@@ -19,6 +19,10 @@ def offered_tools(functions: list[Function], choice: str, parallel: bool) -> Too
     """The functions a request offers and its tool_choice (none | auto | required | a function's name),
     checked whatever the API; None when it offers none."""
     if not functions:
+        if choice == "required":
+            raise ApiError(
+                400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice"
+            )
         if choice not in ("none", "auto"):
             raise ApiError(400, "tool_choice names a tool, but the request has no tools", param="tool_choice")
         return None

@@ -155,7 +155,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             bad("stop", "strings must not be empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            bad("seed", "must fit in 64 bits")
+            bad("seed", "must be a signed 64-bit integer, in [-2**63, 2**63)")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -64,6 +64,13 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         assert r.json()["error"]["param"].startswith("logit_bias")
     nan = b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"1": NaN}}'
     assert_error(post("/v1/completions", content=nan, headers={"content-type": "application/json"}), 400)
+    for field in ("temperature", "top_p", "presence_penalty"):  # said as what they are, not as out of range
+        for value in (b"NaN", b"Infinity", b"-Infinity"):
+            body = b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), value)
+            r = post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert_error(r, 400, field, "finite")
+    assert_error(post("/v1/completions", json={**PROMPT, "seed": 2**63}), 400, "seed", "signed 64-bit")
+    assert post("/v1/completions", json={**PROMPT, "seed": 2**63 - 1}).status_code == 200
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in [
         ("tools", [{"type": "web_search"}]),  # only functions
@@ -106,6 +113,8 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": named}), 400, "tool_choice"
     )
     assert_error(post("/v1/chat/completions", json={**chat, "tools": tools + tools}), 400, "tools")
+    r = post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
+    assert_error(r, 400, "tool_choice", "asks for a tool call, but the request has no tools")
     bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
     r = post("/v1/chat/completions", json={**chat, "tools": bad_schema, "tool_choice": "required"})
     assert_error(r, 400, "tools")
