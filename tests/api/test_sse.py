@@ -83,6 +83,29 @@ def test_completion_logprobs_and_echo(tiny_engine, start_server, sse_events):
 
 
 @pytest.mark.timeout(60)
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(tiny_engine, start_server, sse_events):
+    """A prompt's log-likelihood, as evaluation harnesses ask for it (lm-evaluation-harness's completions
+    backend): echo, logprobs, max_tokens 0. The prompt and its logprobs come back, nothing generated, the same
+    as with max_tokens 4 up to the prompt's end; max_tokens 0 without echo is a 400."""
+    url, _ = start_server(tiny_engine)
+    body = {"prompt": "hello there", "max_tokens": 0, "logprobs": 1, "echo": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body).json()
+    choice, usage = r["choices"][0], r["usage"]
+    n_prompt = len(httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}).json()["tokens"])
+    assert choice["text"] == "hello there" and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"]) == n_prompt
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == n_prompt
+    longer = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 4}).json()["choices"][0][
+        "logprobs"
+    ]
+    assert longer["token_logprobs"][:n_prompt] == choice["logprobs"]["token_logprobs"]
+    chunks = sse_events(stream(url, "/v1/completions", body).content)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hello there"
+    r = httpx.post(f"{url}/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.timeout(60)
 def test_an_engine_failure_after_the_start_is_one_error_event(
     tiny_llama_dir, new_engine, start_server, sse_events, wait_for
 ):

@@ -27,7 +27,13 @@ async def completion(serving: Serving, body: p.CompletionRequest):
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     serving.check_queue(len(prompts) * body.n, "prompt" if body.n == 1 else "n")
-    params = serving.sampling_params(body, body.max_tokens, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(
+            400, "max_tokens must be at least 1 (0 only with echo: the prompt scored)", param="max_tokens"
+        )
+    # echo with max_tokens 0 (a prompt's log-likelihood, as evaluation harnesses ask): one token is drawn, as the
+    # engine's prefill ends with one, and not shown
+    params = serving.sampling_params(body, body.max_tokens or 1, body.logprobs)
     params.prompt_logprobs = body.echo and body.logprobs is not None
     params.grammar = await output_grammar_for(serving, body)
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -54,12 +60,17 @@ class CompletionShape(OpenAIShape):
     def delta(self, c: Choice, out: RequestOutput) -> p.CompletionChoice | None:
         body = self.body
         text, logprobs = out.text, None
+        if body.max_tokens == 0:  # the prompt alone: the drawn token is not the client's
+            text, c.num_output_tokens = "", 0
+            if out.finished and c.finish_reason != "abort":
+                c.finish_reason, c.stop_string = "length", None
         if body.logprobs is not None:
             logprobs = p.CompletionLogprobs()
             if body.echo and not c.started:
                 entries = out.prompt_logprobs or [None] * len(c.prompt_ids)
                 self._add_logprobs(c, logprobs, c.prompt_ids, entries)
-            self._add_logprobs(c, logprobs, out.new_token_ids, out.logprobs or [])
+            if body.max_tokens:
+                self._add_logprobs(c, logprobs, out.new_token_ids, out.logprobs or [])
         if body.echo and not c.started:
             text = c.prompt_text + text
         c.started = True

@@ -148,7 +148,9 @@ class CompletionRequest(SamplingFields):
         description="A string, a list of strings, a list of token ids, or a list of token-id lists; "
         "each prompt gets n choices."
     )
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(
+        16, ge=0, description="0 only with echo: the prompt scored alone (its logprobs), nothing generated."
+    )
     logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob plus the top N.")
     echo: bool = Field(False, description="Put the prompt before the completion (with logprobs: theirs too).")
     suffix: str | None = Field(None, description="Not supported yet.")
