@@ -133,6 +133,9 @@ class Sampling(Body):
     stop_token_ids: list[int] = Field(default_factory=list)
     stream: bool = False
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's: the stop string that ended the output stays at its end."
+    )
     min_tokens: int = Field(0, ge=0)
     speculative: bool = Field(
         True,

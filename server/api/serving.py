@@ -108,6 +108,7 @@ class Serving:
             stop=body.stop_list(),
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             logit_bias=body.logit_bias or {},

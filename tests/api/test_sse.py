@@ -106,6 +106,22 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(tiny_engine, start_serve
 
 
 @pytest.mark.timeout(60)
+def test_include_stop_str_in_output_keeps_the_stop_string(tiny_engine, start_server, sse_events):
+    """vLLM's include_stop_str_in_output: the stop string that ended the text stays at its end, streamed or not."""
+    url, _ = start_server(tiny_engine)
+    body = {"prompt": "hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = next(free[i : i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i : i + 2].strip())
+    cut = free[: free.index(stop)]
+    for keep, text in ((False, cut), (True, cut + stop)):
+        asked = {**body, "stop": [stop], "include_stop_str_in_output": keep}
+        choice = httpx.post(f"{url}/v1/completions", json=asked).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (text, "stop"), (free, stop)
+        chunks = sse_events(stream(url, "/v1/completions", asked).content)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+@pytest.mark.timeout(60)
 def test_an_engine_failure_after_the_start_is_one_error_event(
     tiny_llama_dir, new_engine, start_server, sse_events, wait_for
 ):
