@@ -203,6 +203,27 @@ class ChatMessage(Body):
     reasoning_content: Text | None = Field(
         None, description="An assistant's reasoning (history), for templates that render it."
     )
+    refusal: Text | None = Field(
+        None,
+        description="An assistant's refusal (history, as OpenAI's replies carry it): its text, where content is null.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusal_is_text(cls, data: Any) -> Any:
+        # OpenAI's replies may carry a refusal instead of content, and clients send their history back as it came
+        if not isinstance(data, dict) or data.get("role") != "assistant":
+            return data
+        content = data.get("content")
+        if isinstance(content, list):
+            refused = [isinstance(p, dict) and p.get("type") == "refusal" and "refusal" in p for p in content]
+            content = [
+                {"type": "text", "text": p["refusal"]} if r else p
+                for p, r in zip(content, refused, strict=True)
+            ]
+        elif content is None and isinstance(data.get("refusal"), str):
+            content = data["refusal"]
+        return {**data, "content": content}
 
     @field_validator("content", mode="wrap")
     @classmethod

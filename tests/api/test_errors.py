@@ -107,6 +107,17 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         "whatever": 1,
     }
     assert post("/v1/chat/completions", json=neutral).status_code == 200
+    # an OpenAI reply's refusal sent back in the history, as a field or a part: its text
+    for refused in (
+        {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+    ):
+        history = [{"role": "user", "content": "hi"}, refused, {"role": "user", "content": "ok"}]
+        r = post("/v1/chat/completions", json={**chat, "messages": history})
+        assert r.status_code == 200, r.text
+        prompt = post("/tokenize", json={"messages": history}).json()["tokens"]
+        as_text = [*history[:1], {"role": "assistant", "content": "I can't help with that."}, history[2]]
+        assert prompt == post("/tokenize", json={"messages": as_text}).json()["tokens"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     named = {"type": "function", "function": {"name": "g"}}
     assert_error(
