@@ -32,6 +32,8 @@ at::Tensor quant_rows(const QuantGemm& gemm, at::Tensor ids, int64_t K);
 at::Tensor quant_gemm_dequantized(at::Tensor x, const QuantGemm& gemm);
 // The rows in prompt_runs ([R, 2] int64 runs [start, end)) as quant_gemm_dequantized, the others as quant_gemm
 at::Tensor quant_gemm_rows(at::Tensor x, const QuantGemm& gemm, const at::Tensor& prompt_runs);
+// Each of T rows: 1 where prompt_runs names it, else 0 (checked); empty without prompt_runs
+std::vector<char> prompt_rows(const std::optional<at::Tensor>& prompt_runs, int64_t T);
 at::Tensor pack_quant(at::Tensor q, int64_t bits, int64_t group);
 at::Tensor uniform_noise(at::Tensor seeds, at::Tensor positions, int64_t vocab_size);
 at::Tensor argmax_rows(at::Tensor x);

@@ -126,17 +126,7 @@ at::Tensor MoeFfn::operator()(const at::Tensor& x_in, const std::optional<at::Te
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return tokens[a].size() > tokens[b].size(); });
   // each row's part: a prompt token's or not (prompt_runs), for its experts' GEMMs
-  std::vector<char> prompt(prompt_runs ? T : 0, 0);
-  if (prompt_runs) {
-    TORCH_CHECK(prompt_runs->scalar_type() == at::kLong && prompt_runs->dim() == 2 && prompt_runs->size(1) == 2,
-                "prompt_runs must be [R, 2] int64");
-    const auto runs = prompt_runs->contiguous();
-    const int64_t* r = runs.data_ptr<int64_t>();
-    for (int64_t i = 0; i < runs.size(0); ++i) {
-      TORCH_CHECK(0 <= r[2 * i] && r[2 * i] <= r[2 * i + 1] && r[2 * i + 1] <= T, "prompt_runs outside x's rows");
-      std::fill(prompt.begin() + r[2 * i], prompt.begin() + r[2 * i + 1], 1);
-    }
-  }
+  const std::vector<char> prompt = prompt_rows(prompt_runs, T);
   std::vector<at::Tensor> ys(E);
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {

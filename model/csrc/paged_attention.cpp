@@ -264,23 +264,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     TORCH_CHECK(sinks_c.scalar_type() == at::kFloat && sinks_c.numel() == H, "sinks must be [H] float32");
   }
   const float* sinks_p = sinks ? sinks_c.data_ptr<float>() : nullptr;
-  // the prompt's queries (prompt_runs: [R, 2] int64 runs [start, end) of q's rows), on AMX's tiles where the
-  // caches are bfloat16 and a head's values fill whole tiles, else on vectors as the others
-  std::vector<char> on_tiles(T_, 0);
-  if (prompt_runs) {
+  // the prompt's queries (prompt_runs), on AMX's tiles where the caches are bfloat16 and a head's values fill
+  // whole tiles, else on vectors as the others (none named: empty)
 #if !defined(__AMX_BF16__)
-    TORCH_CHECK(false, "a prompt's queries on AMX's tiles: the amx tier only");
+  TORCH_CHECK(!prompt_runs, "a prompt's queries on AMX's tiles: the amx tier only");
 #endif
-    TORCH_CHECK(prompt_runs->scalar_type() == at::kLong && prompt_runs->dim() == 2 && prompt_runs->size(1) == 2,
-                "prompt_runs must be [R, 2] int64");
-    const auto runs = prompt_runs->contiguous();
-    const int64_t* r = runs.data_ptr<int64_t>();
-    const bool fit = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() != at::kHalf && tiles_fit(D);
-    for (int64_t i = 0; i < runs.size(0); ++i) {
-      TORCH_CHECK(0 <= r[2 * i] && r[2 * i] <= r[2 * i + 1] && r[2 * i + 1] <= T_, "prompt_runs outside q's rows");
-      std::fill(on_tiles.begin() + r[2 * i], on_tiles.begin() + r[2 * i + 1], fit);
-    }
-  }
+  std::vector<char> on_tiles = prompt_rows(prompt_runs, T_);
+  if (k_cache.scalar_type() != at::kBFloat16 || q.scalar_type() == at::kHalf || !tiles_fit(D)) on_tiles.clear();
+  auto tiled = [&](int64_t t) { return !on_tiles.empty() && on_tiles[t]; };
   auto out = at::empty({T_, H, D}, q.options());
   auto tables = block_tables.contiguous();
   auto seq_info = seqs.contiguous();
@@ -307,7 +298,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               : D == 64        ? attend<T, C, 64>
               : D == 128       ? attend<T, C, 128>
                                : attend<T, C, 0>;
-    auto tiles = [&](auto... args) {  // on_tiles holds only where the types fit
+    auto tiles = [&](auto... args) {  // rows are tiled only where the types fit
 #if defined(__AMX_BF16__)
       if constexpr (std::is_same_v<C, c10::BFloat16> && !std::is_same_v<T, c10::Half>) return attend_tiles<T>(args...);
 #endif
@@ -334,9 +325,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           const int64_t token0 = seq[it.seq * 3], q_len = seq[it.seq * 3 + 1], seq_len = seq[it.seq * 3 + 2];
           const int64_t first = token0 + it.first_query, last = token0 + std::min(it.first_query + chunk, q_len);
           for (int64_t t0 = first, t1; t0 < last; t0 = t1) {  // the unit's runs of prompt rows and of others
-            for (t1 = t0 + 1; t1 < last && on_tiles[t1] == on_tiles[t0];) ++t1;
+            for (t1 = t0 + 1; t1 < last && tiled(t1) == tiled(t0);) ++t1;
             const int64_t pos = seq_len - q_len + (t0 - token0);
-            if (on_tiles[t0])
+            if (tiled(t0))
               tiles(emulate_tiles, qp, q.stride(0), kp, vp, head_stride, slot_stride, tp + it.seq * N, block_size,
                     it.head, G, D, t0, t1 - t0, pos, window, static_cast<float>(scale), static_cast<float>(softcap),
                     op, H, cp, sp, sinks_p);

@@ -234,6 +234,21 @@ at::Tensor quant_gemm_dequantized(at::Tensor x, const QuantGemm& gemm) {
 
 // x [M, K] -> [M, N] of x's dtype: the rows in prompt_runs ([R, 2] int64, each a run [start, end) of prompt
 // rows, in order) on the dequantized weights, the others on the exact ones, each part straight into its rows
+std::vector<char> prompt_rows(const std::optional<at::Tensor>& prompt_runs, int64_t T) {
+  std::vector<char> rows;
+  if (!prompt_runs) return rows;
+  TORCH_CHECK(prompt_runs->scalar_type() == at::kLong && prompt_runs->dim() == 2 && prompt_runs->size(1) == 2,
+              "prompt_runs must be [R, 2] int64");
+  rows.assign(T, 0);
+  const auto runs = prompt_runs->contiguous();
+  const int64_t* r = runs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < runs.size(0); ++i) {
+    TORCH_CHECK(0 <= r[2 * i] && r[2 * i] <= r[2 * i + 1] && r[2 * i + 1] <= T, "prompt_runs outside the step's rows");
+    std::fill(rows.begin() + r[2 * i], rows.begin() + r[2 * i + 1], 1);
+  }
+  return rows;
+}
+
 at::Tensor quant_gemm_rows(at::Tensor x, const QuantGemm& gemm, const at::Tensor& prompt_runs) {
   const auto b = checked_bias(x, gemm);
   x = x.contiguous();
