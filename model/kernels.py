@@ -5,8 +5,8 @@ They are compiled at install time, never when a server starts: scripts/install.s
 `python -m model.kernels build`, which builds the tier a server here runs as (`--tiers auto`: what `make serve`
 waits for), every tier this CPU can run (`runnable`), those and the tiers whose tile kernels the tests run
 emulated here (`test`: `make test`) or every tier of the platform (`all`: images that run on other hosts) into
-the install's own folder, one sub-folder per tier and hash of the sources, flags and torch version. A start loads the module of its tier from there, or fails
-with the command that builds it: a missing or stale build is never rebuilt behind the user's back, and no
+the install's own folder, one sub-folder per tier and hash of the sources, flags and torch version. A start
+loads the module of its tier from there, or fails with the command that builds it: a missing or stale build is never rebuilt behind the user's back, and no
 start waits on another process's compiler. Where a build failed at install (no C++ compiler) the failure is
 recorded and kvserve runs PyTorch ops instead, with a warning (`--cpu-kernels off` asks for that outright).
 """
@@ -193,8 +193,8 @@ def cpu_kernels(tier: str = "auto"):
 
 def named_tiers(spec: str) -> list[CpuTier]:
     """The tiers --tiers names: runnable, test (runnable, and the tiers whose tile kernels run emulated here),
-    auto (the one `kvserve serve` runs as here: KVSERVE_CPU_TIER is its
-    --cpu-tier), all, or names, comma-separated."""
+    auto (the one `kvserve serve` runs as here: KVSERVE_CPU_TIER is its --cpu-tier), all, or names,
+    comma-separated."""
     if spec == "runnable":
         return cpu_tier.runnable()
     if spec == "test":

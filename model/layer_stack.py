@@ -27,8 +27,8 @@ class LayerStack:
         step's attention metadata, one per KV group; states: a hybrid's StepStates (model/deltanet.py);
         per_layer: Gemma 4's [T, layers, size] per-layer inputs; prompt_runs: [R, 2] int64 runs of prompt rows,
         whose GEMMs run on the weights dequantized to bfloat16 (the amx tier's quant_gemm_rows) and whose attention
-        runs on bfloat16 tiles. Returns (the
-        last block's output, the stream it adds to, or None where the block returned the stream whole)."""
+        runs on bfloat16 tiles. Returns (the last block's output, the stream it adds to, or None where the block
+        returned the stream whole)."""
         tables = [ropes[rope] for rope in self.ropes]
         pools = (kv_cache.conv, kv_cache.recurrent, states.table) if self.hybrid else (None, None, None)
         return self.stack.forward(

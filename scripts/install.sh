@@ -18,8 +18,8 @@
 #   KVSERVE_KERNEL_TIERS which CPU tiers' kernels to build: auto (the default: the one tier a server here runs
 #                        as), runnable (every tier this CPU runs), test (the default with --test: those, as
 #                        the kernel tests run each, and the amx tier where only its tiles are missing, whose
-#                        tile kernels the tests run on a software model of them), all (every tier of the platform, for an image that runs elsewhere), or
-#                        names (avx2,generic)
+#                        tile kernels the tests run on a software model of them), all (every tier of the
+#                        platform, for an image that runs elsewhere), or names (avx2,generic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -430,6 +430,16 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
     compare = OneDnnLinear.available(torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     times: dict[str, dict[str, list[float]]] = {}
+
+    def timed(runs: dict) -> dict[str, list[float]]:  # alternated, the first of each a warm-up
+        ts: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(reps + 1):
+            for k, run in runs.items():
+                start = time.perf_counter()
+                run()
+                ts[k].append(time.perf_counter() - start)
+        return ts
+
     with torch.inference_mode():
         for name, linear in linears.items():
             x = torch.randn(rows, linear.in_features, generator=g).to(engine.runner.dtype)
@@ -444,23 +454,10 @@ def bench_gemms(engine: Engine, rows: int, reps: int) -> dict:
                 runs["onednn_bf16"] = lambda packed=packed, xb=xb: torch.ops.mkldnn._linear_pointwise(
                     xb, packed, None, "none", [], ""
                 )
-            times[name] = {k: [] for k in runs}
-            for _ in range(reps + 1):  # the first is a warm-up
-                for k, run in runs.items():
-                    start = time.perf_counter()
-                    run()
-                    times[name][k].append(time.perf_counter() - start)
+            times[name] = timed(runs)
         kernel = getattr(engine.runner.attention, "kernel", None)  # the C++ paged attention, where it runs
         if kernel is not None:
-            times["attention"] = {
-                k: [] for k in ("kvserve", "kvserve_prompt")[: 1 + engine.runner.prompt_gemms]
-            }
-            runs = prompt_attention(engine, kernel, rows, g)
-            for _ in range(reps + 1):
-                for k in times["attention"]:
-                    start = time.perf_counter()
-                    runs[k]()
-                    times["attention"][k].append(time.perf_counter() - start)
+            times["attention"] = timed(prompt_attention(engine, kernel, rows, g))
     ms = {name: {k: 1e3 * statistics.median(ts[1:]) for k, ts in by.items()} for name, by in times.items()}
     attention = ms.pop("attention", {})
     layers = len(model.layers)
@@ -520,8 +517,11 @@ def prompt_attention(engine: Engine, kernel, rows: int, g: torch.Generator) -> d
         None,
         None,
     )
-    runs = torch.tensor([[0, rows]])
-    return {"kvserve": lambda: kernel(*args), "kvserve_prompt": lambda: kernel(*args, runs)}
+    runs = {"kvserve": lambda: kernel(*args)}
+    if engine.runner.prompt_gemms:
+        prompt_rows = torch.tensor([[0, rows]])
+        runs["kvserve_prompt"] = lambda: kernel(*args, prompt_rows)
+    return runs
 
 
 # ~3,000 tokens of varied English, in server/data (shipped as the server package's data)

@@ -87,9 +87,7 @@ class CompletionShape(OpenAIShape):
             out.tokens.append(token)
             out.token_logprobs.append(entry.logprob if entry else None)
             top = None
-            if (
-                entry
-            ):  # the most likely, and the token itself wherever it ranks (OpenAI's: up to logprobs + 1)
+            if entry:  # the most likely, and the token itself wherever it ranks (OpenAI's: logprobs + 1)
                 top = {tokenizer.token_text(t): lp for t, lp in entry.top}
                 top.setdefault(token, entry.logprob)
             out.top_logprobs.append(top)
