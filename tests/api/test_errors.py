@@ -50,6 +50,9 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
         ({**PROMPT, "max_tokens": 0}, "max_tokens"),
         ({**PROMPT, "suffix": "x"}, "suffix"),
         ({**PROMPT, "best_of": 2}, "best_of"),
+        ({**PROMPT, "best_of": 1, "n": 2}, "best_of"),  # fewer candidates than choices (OpenAI's 400 too)
+        ({**PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),  # not streaming
+        ({**PROMPT, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
         ({**PROMPT, "logit_bias": {"10000000": 5}}, "logit_bias"),  # beyond the vocabulary
         ({**PROMPT, "logit_bias": {"-1": 5}}, "logit_bias"),
         ({**PROMPT, "logit_bias": {"1": 101}}, "logit_bias"),

@@ -40,6 +40,37 @@ def test_completion_stream_framing_and_usage_chunk(tiny_engine, start_server, ss
 
 
 @pytest.mark.timeout(60)
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(
+    tiny_engine, start_server, sse_events
+):
+    # vLLM's stream_options.continuous_usage_stats, as its clients read it
+    url, _ = start_server(tiny_engine)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in [
+        ("/v1/completions", {"prompt": "one two", "n": 2, "max_tokens": 5, "ignore_eos": True, "seed": 3}),
+        ("/v1/chat/completions", {**CHAT, "n": 2, "max_tokens": 5, "ignore_eos": True, "seed": 3}),
+    ]:
+        chunks = sse_events(stream(url, path, {**body, "stream_options": options}).content)
+        *deltas, last = chunks
+        prompt_tokens = last["usage"]["prompt_tokens"]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * 5
+        for index in (0, 1):
+            mine = [c for c in deltas if c["choices"][0]["index"] == index]
+            counts = [c["usage"]["completion_tokens"] for c in mine]
+            assert counts == sorted(counts) and counts[-1] == 5, counts
+            assert all(
+                c["usage"]["prompt_tokens"] == prompt_tokens for c in mine
+            )  # each choice counts its prompt
+            assert all(
+                c["usage"]["total_tokens"] == prompt_tokens + n for c, n in zip(mine, counts, strict=True)
+            )
+        if path == "/v1/chat/completions":  # the role's chunk comes before any output
+            assert all(
+                c["usage"]["completion_tokens"] == 0 for c in deltas if "role" in c["choices"][0]["delta"]
+            )
+
+
+@pytest.mark.timeout(60)
 def test_chat_stream_role_first_then_content(tiny_engine, start_server, sse_events):
     url, _ = start_server(tiny_engine)
     body = {**CHAT, "n": 2, "max_tokens": 5, "seed": 1, "logprobs": True, "top_logprobs": 2}

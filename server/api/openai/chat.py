@@ -92,7 +92,10 @@ class ChatShape(OpenAIShape):
     def opening(self, choices: list[Choice]) -> list[Event]:
         # OpenAI's streams open each choice with its role and empty content.
         delta = p.DeltaMessage(role="assistant", content="")
-        return [Event(self.chunk([p.ChatChunkChoice(index=c.index, delta=delta)])) for c in choices]
+        return [
+            Event(self.chunk([p.ChatChunkChoice(index=c.index, delta=delta)], self.usage_so_far(c)))
+            for c in choices
+        ]
 
     def empty(self, choices: list[Choice]) -> list[p.ChatChoice]:
         return [

@@ -42,7 +42,11 @@ UNSUPPORTED = {
 
 
 class StreamOptions(Body):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="A last chunk, with no choices, carries the usage.")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's: every chunk also carries its choice's usage so far (its prompt and output).",
+    )
 
 
 class JsonSchemaFormat(Body):
@@ -123,6 +127,22 @@ class SamplingFields(Sampling):
             if guided:
                 data = {**data, "structured_outputs": guided}
         return data
+
+    # as OpenAI and vLLM answer both (the fields they read are declared before them)
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _at_least_n(cls, value, info):
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"must be at least n ({n})")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -1,5 +1,6 @@
 """What OpenAI's chat and completions answers share: their Shape, but for the choices each makes."""
 
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -39,7 +40,15 @@ class OpenAIShape(Shape):
 
     def events(self, c: Choice, out: RequestOutput) -> list[Event]:
         d = self.delta(c, out)
-        return [] if d is None else [Event(self.chunk([d]))]
+        return [] if d is None else [Event(self.chunk([d], self.usage_so_far(c)))]
+
+    def usage_so_far(self, c: Choice) -> Usage | None:
+        """With vLLM's continuous_usage_stats, what a chunk of this choice carries: its prompt and its output so
+        far (every choice's chunks count their prompt); else None."""
+        options = self.body.stream_options
+        if options is None or not options.continuous_usage_stats:
+            return None
+        return usage([dataclasses.replace(c, counts_prompt=True)])
 
     def chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
         """One chunk of the stream: these choices' deltas, or (with none) the usage."""
