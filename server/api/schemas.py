@@ -6,6 +6,10 @@ adds key after key until max_tokens, and the reply is not even JSON. Clients (La
 Pydantic's schemas) leave the keyword out and expect only the listed keys, as OpenAI's strict mode and vLLM's
 default grammar backend (xgrammar) give them. So kvserve closes such objects: keys outside `properties` only
 where the schema asks for them (`additionalProperties`, `patternProperties`, `unevaluatedProperties`).
+
+Draft-04 schemas (still what many tools' generators write) say an exclusive bound as `exclusiveMinimum: true`
+beside `minimum`; the grammar reads only today's form (the bound itself), and ignored the boolean, letting the
+bound through. So kvserve rewrites it in today's form.
 """
 
 # Keywords whose value is a schema, a map of schemas or a list of schemas
@@ -16,9 +20,9 @@ LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def closed_objects(schema):
-    """`schema` with every object schema that lists its properties closed to others, unless it says otherwise.
-    The members of an allOf stay open (and the definitions they refer to), and so does the schema holding it:
+def grammar_ready(schema):
+    """`schema` as the grammar is built from it: every object schema that lists its properties closed to others,
+    unless it says otherwise, and draft-04's boolean exclusive bounds in today's form. The members of an allOf stay open (and the definitions they refer to), and so does the schema holding it:
     each lists only some of the keys the whole allows."""
     try:
         kept_open: set[str] = set()
@@ -61,4 +65,8 @@ def _closed(schema, close: bool, kept_open: set[str]):
         close = False
     if close and "properties" in out and not any(key in out for key in OPEN):
         out["additionalProperties"] = False
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(exclusive), bool):  # draft-04's: the bound beside it is exclusive, or not
+            if out.pop(exclusive) and bound in out:
+                out[exclusive] = out.pop(bound)
     return out

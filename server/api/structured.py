@@ -6,7 +6,7 @@ from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.serving import Serving
 from server.api.tools import NO_PARAMETERS, Function, Tools, output_grammar
-from server.engine.request import GrammarSpec
+from server.engine.request import GrammarSpec, SamplingParams
 
 
 def chat_function(tool: p.ChatTool) -> Function:
@@ -51,14 +51,24 @@ def answer_grammar(
     return spec, "tools" if tools is not None and tools.active else param
 
 
-async def compiled(serving: Serving, requested: tuple[GrammarSpec, str] | None):
-    """The requested grammar compiled, or None; a 400 naming its field when it cannot be."""
+async def constrain(
+    serving: Serving, params: SamplingParams, requested: tuple[GrammarSpec, str] | None, tools: Tools | None
+) -> None:
+    """Constrain the reply as requested (answer_grammar's answer): params.grammar compiled, or a 400 naming its
+    field. The tools' schemas are checked even when no grammar holds the calls (tool_choice auto or none): a
+    tool whose parameters no grammar can be built from is a 400 whatever tool_choice says, as OpenAI's."""
     if requested is None:
-        return None
+        for f in tools.functions if tools is not None else []:  # each as its own strict says
+            try:
+                await serving.engine.check_grammar(
+                    output_grammar(Tools([f], "required"), None), serving.received
+                )
+            except ValueError as e:
+                raise ApiError(400, f"tools: {f.name[:64]}'s parameters: {e}", param="tools") from None
+        return
     spec, param = requested
     try:
-        grammar = await serving.engine.compile_grammar(spec, serving.received)
+        params.grammar = await serving.engine.compile_grammar(spec, serving.received)
     except ValueError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
     serving.grammar_param = param
-    return grammar

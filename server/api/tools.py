@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.api.schemas import closed_objects
+from server.api.schemas import grammar_ready
 from server.engine.request import GrammarSpec
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -169,7 +169,7 @@ def output_grammar(
     unless a response_format asks for JSON, then either that JSON or calls; none: the JSON if asked for.
     Keywords no grammar can hold (uniqueItems, not, if) are ignored unless a schema in it is strict (a 400 then).
     """
-    answer_schema = None if answer_schema is None else closed_objects(answer_schema)
+    answer_schema = None if answer_schema is None else grammar_ready(answer_schema)
     if tools is None or not tools.active:
         if answer_schema is None:
             return None
@@ -192,7 +192,7 @@ def output_grammar(
 
 
 def _call_schema(f: Function) -> dict:
-    arguments = closed_objects(f.parameters)
+    arguments = grammar_ready(f.parameters)
     # its own base, so that its "#/$defs/..." resolve in it, not in the call around it
     if "$id" not in arguments:
         arguments = {"$id": f"urn:kvserve:tool:{urllib.parse.quote(f.name, safe='')}", **arguments}

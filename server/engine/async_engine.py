@@ -117,6 +117,22 @@ class AsyncEngine:
                 f"the grammar was not ready within {COMPILE_SECONDS:g} s of the request: make it smaller"
             ) from None
 
+    async def check_grammar(self, spec: GrammarSpec, received: float) -> None:
+        """Raise ValueError as compile_grammar would when the spec does not build as a grammar, for one the
+        request may never use (GrammarCompiler.check). One not checked COMPILE_SECONDS after `received` passes:
+        it is not needed to serve the request, so its size is no reason to refuse it."""
+        known = self._engine.grammars.checked(spec)
+        if known is not None:
+            if known:
+                raise ValueError(known)
+            return
+        lane = self._quick_compiles if is_quick(spec) else self._slow_compiles
+        checking = asyncio.wrap_future(lane.submit(self._engine.grammars.check, spec))
+        try:
+            await asyncio.wait_for(checking, max(received + COMPILE_SECONDS - time.monotonic(), 0.0))
+        except TimeoutError:
+            log.info("a grammar was not checked within %g s of its request; not refused", COMPILE_SECONDS)
+
     def generate(
         self,
         request_id: str,

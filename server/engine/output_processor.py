@@ -26,7 +26,7 @@ from server.engine.request import (
 )
 from server.engine.request_state import Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
-from server.engine.stopping import finish_reason
+from server.engine.stopping import finish_reason, makes_tool_calls
 
 
 @dataclass(slots=True)
@@ -80,7 +80,7 @@ class OutputProcessor:
         params = request.params
         self.states[request.request_id] = RequestState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            params.stop,
+            [] if makes_tool_calls(params.grammar) else params.stop,
             params.include_stop_str_in_output,
             params.marker_token_ids,
             # the first prompt token has none: nothing comes before it

@@ -6,11 +6,18 @@ Two questions, asked of the output as it stands after `num_output_tokens` tokens
 - whether the token just drawn ends the output, and why, asked by the output stage after the draw (and after
   the token advanced the request's grammar).
 Stop strings end an output by its text, so the output stage checks them where it detokenizes; they win over
-both answers here (precedence: stop string, grammar complete, stop token, length).
+both answers here (precedence: stop string, grammar complete, stop token, length). A reply that a grammar
+makes tool calls of takes none: stop strings are for prose, a call's markup spans lines (stop "\n" would end
+each call at its opening), and a call cut inside its arguments is no call.
 """
 
-from server.engine.request import FinishReason
+from server.engine.request import FinishReason, Grammar
 from server.engine.request_state import Request
+
+
+def makes_tool_calls(grammar: Grammar | None) -> bool:
+    """Whether the grammar makes the reply tool calls (then no stop string applies)."""
+    return grammar is not None and grammar.spec.kind == "tool_calls"
 
 
 def banned_token_ids(request: Request, num_output_tokens: int) -> list[int]:

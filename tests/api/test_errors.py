@@ -129,9 +129,31 @@ def test_bad_requests_are_400_naming_the_field(tiny_engine, start_server):
     assert_error(post("/v1/chat/completions", json={**chat, "tools": tools + tools}), 400, "tools")
     r = post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
     assert_error(r, 400, "tool_choice", "asks for a tool call, but the request has no tools")
-    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
-    r = post("/v1/chat/completions", json={**chat, "tools": bad_schema, "tool_choice": "required"})
-    assert_error(r, 400, "tools")
+    # a tool whose parameters are no schema, whatever tool_choice says (as OpenAI's), and on every route
+    for parameters, why in (({"type": "nope"}, "nope"), ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "x")):
+        bad_schema = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        for choice in ({"tool_choice": "required"}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {}):
+            r = post("/v1/chat/completions", json={**chat, "tools": bad_schema, **choice})
+            assert_error(r, 400, "tools", why)
+        messages = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        tool = {"name": "f", "input_schema": parameters}
+        r = post("/v1/messages", json={**messages, "tools": [tool]})
+        assert_anthropic_error(r, 400, "invalid_request_error", why)
+        tool = {"type": "function", "name": "f", "parameters": parameters}
+        r = post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "tools": [tool]})
+        assert_error(r, 400, "tools", why)
+    # each tool checked as its own strict says: a keyword no grammar holds only refuses a strict tool
+    unique = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    for strict, status in ((False, 200), (True, 400)):
+        mixed = [
+            {"type": "function", "function": {"name": "s", "strict": True, "parameters": closed}},
+            {"type": "function", "function": {"name": "u", "strict": strict, "parameters": unique}},
+        ]
+        # none: tools out of the prompt, which this context could not hold, and still checked
+        r = post("/v1/chat/completions", json={**chat, "tools": mixed, "tool_choice": "none"})
+        assert r.status_code == status, r.text
+    assert_error(r, 400, "tools", "u's parameters: ")
     both = {**chat, "tools": tools, "structured_outputs": {"choice": ["a"]}}
     assert_error(post("/v1/chat/completions", json=both), 400, "structured_outputs")
     assert (

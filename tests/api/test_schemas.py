@@ -1,5 +1,6 @@
-"""The schemas a reply must match are closed to keys they do not list (server/api/schemas.py), in the grammars
-every API builds: response_format, tools' parameters (a tool without them takes {}), vLLM's structured_outputs."""
+"""The schemas a reply must match are closed to keys they do not list, and read in today's form
+(server/api/schemas.py), in the grammars every API builds: response_format, tools' parameters (a tool without
+them takes {}), vLLM's structured_outputs."""
 
 import json
 
@@ -12,7 +13,7 @@ from server.api.openai import protocol as p
 from server.api.openai import responses_protocol as rp
 from server.api.openai.responses import offered_functions
 from server.api.openai.structured import chat_tools, requested_grammar
-from server.api.schemas import closed_objects
+from server.api.schemas import grammar_ready
 from server.api.structured import answer_grammar, offered_tools
 from server.api.tools import Function
 from server.engine.config import EngineConfig
@@ -33,7 +34,7 @@ def test_objects_that_list_their_properties_are_closed_wherever_they_are():
         },
         "$defs": {"toy": {"type": "object", "properties": {"kind": {"type": "string"}}}},
     }
-    closed = closed_objects(schema)
+    closed = grammar_ready(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["owner"]["additionalProperties"] is False
     assert closed["$defs"]["toy"]["additionalProperties"] is False
@@ -48,11 +49,11 @@ def test_what_a_schema_says_of_other_keys_is_kept():
         {"patternProperties": {"^x_": {}}},
         {"unevaluatedProperties": False},
     ):
-        closed = closed_objects({**CAT, **said})
+        closed = grammar_ready({**CAT, **said})
         assert {k: closed[k] for k in said} == said and ("additionalProperties" in said) == (
             "additionalProperties" in closed
         )
-    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object: nothing listed
+    assert grammar_ready({"type": "object"}) == {"type": "object"}  # any object: nothing listed
 
 
 def test_an_all_of_and_what_it_refers_to_stay_open():
@@ -61,7 +62,7 @@ def test_an_all_of_and_what_it_refers_to_stay_open():
         "properties": {"id": {"type": "integer"}},
         "$defs": {"base": {"properties": {"name": {"type": "string"}}}, "other": {"properties": {"x": {}}}},
     }
-    closed = closed_objects(schema)
+    closed = grammar_ready(schema)
     assert "additionalProperties" not in closed
     assert "additionalProperties" not in closed["allOf"][1]
     assert "additionalProperties" not in closed["$defs"]["base"]
@@ -72,7 +73,25 @@ def test_a_schema_deeper_than_python_recurses_comes_back_as_it_was():
     deep: dict = {"type": "string"}
     for _ in range(5000):
         deep = {"type": "object", "properties": {"a": deep}}
-    assert closed_objects(deep) is deep
+    assert grammar_ready(deep) is deep
+
+
+def test_draft_04_boolean_bounds_are_read_as_today_s():
+    schema = {
+        "type": "object",
+        "properties": {
+            "above": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+            "below": {"type": "integer", "maximum": 10, "exclusiveMaximum": True, "minimum": 1},
+            "inclusive": {"type": "number", "minimum": 2, "exclusiveMinimum": False},
+            "today": {"type": "number", "exclusiveMinimum": 3},
+        },
+    }
+    ready = grammar_ready(schema)["properties"]
+    assert ready["above"] == {"type": "number", "exclusiveMinimum": 0}
+    assert ready["below"] == {"type": "integer", "exclusiveMaximum": 10, "minimum": 1}
+    assert ready["inclusive"] == {"type": "number", "minimum": 2}
+    assert ready["today"] == schema["properties"]["today"]
+    assert schema["properties"]["above"]["exclusiveMinimum"] is True  # the request's own is left as it came
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +185,16 @@ def test_a_tool_schema_that_does_not_compile_is_refused_in_a_line_of_its_own(eng
     assert "<tool_call>" not in str(e.value) and "start:" not in str(
         e.value
     )  # not kvserve's grammar around it
+
+
+def test_a_draft_04_exclusive_bound_holds_in_the_grammar(engine):
+    strict = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}},
+    }
+    spec, _ = answer_grammar(strict, "response_format", None, strict=True)
+    assert accepts(engine, spec, '{"n": 1}')
+    assert not accepts(engine, spec, '{"n": 0}')
 
 
 TAGS = {  # a Pydantic model's set[str] field: uniqueItems, which no grammar can hold

@@ -181,6 +181,55 @@ def test_compiling_checks_and_caches(engine_factory):
         assert str(e.value) and len(str(e.value)) <= 300, spec
 
 
+def test_checking_a_grammar_answers_as_compiling_would_without_the_vocabulary(engine_factory):
+    """check(): for the calls of tools a model may or may not make, which nothing compiles unless forced."""
+    engine = engine_factory()
+    engine.grammars.check(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    engine.grammars.check(tool_calls(SCHEMA))
+    for spec in [
+        GrammarSpec("json_schema", '{"type": "nonsense"}'),
+        tool_calls({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+        tool_calls({"type": "object", "properties": {"n": {"type": "number", "minimum": "three"}}}),
+        GrammarSpec("regex", "(unclosed"),
+    ]:
+        with pytest.raises(ValueError):
+            engine.grammars.compile(spec)
+        with pytest.raises(ValueError) as checking:
+            engine.grammars.check(spec)
+        with pytest.raises(ValueError) as cached:
+            engine.grammars.check(spec)
+        assert str(checking.value) == str(cached.value) and str(checking.value), spec
+        assert len(str(checking.value)) <= 300 and "<call>" not in str(checking.value)
+    fresh = engine_factory()
+    fresh.grammars.check(tool_calls(SCHEMA))
+    assert fresh.grammars._tokenizer is None  # the vocabulary's index (~0.2-0.5 s) waits for a real grammar
+
+
+CHOICE = {  # an argument object the tiny model can only finish one way or another, quickly
+    "type": "object",
+    "properties": {"x": {"enum": ["a", "b"]}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+def test_stop_strings_do_not_cut_a_reply_of_tool_calls(engine_factory):
+    engine = engine_factory()
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": CHOICE},
+            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    calls = {"calls": [call], "open": "<call>\n", "close": "\n</call>", "separator": "\n", "many": False}
+    params = constrained(
+        engine, GrammarSpec("tool_calls", json.dumps(calls)), stop=["\n", '"'], max_tokens=80
+    )
+    _, text, reason = run(engine, {"r": [9, 10, 11]}, params)["r"]
+    assert re.fullmatch(r'<call>\n\{"name": "f", "arguments": \{"x": "[ab]"\}\}\n</call>', text), text
+    assert reason == FinishReason.STOP
+    # a JSON answer's grammar takes them: the client asked for them
+    params = constrained(engine, GrammarSpec("json_schema", json.dumps(CHOICE)), stop=['"'])
+    _, text, reason = run(engine, {"r": [9, 10, 11]}, params)["r"]
+    assert (text, reason) == ("{", FinishReason.STOP)
+
+
 UNENFORCEABLE = {  # a Pydantic set[int] field, and keywords no grammar holds beside ones it does
     "type": "object",
     "properties": {
@@ -430,11 +479,12 @@ from server.engine.request import GrammarSpec
 folder, vocab_size, eos, specs = json.loads(sys.stdin.read())
 compiler = GrammarCompiler(Tokenizer.load(folder), vocab_size, frozenset(eos))
 for name, (kind, source) in specs.items():
-    try:
-        compiler.compile(GrammarSpec(kind, source))
-        print(name, "compiled", flush=True)
-    except ValueError as e:
-        print(name, "refused:", e, flush=True)
+    for way in (compiler.check, compiler.compile):
+        try:
+            way(GrammarSpec(kind, source))
+            print(name, "compiled", flush=True)
+        except ValueError as e:
+            print(name, "refused:", e, flush=True)
 """
 
 
@@ -451,8 +501,8 @@ def test_grammars_deeper_than_llguidance_can_compile_are_refused(engine_factory,
     )
     lines = done.stdout.splitlines()
     assert done.returncode == 0, (done.returncode, lines, done.stderr[-2000:])  # -11: SIGSEGV
-    assert len(lines) == len(TOO_DEEP), lines
-    for name, line in zip(TOO_DEEP, lines, strict=True):
+    assert len(lines) == 2 * len(TOO_DEEP), lines  # checked, then compiled
+    for name, line in zip([name for name in TOO_DEEP for _ in "cc"], lines, strict=True):
         assert line.startswith(f"{name} refused: the grammar nests too deeply"), line
         assert f"over {MAX_DEPTH}" in line, line
 

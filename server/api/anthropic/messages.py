@@ -17,7 +17,7 @@ from server.api.prompt import Prompt, chat_prompt
 from server.api.reasoning import check_budget, reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
-from server.api.structured import answer_grammar, compiled, offered_tools
+from server.api.structured import answer_grammar, constrain, offered_tools
 from server.api.tools import Function, Tools, call_parser, new_call_id
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ async def message(serving: Serving, body: mp.MessagesRequest):
     params = serving.sampling_params(body, max_tokens, None)
     schema = body.output_config.format.schema_ if body.output_config and body.output_config.format else None
     # Anthropic's structured outputs always match the schema whole: strict
-    params.grammar = await compiled(
-        serving, answer_grammar(schema, "output_config.format", tools, strict=True)
+    await constrain(
+        serving, params, answer_grammar(schema, "output_config.format", tools, strict=True), tools
     )
     reason(params, serving.reasoning, prompt.reasoning_start, budget)
     message_id = f"msg_{uuid.uuid4().hex}"

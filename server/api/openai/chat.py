@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape, token_logprob
-from server.api.openai.structured import chat_tools, output_grammar_for
+from server.api.openai.structured import chat_tools, constrain_output
 from server.api.prompt import chat_prompt, template_kwargs
 from server.api.reasoning import ReplyParser, reason, reply_parser
 from server.api.serving import Serving
@@ -37,7 +37,7 @@ async def chat(serving: Serving, body: p.ChatCompletionRequest):
     ids = prompt.ids
     max_tokens = body.max_completion_tokens or body.max_tokens or serving.rest_of_context(ids, "messages")
     params = serving.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    params.grammar = await output_grammar_for(serving, body, tools)
+    await constrain_output(serving, params, body, tools)
     reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     names = {"prompt": "messages"} | (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
 from server.api.openai.shape import OpenAIShape
-from server.api.openai.structured import output_grammar_for
+from server.api.openai.structured import constrain_output
 from server.api.serving import Serving
 from server.api.shape import Choice, Event
 from server.engine.request import RequestOutput, TokenLogprob
@@ -35,7 +35,7 @@ async def completion(serving: Serving, body: p.CompletionRequest):
     # engine's prefill ends with one, and not shown
     params = serving.sampling_params(body, body.max_tokens or 1, body.logprobs)
     params.prompt_logprobs = body.echo and body.logprobs is not None
-    params.grammar = await output_grammar_for(serving, body)
+    await constrain_output(serving, params, body)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     choices = []
 

@@ -26,7 +26,7 @@ from server.api.prompt import chat_prompt, template_kwargs
 from server.api.reasoning import reason, reply_parser
 from server.api.serving import Serving
 from server.api.shape import Choice, Event, Shape, usage
-from server.api.structured import answer_grammar, compiled, offered_tools
+from server.api.structured import answer_grammar, constrain, offered_tools
 from server.api.tools import NO_PARAMETERS, Function, call_parser
 from server.engine.request import RequestOutput
 
@@ -134,10 +134,9 @@ async def respond(serving: Serving, body: rp.ResponsesRequest, store: ResponseSt
     ids = prompt.ids
     max_tokens = body.max_output_tokens or serving.rest_of_context(ids, "input")
     params = serving.sampling_params(body, max_tokens, body.logprobs)
-    params.grammar = await compiled(
-        serving,
-        answer_grammar(body.text.format.output_schema(), "text.format", tools, bool(body.text.format.strict)),
-    )
+    answer = body.text.format.output_schema()
+    strict = bool(body.text.format.strict)
+    await constrain(serving, params, answer_grammar(answer, "text.format", tools, strict), tools)
     reason(params, serving.reasoning, prompt.reasoning_start)
     response_id = f"resp_{uuid.uuid4().hex}"
     choices = serving.choices(response_id, 0, ids, params, names=ENGINE_NAMES)

@@ -6,11 +6,11 @@ import json
 
 from server.api.errors import ApiError
 from server.api.openai import protocol as p
-from server.api.schemas import closed_objects
+from server.api.schemas import grammar_ready
 from server.api.serving import Serving
-from server.api.structured import answer_grammar, chat_function, compiled, offered_tools
+from server.api.structured import answer_grammar, chat_function, constrain, offered_tools
 from server.api.tools import Tools
-from server.engine.request import GrammarSpec
+from server.engine.request import GrammarSpec, SamplingParams
 
 
 def chat_tools(body: p.ChatCompletionRequest) -> Tools | None:
@@ -47,7 +47,7 @@ def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
             except json.JSONDecodeError:
                 return GrammarSpec("json_schema", so.json_)  # the compile says what is wrong with it
         # vLLM's structured outputs have no strict: keywords no grammar holds are ignored
-        return GrammarSpec("json_schema", json.dumps(closed_objects(schema)), lenient=True)
+        return GrammarSpec("json_schema", json.dumps(grammar_ready(schema)), lenient=True)
     if so.regex is not None:
         return GrammarSpec("regex", so.regex)
     if so.choice is not None:
@@ -57,7 +57,9 @@ def structured_outputs_spec(so: p.StructuredOutputs) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps({"type": "object"}))
 
 
-async def output_grammar_for(serving: Serving, body: p.SamplingFields, tools: Tools | None = None):
-    """The compiled grammar the request's output must follow (for SamplingParams.grammar), or None; a grammar
-    that cannot be used is a 400 naming the field it came from."""
-    return await compiled(serving, requested_grammar(body, tools))
+async def constrain_output(
+    serving: Serving, params: SamplingParams, body: p.SamplingFields, tools: Tools | None = None
+) -> None:
+    """params.grammar: the grammar the request's output must follow, compiled, or None; a grammar that cannot be
+    used is a 400 naming the field it came from (structured.constrain)."""
+    await constrain(serving, params, requested_grammar(body, tools), tools)
