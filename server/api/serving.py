@@ -264,8 +264,10 @@ class Serving:
                     now = time.monotonic()
                     if c.last_output_time is None:
                         c.first_output_time = now
-                    elif out.new_token_ids:
-                        self.metrics.inter_token_latency.observe(now - c.last_output_time)
+                    elif out.new_token_ids:  # a delta of k tokens (merged, or drafted): k gaps of 1/k of it
+                        gap = (now - c.last_output_time) / len(out.new_token_ids)
+                        for _ in out.new_token_ids:
+                            self.metrics.inter_token_latency.observe(gap)
                     c.last_output_time = now
                     c.num_output_tokens = out.num_output_tokens
                     c.num_cached_tokens = out.num_cached_tokens

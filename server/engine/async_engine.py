@@ -4,11 +4,13 @@ Its surface is all the API needs: validate, compile_grammar, generate, abort, st
 (max_model_len, vocab_size, hidden_size) and the served task (generation, embeddings, scores), plus drain and
 shutdown. A background thread steps the Engine while there is work; the event loop never waits on the model
 (the C++ kernels let go of the GIL while they run): new requests and aborts are handed to the stepping thread
-through a queue and applied between steps; outputs come back with call_soon_threadsafe into one asyncio queue per
-request. When idle, the thread blocks on an Event (no polling).
+through a queue and applied between steps; a step's outputs come back in one call_soon_threadsafe per event loop,
+each to its request's _Stream, which merges an output into the one before while that still waits. When idle, the
+thread blocks on an Event (no polling).
 """
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -35,10 +37,55 @@ from server.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's outputs on their way to its consumer, touched only on the consumer's event loop. An output
+    that comes while the one before still waits is merged into it, as vLLM's output collector does: a consumer
+    slower than the steps (hundreds of streams on one event loop, each chunk a socket write) then takes what
+    several steps made in one delta, one wakeup and one write, instead of falling further behind each step."""
+
+    __slots__ = ("loop", "pending", "ready")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: collections.deque[RequestOutput] = collections.deque()
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.pending and mergeable(self.pending[-1], output):
+            self.pending[-1] = merged(self.pending[-1], output)
+        else:
+            self.pending.append(output)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self.pending:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.pending.popleft()
+
+
+def mergeable(earlier: RequestOutput, later: RequestOutput) -> bool:
+    """Whether two outputs of a request can go out as one delta: not past its end, nor into an error (the text
+    before an error goes out before it) or a pooled vector."""
+    return not earlier.finished and later.error is None and later.pooled is None
+
+
+def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """The delta of `earlier` then `later`: the new tokens, text, logprobs and marks of both; the rest as of
+    `later`, the prompt's logprobs as of the first."""
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return dataclasses.replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        text=earlier.text + later.text,
+        logprobs=logprobs,
+        prompt_logprobs=earlier.prompt_logprobs
+        if earlier.prompt_logprobs is not None
+        else later.prompt_logprobs,
+        marks=earlier.marks + [(len(earlier.text) + offset, token) for offset, token in later.marks],
+    )
 
 
 @dataclass(slots=True)
@@ -150,7 +197,7 @@ class AsyncEngine:
         """
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._send(_Add(request_id, list(prompt_token_ids), params, arrival))
@@ -162,7 +209,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                output: RequestOutput = await stream.queue.get()
+                output = await stream.get()
                 finished = output.finished
                 yield output
         finally:
@@ -231,8 +278,7 @@ class AsyncEngine:
                 outputs = self._engine.abort_all()
                 for output in outputs:
                     output.error = RequestError("internal error while generating")
-            for output in outputs:
-                self._deliver(output)
+            self._deliver(outputs)
             self._stats = self._engine.stats()
 
     def _apply_inbox(self) -> None:
@@ -259,13 +305,24 @@ class AsyncEngine:
                 error = RequestOutput(
                     message.request_id, [], "", True, FinishReason.ABORT, error=RequestError(str(e))
                 )
-                self._deliver(error)
+                self._deliver([error])
         else:
             output = self._engine.abort(message.request_id)
             if output is not None:
-                self._deliver(output)
+                self._deliver([output])
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams: one call_soon_threadsafe per event loop (each wakes it with a write to
+        its pipe; per output, a step of 256 streams made 256)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, handed in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, handed)
+
+
+def _put_each(handed: list[tuple["_Stream", RequestOutput]]) -> None:
+    for stream, output in handed:
+        stream.put(output)

@@ -4,7 +4,7 @@ import pytest
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
-from server.engine.request import FinishReason, SamplingParams
+from server.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from tests.helpers.engine_runs import GREEDY, alone, assert_all_blocks_free, random_prompts, run
 
 
@@ -297,3 +297,58 @@ def test_latencies_count_the_wait_for_the_step_in_progress(tiny_engine_factory):
     assert 0 <= times.arrival - handed_over < 0.05
     assert times.scheduled - times.arrival >= 0.5
     assert times.first_token - times.arrival >= 0.5
+
+
+def test_outputs_a_consumer_has_not_taken_go_out_as_one_delta():
+    from server.engine.async_engine import mergeable, merged
+
+    def out(ids, text, marks=(), finished=False, error=None, lp=True, prompt_lp=None):
+        logprobs = [TokenLogprob(t, -1.0, []) for t in ids] if lp else None
+        return RequestOutput("r", list(ids), text, finished, FinishReason.LENGTH if finished else None,
+                             num_output_tokens=ids[-1], logprobs=logprobs, prompt_logprobs=prompt_lp,
+                             error=error, marks=list(marks))  # fmt: skip
+
+    first, second = out([1, 2], "ab", [(1, 2)], prompt_lp=[None]), out([3], "cd", [(0, 3)], finished=True)
+    both = merged(first, second)
+    assert (both.new_token_ids, both.text, both.marks) == ([1, 2, 3], "abcd", [(1, 2), (2, 3)])
+    assert [lp.token_id for lp in both.logprobs] == [1, 2, 3] and both.prompt_logprobs == [None]
+    assert (both.finished, both.finish_reason, both.num_output_tokens) == (True, FinishReason.LENGTH, 3)
+    assert merged(out([1], "a", lp=False), out([2], "b", lp=False)).logprobs is None
+    assert mergeable(first, second) and not mergeable(second, out([4], "e"))  # nothing after the end
+    assert not mergeable(first, out([3], "", error=RequestError("grammar")))  # the text before goes first
+
+
+@pytest.mark.timeout(120)
+def test_a_consumer_behind_the_steps_takes_their_outputs_merged(tiny_engine_factory):
+    """A stream not read while the engine steps gets, when read, what those steps made in one delta (as vLLM's
+    output collector): the same tokens, text and logprobs as a stream read step by step."""
+    import asyncio
+    import time
+
+    from server.engine.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(tiny_engine_factory())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def outputs(request_id: str, wait: bool) -> list[RequestOutput]:
+        stream = async_engine.generate(request_id, [5, 6, 7], params)
+        if wait:  # until the engine is done with it, reading nothing
+            deadline = time.monotonic() + 30
+            while async_engine.stats().num_generation_tokens < 24 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        return [o async for o in stream]
+
+    try:
+        read_along = asyncio.run(outputs("along", False))
+        read_late = asyncio.run(outputs("late", True))
+    finally:
+        async_engine.shutdown()
+    assert len(read_late) == 1 < len(read_along)
+    late = read_late[0]
+    assert (
+        late.new_token_ids == [t for o in read_along for t in o.new_token_ids]
+        and len(late.new_token_ids) == 12
+    )
+    assert late.text == "".join(o.text for o in read_along)
+    assert [lp.token_id for lp in late.logprobs] == late.new_token_ids
+    assert late.finished and late.finish_reason == FinishReason.LENGTH and late.num_output_tokens == 12
