@@ -65,7 +65,10 @@ def _bounded_depth(value: Any) -> Any:
     while stack:
         item, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"is nested deeper than {MAX_JSON_DEPTH} levels")
+            raise ValueError(
+                f"is nested deeper than {MAX_JSON_DEPTH} levels of JSON objects and arrays (in a schema, each object"
+                " property nested takes two: `properties` and the property's schema)"
+            )
         children = item.values() if isinstance(item, dict) else item
         # Only containers go on the stack: a 200,000-string enum is one filtered pass, not 200,000 pops.
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))

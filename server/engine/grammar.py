@@ -241,9 +241,10 @@ class GrammarCompiler:
         # start it), leaves the matcher failed
         first = fill_bitmasks([GrammarState(matcher)], self._vocab_size)
         if matcher.is_error():
-            raise ValueError(_short(matcher.get_error()))
+            why = _short(matcher.get_error())
+            raise ValueError(MATCHES_NOTHING if why == NOTHING_NEXT else why)
         if not matcher.is_accepting() and not first.any():
-            raise ValueError("the grammar matches no text (no token can start it)")
+            raise ValueError(MATCHES_NOTHING)
         for warning in matcher.get_grammar_warnings():  # a lenient schema's keywords left unenforced
             log.warning("grammar: %s", _short(warning))
         compiled = CompiledGrammar(spec, matcher)
@@ -525,6 +526,11 @@ def gbnf_to_lark(source: str, seconds: float = GBNF_SECONDS) -> str:
     return done.stdout.decode()
 
 
+NOTHING_NEXT = "the grammar allows no token here (no text matches it from this point)"
+# NOTHING_NEXT before the first token, as a compile says it
+MATCHES_NOTHING = (
+    "the grammar matches no text: no token can start it (a $ref cycle, or a rule that starts with itself?)"
+)
 GRAMMAR_LINE = re.compile(r"\s*\d+ \| ")
 
 
@@ -535,5 +541,5 @@ def _short(message: str) -> str:
     lines = message.strip().split("\n<state>")[0].splitlines()
     lines = [line for line in lines if line.strip() and not GRAMMAR_LINE.match(line)][:3]
     if lines and lines[0].strip() == "NoExtensionBias":  # its word for: no token may come next
-        return "the grammar allows no token here (no text matches it from this point)"
+        return NOTHING_NEXT
     return " ".join(line.strip() for line in lines)[:300]

@@ -179,6 +179,10 @@ def test_compiling_checks_and_caches(engine_factory):
         with pytest.raises(ValueError) as e:
             engine.grammars.compile(spec)
         assert str(e.value) and len(str(e.value)) <= 300, spec
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    for schema in ({"$ref": "#"}, cycle):  # said as what it is, not as a failure "from this point"
+        with pytest.raises(ValueError, match="matches no text: no token can start it"):
+            engine.grammars.compile(GrammarSpec("json_schema", json.dumps(schema)))
 
 
 def test_checking_a_grammar_answers_as_compiling_would_without_the_vocabulary(engine_factory):
