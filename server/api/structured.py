@@ -2,6 +2,8 @@
 grammar the engine constrains sampling with when the reply must be JSON matching a schema or calls of the tools.
 What each API's fields ask for is read in its own module (OpenAI's chat and completions: openai/structured.py)."""
 
+import asyncio
+
 from server.api import protocol as p
 from server.api.errors import ApiError
 from server.api.serving import Serving
@@ -58,11 +60,15 @@ async def constrain(
     field. The tools' schemas are checked even when no grammar holds the calls (tool_choice auto or none): a
     tool whose parameters no grammar can be built from is a 400 whatever tool_choice says, as OpenAI's."""
     if requested is None:
-        for f in tools.functions if tools is not None else []:  # each as its own strict says
+        if tools is None or not tools.functions:
+            return
+        # each as its own strict says; built off the event loop (an agent's 40 tools take ~2 ms)
+        calls = await asyncio.to_thread(
+            lambda: [output_grammar(Tools([f], "required"), None) for f in tools.functions]
+        )
+        for f, spec in zip(tools.functions, calls, strict=True):
             try:
-                await serving.engine.check_grammar(
-                    output_grammar(Tools([f], "required"), None), serving.received
-                )
+                await serving.engine.check_grammar(spec, serving.received)
             except ValueError as e:
                 raise ApiError(400, f"tools: {f.name[:64]}'s parameters: {e}", param="tools") from None
         return
