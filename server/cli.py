@@ -46,10 +46,11 @@ class Flag:
     nargs: str | None = None
     required: bool = False
     env: bool = False  # also read KVSERVE_<FLAG>
+    aliases: tuple[str, ...] = ()  # other spellings ("-tp")
 
     def add_to(self, parser) -> None:
         if not self.name.startswith("-"):
-            parser.add_argument(self.name, help=self.help)
+            parser.add_argument(self.name, help=self.help, nargs=self.nargs, default=self.default)
             return
         default = self.default
         if self.env:
@@ -63,7 +64,7 @@ class Flag:
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=self.type, choices=self.choices, nargs=self.nargs, required=self.required)
-        parser.add_argument(self.name, **kwargs)
+        parser.add_argument(self.name, *self.aliases, **kwargs)
 
 
 def env(name: str, default=None, kind=None):
@@ -192,7 +193,13 @@ MODEL_FLAGS = (
 SERVER_FLAGS = (
     Flag("--host", "127.0.0.1", env=True),
     Flag("--port", 8000, int, env=True),
-    Flag("--served-model-name", env=True),
+    Flag(
+        "--served-model-name",
+        nargs="+",
+        env=True,
+        help="the model's name in /v1/models and replies (default: its file or folder name); with several, a "
+        "request may give any of them, as vLLM's",
+    ),
     Flag("--system-prompt", help="used when a chat request has none", env=True),
     Flag("--api-key", help="require Authorization: Bearer <key>", env=True),
     Flag("--allowed-origins", help="comma-separated CORS origins", env=True),
@@ -343,12 +350,43 @@ class Command:
     groups: tuple[tuple[str, tuple[Flag, ...]], ...]  # (group title, flags)
 
 
+# What `vllm serve` command lines pass, so that one runs here as it is (server/commands.py, vllm_flags)
+VLLM_FLAGS = (
+    Flag("model_tag", nargs="?", help="the model, as `vllm serve MODEL` takes it: the same as --model"),
+    Flag("--seed", None, int, env=True, help="where unseeded requests' seeds come from (default: entropy)"),
+    Flag("--download-dir", env=True, help="the same as --weights-dir"),
+    Flag("--root-path", "", env=True, help="the path prefix a proxy serves the API under (ASGI root_path)"),
+    Flag("--uvicorn-log-level", choices=("debug", "info", "warning", "error", "critical", "trace"), env=True),
+    Flag("--disable-log-stats", store_true=True, env=True, help="no periodic throughput line"),
+    Flag("--disable-log-requests", store_true=True, env=True, help="no line per finished request"),
+    Flag("--enable-log-requests", store_true=True, help="a line per finished request (kvserve's default)"),
+    Flag(
+        "--enable-auto-tool-choice",
+        store_true=True,
+        help="always on: calls are parsed under tool_choice auto",
+    ),
+    Flag(
+        "--tool-call-parser",
+        env=True,
+        help="taken where kvserve reads that convention, whichever the model writes: hermes (<tool_call> JSON), "
+        "openai (GPT-OSS's harmony), gemma4; others are refused",
+    ),
+    Flag("--trust-remote-code", store_true=True, help="taken: kvserve never runs a checkpoint's code"),
+    Flag("--enable-chunked-prefill", switch=True, help="always on: prompts are chunked"),
+    Flag("--tensor-parallel-size", 1, int, aliases=("-tp",), help="1: one GPU or the CPU"),
+    Flag("--pipeline-parallel-size", 1, int, aliases=("-pp",), help="1"),
+    Flag("--data-parallel-size", 1, int, aliases=("-dp",), help="1"),
+)
+
+
 def commands() -> dict[str, Command]:
     """The command table (built when called, so that the functions are looked up then)."""
     model = ("model and engine", MODEL_FLAGS)
     return {
         "serve": Command(
-            cmd_serve, "serve the model over an OpenAI-compatible HTTP API", (model, ("server", SERVER_FLAGS))
+            cmd_serve,
+            "serve the model over an OpenAI-compatible HTTP API",
+            (model, ("server", SERVER_FLAGS), ("vLLM's flags, taken as `vllm serve` has them", VLLM_FLAGS)),
         ),
         "openapi": Command(
             cmd_openapi,

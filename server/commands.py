@@ -101,9 +101,12 @@ def server_config(args, model_path: str | None):
     from server.api.config import ServerConfig
 
     path = Path(model_path) if model_path else None
-    name = args.served_model_name or (path.name.removesuffix(".gguf") if path else DEFAULT_MODEL_NAME)
+    names = args.served_model_name or [path.name.removesuffix(".gguf") if path else DEFAULT_MODEL_NAME]
+    names = names.split() if isinstance(names, str) else names  # from KVSERVE_SERVED_MODEL_NAME
     return ServerConfig(
-        served_model_name=name,
+        served_model_name=names[0],
+        model_aliases=list(dict.fromkeys(n for n in names[1:] if n != names[0])),
+        log_requests=not getattr(args, "disable_log_requests", False),
         api_key=args.api_key,
         allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
         max_queue=args.max_queue,
@@ -115,6 +118,45 @@ def server_config(args, model_path: str | None):
         ui=not args.no_ui,
         reasoning_parser=args.reasoning_parser,
     )
+
+
+def vllm_flags(args) -> None:
+    """Read the flags a `vllm serve` command line passes (cli.VLLM_FLAGS) into kvserve's own, say what those that
+    change nothing here mean, and raise ValueError naming one that asks for what kvserve does not do."""
+    if args.model_tag:
+        if args.model and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    if args.download_dir:
+        if args.weights_dir and args.weights_dir != args.download_dir:
+            raise ValueError("give --weights-dir or --download-dir, not both")
+        args.weights_dir = args.download_dir
+    for flag, size in (("tensor", args.tensor_parallel_size), ("pipeline", args.pipeline_parallel_size),
+                       ("data", args.data_parallel_size)):  # fmt: skip
+        if size != 1:
+            raise ValueError(f"--{flag}-parallel-size {size}: kvserve runs on one GPU or the CPU")
+    parser = args.tool_call_parser
+    if parser is not None and parser not in TOOL_CALL_CONVENTIONS:
+        raise ValueError(
+            f"--tool-call-parser {parser}: kvserve reads tool calls written as "
+            f"{', '.join(TOOL_CALL_CONVENTIONS)} (whichever the model writes), not {parser}'s"
+        )
+    if args.enable_chunked_prefill is False:
+        log.info(
+            "--no-enable-chunked-prefill: kvserve always chunks prompts (--max-num-batched-tokens a step)"
+        )
+    taken = [name for name, given in (("--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                                      ("--tool-call-parser", parser is not None),
+                                      ("--trust-remote-code", args.trust_remote_code)) if given]  # fmt: skip
+    if taken:
+        log.info(
+            "%s: taken; kvserve parses calls under tool_choice auto and runs no checkpoint code",
+            ", ".join(taken),
+        )
+
+
+# vLLM's --tool-call-parser names for the conventions kvserve reads (server/api/tools.py, server/api/reasoning.py)
+TOOL_CALL_CONVENTIONS = ("hermes", "openai", "gemma4")
 
 
 # --- the commands --------------------------------------------------------------------------------
@@ -134,20 +176,28 @@ def cmd_serve(args) -> int:
     )
     from server.engine.async_engine import AsyncEngine
 
+    vllm_flags(args)
     engine_config(args)  # a bad flag value exits now, before the listener starts
     app = create_app(None, server_config(args, args.model))
     # ws="none": kvserve serves no WebSocket route, and uvicorn's default imported the websockets package at
     # start (~0.23 s of a ~3 s start, measured with python -X importtime)
     http = guarded_http(app.state.config.read_timeout, raise_open_files_limit())
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, ws="none", http=http
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level or args.log_level,
+        access_log=False,
+        ws="none",
+        http=http,
+        root_path=args.root_path,
     )
     server = DrainingServer(config, app)
     failed = threading.Event()
 
     def load() -> None:  # the listener is up meanwhile: /health answers 503 until the engine is set
         try:
-            engine = AsyncEngine(lambda: build_engine(args))  # built on its stepping thread
+            engine = AsyncEngine(lambda: build_engine(args, seed=args.seed))  # built on its stepping thread
         except Exception as e:
             log.error("could not load the model: %s", e, exc_info=args.log_level == "debug")
             failed.set()
@@ -161,7 +211,8 @@ def cmd_serve(args) -> int:
         url = f"http://{args.host}:{args.port}"
         page = "" if args.no_ui else f", chat page at {url}/"
         log.info("ready: serving %s at %s/v1%s", app.state.config.served_model_name, url, page)
-        log_stats_periodically(engine, server)
+        if not args.disable_log_stats:
+            log_stats_periodically(engine, server)
 
     threading.Thread(target=load, name="kvserve-load", daemon=True).start()
     server.run()

@@ -286,3 +286,64 @@ def test_reasoning_parser_takes_vllms_names_and_refuses_others(capsys, monkeypat
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--reasoning-parser", "r1"])
     assert "invalid choice: 'r1'" in capsys.readouterr().err
+
+
+def test_a_vllm_serve_command_line_runs_as_it_is(monkeypatch, caplog):
+    """`vllm serve MODEL` and the flags its users pass: read into kvserve's own, said where they change nothing,
+    refused by name where they ask for what kvserve does not do."""
+    from server.cli import parser
+    from server.commands import server_config, vllm_flags
+
+    caplog.set_level("INFO")
+    for name in (
+        "KVSERVE_SERVED_MODEL_NAME",
+        "KVSERVE_MODEL",
+        "KVSERVE_WEIGHTS_DIR",
+        "KVSERVE_TOOL_CALL_PARSER",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+    def read(*argv):
+        args = parser().parse_args(["serve", *argv])
+        vllm_flags(args)
+        return args
+
+    args = read("/models/qwen3", "--served-model-name", "qwen", "gpt-4o", "qwen", "--download-dir", "/w", "-tp", "1",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code", "--seed", "7",
+                "--disable-log-requests")  # fmt: skip
+    assert (args.model, args.weights_dir, args.seed) == ("/models/qwen3", "/w", 7)
+    config = server_config(args, args.model)
+    assert (config.served_model_name, config.model_aliases, config.log_requests) == (
+        "qwen",
+        ["gpt-4o"],
+        False,
+    )
+    assert "--enable-auto-tool-choice, --tool-call-parser, --trust-remote-code: taken" in caplog.text
+    monkeypatch.setenv("KVSERVE_SERVED_MODEL_NAME", "one two")
+    assert server_config(read(), None).model_aliases == ["two"]
+    assert read("--model", "/m", "/m").model == "/m"  # the same model twice is the one model
+    for argv, why in [
+        (("/a", "--model", "/b"), "the model is given twice"),
+        (("-tp", "2"), "--tensor-parallel-size 2: kvserve runs on one GPU or the CPU"),
+        (("--pipeline-parallel-size", "4"), "--pipeline-parallel-size 4"),
+        (("--tool-call-parser", "llama3_json"), "--tool-call-parser llama3_json: kvserve reads tool calls"),
+        (("--download-dir", "/a", "--weights-dir", "/b"), "not both"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            read(*argv)
+
+
+def test_unseeded_requests_draw_as_the_server_seed_says(tiny_llama_dir):
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.request import SamplingParams
+    from tests.helpers.engine_runs import run
+
+    def texts(seed):
+        engine = Engine(str(tiny_llama_dir), EngineConfig(kv_cache_memory=4 << 20, block_size=4, seed=seed))
+        params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+        return [text for _, text, _ in run(engine, {"a": [5, 6, 7], "b": [5, 6, 7]}, params).values()]
+
+    first = texts(7)
+    assert first == texts(7) and first[0] != first[1]  # the same server seed draws the same; requests differ
+    assert first != texts(8)

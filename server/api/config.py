@@ -14,7 +14,10 @@ REASONING_ALIASES = {
 
 @dataclass
 class ServerConfig:
-    served_model_name: str = "kvserve"  # the name in /v1/models and the only `model` value accepted
+    served_model_name: str = "kvserve"  # the name in /v1/models and in replies, and a `model` value accepted
+    # more names a request's `model` may give (vLLM's --served-model-name with several); /v1/models lists them too
+    model_aliases: list[str] = field(default_factory=list)
+    log_requests: bool = True  # a line per finished request (vLLM's --disable-log-requests turns it off)
     api_key: str | None = None  # when set, every API route needs "Bearer <key>" (not /health, /metrics, /)
     allowed_origins: list[str] = field(default_factory=list)  # CORS origins; empty = no CORS headers at all
     max_queue: int = 256  # waiting requests at which new ones get 429

@@ -67,6 +67,8 @@ async def serving_for(request: Request) -> Serving:
         request.state.received,
         lambda: client_gone(request),
         state.reasoning,
+        tuple(config.model_aliases),
+        config.log_requests,
     )
 
 
@@ -119,13 +121,15 @@ def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(serving: Serving) -> p.ModelCard:
-    return p.ModelCard(id=serving.model_name, created=0, max_model_len=serving.engine.max_model_len)
+def _model_card(serving: Serving, name: str) -> p.ModelCard:
+    return p.ModelCard(id=name, created=0, max_model_len=serving.engine.max_model_len)
 
 
 @api_router.get("/v1/models", response_model=p.ModelList, responses=documented_errors(401, 503))
 async def models(serving: Ready) -> p.ModelList:
-    return p.ModelList(data=[_model_card(serving)])
+    return p.ModelList(
+        data=[_model_card(serving, name) for name in (serving.model_name, *serving.model_aliases)]
+    )
 
 
 @api_router.get(
@@ -134,7 +138,7 @@ async def models(serving: Ready) -> p.ModelList:
 async def model(model: str, serving: Ready) -> p.ModelCard:
     """One model, as OpenAI's `models.retrieve` asks for it (a served name may hold slashes)."""
     serving.check_model(model)
-    return _model_card(serving)
+    return _model_card(serving, model)
 
 
 @api_router.post(

@@ -53,10 +53,12 @@ class Serving:
     received: float  # time.monotonic() when the request's whole body was here (RequestGuard)
     disconnected: Disconnected  # returns when the client has gone away
     reasoning: ReasoningFormat | None = None  # how the model writes its reasoning; None: not parsed
+    model_aliases: tuple[str, ...] = ()  # other names a request's `model` may give
+    log_requests: bool = True  # a line per finished request
     grammar_param: str | None = None  # the field its grammar came from: named if the grammar fails midway
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             why = f"model {model[:100]!r} does not exist; this server serves {self.model_name!r}"
             raise ApiError(404, why, "not_found_error", param="model", code="model_not_found")
 
@@ -288,6 +290,8 @@ class Serving:
             self._log(choices)
 
     def _log(self, choices: list[Choice]) -> None:
+        if not self.log_requests:
+            return
         u, c = usage(choices), choices[0]
         ttft = f"{c.first_output_time - c.arrival_time:.3f}s" if c.first_output_time else "-"
         reasons = ",".join(sorted({x.finish_reason or "abort (client gone)" for x in choices}))

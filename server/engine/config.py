@@ -65,3 +65,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | str | None = None
     task: str = "auto"  # auto | generate | embed | score: what the model serves (server/engine/pooling.py)
     pooling: str | None = None  # last | mean | cls: an embedder's pooling; None = the model's
+    # where unseeded requests' seeds come from (vLLM's --seed): None = the system's entropy; a number makes a fresh
+    # server's unseeded requests draw the same, arriving in the same order
+    seed: int | None = None

@@ -58,6 +58,7 @@ class Engine:
         self.scheduler = self._scheduler()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         # stop tokens: the union of config.json, generation_config.json and the tokenizer's EOS
+        self.seeds = random.Random(config.seed)  # for requests that bring none
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids
         )
@@ -110,7 +111,7 @@ class Engine:
         if isinstance(params, PoolingParams):  # nothing is drawn: these sampling fields are only well-formed
             pooling, params = params, SamplingParams(max_tokens=1, seed=0)
         if params.seed is None:  # a fixed seed per request keeps its draws independent of the batch
-            params = dataclasses.replace(params, seed=random.getrandbits(63))
+            params = dataclasses.replace(params, seed=self.seeds.getrandbits(63))
         request = Request(
             request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, pooling=pooling
         )

@@ -628,3 +628,21 @@ def test_a_grammar_too_deep_to_compile_is_a_400_and_the_server_goes_on(tiny_engi
         r = client.post("/v1/chat/completions", json={**MESSAGE, "response_format": refs})
         assert_error(r, 400, "response_format", "nests too deeply")
         assert client.post("/v1/completions", json=PROMPT).status_code == 200
+
+
+def test_a_request_may_name_the_model_by_any_of_its_served_names(tiny_engine, start_server, caplog):
+    """vLLM's --served-model-name with several names: any is accepted, all are listed, replies carry the first;
+    --disable-log-requests leaves out the line per request."""
+    caplog.set_level("INFO")
+    url, _ = start_server(
+        tiny_engine, served_model_name="first", model_aliases=["gpt-4o"], log_requests=False
+    )
+    listed = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == ["first", "gpt-4o"]
+    assert httpx.get(f"{url}/v1/models/gpt-4o").json()["id"] == "gpt-4o"
+    r = httpx.post(
+        f"{url}/v1/completions", json={"model": "gpt-4o", "prompt": "hi", "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["model"] == "first"
+    assert_error(httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "hi"}), 404, "model")
+    assert "prompt + " not in caplog.text  # no request line
