@@ -332,7 +332,9 @@ def test_responses_gives_reasoning_items(servers, name):
     types = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
-    assert "".join(deltas) == "Sum: 4" and len(deltas) >= 6
+    assert (
+        "".join(deltas) == "Sum: 4" and len(deltas) > 1
+    )  # in pieces (a piece may merge steps the reader was behind on)
     last_reasoning = max(i for i, t in enumerate(types) if t == "response.reasoning_text.delta")
     assert last_reasoning < types.index("response.output_text.delta")
     done = next(e for e in events if e.type == "response.reasoning_text.done")
@@ -370,7 +372,7 @@ def test_responses_summaries_are_the_reasoning(servers):
         events = list(stream)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
-    assert "".join(deltas) == "Sum: 4" and len(deltas) >= 6
+    assert "".join(deltas) == "Sum: 4" and len(deltas) > 1
     assert [e.part.text for e in events if e.type == "response.reasoning_summary_part.done"] == ["Sum: 4"]
 
 
@@ -394,7 +396,7 @@ def test_langchain_shows_the_reasoning_apart(servers):
     assert message.content_blocks[0]["reasoning"] == "Sum: 4" and message.text == "OK"
     assert message.usage_metadata["output_token_details"]["reasoning"] == 8
     chunks = list(llm.stream("What is 2+2?"))
-    assert len(chunks) > 8  # streamed as it came
+    assert len(chunks) > 1  # streamed as it came (a chunk may merge steps the reader was behind on)
     whole = chunks[0]
     for chunk in chunks[1:]:
         whole += chunk

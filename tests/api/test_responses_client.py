@@ -234,7 +234,7 @@ def test_streamed_tool_call_and_named_choice(client):
     assert final.tool_choice.model_dump(exclude_unset=True) == {"type": "function", "name": "get_weather"}
     print("final:", call.name, call.arguments)
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    assert len(deltas) > 3 and "".join(deltas) == call.arguments
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
     jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done.arguments == call.arguments

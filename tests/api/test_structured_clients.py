@@ -218,7 +218,7 @@ def test_streamed_tool_calls_are_reassembled_by_the_sdk(client):
         final = stream.get_final_completion()
     (call,) = final.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
-    assert len(deltas) > 3 and "".join(deltas) == call.function.arguments  # streamed as generated
+    assert len(deltas) > 1 and "".join(deltas) == call.function.arguments  # streamed as generated
     assert final.choices[0].finish_reason == "tool_calls"
 
 
